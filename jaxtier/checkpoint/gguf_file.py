@@ -1,0 +1,172 @@
+"""GGUF files: configuration, tokenizer and chat template from metadata, tensors dequantized on load.
+
+llama.cpp's converter permutes the rows of the Llama q/k projections (interleaved rotary pairs);
+`unpermute_rotary` undoes it so the weights match the Hugging Face `rotate_half` convention.
+"""
+
+import os
+
+import gguf
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+from jaxtier.checkpoint.params import Path, stack_layers
+from jaxtier.config import ModelConfig
+from jaxtier.tokenizer import Tokenizer
+
+_LAYER_NAMES: dict[str, Path] = {
+    "attn_norm.weight": ("layers", "attn_norm", "scale"),
+    "attn_q.weight": ("layers", "q_proj", "kernel"),
+    "attn_k.weight": ("layers", "k_proj", "kernel"),
+    "attn_v.weight": ("layers", "v_proj", "kernel"),
+    "attn_output.weight": ("layers", "o_proj", "kernel"),
+    "attn_q.bias": ("layers", "q_proj", "bias"),
+    "attn_k.bias": ("layers", "k_proj", "bias"),
+    "attn_v.bias": ("layers", "v_proj", "bias"),
+    "ffn_norm.weight": ("layers", "mlp_norm", "scale"),
+    "ffn_gate.weight": ("layers", "gate_proj", "kernel"),
+    "ffn_up.weight": ("layers", "up_proj", "kernel"),
+    "ffn_down.weight": ("layers", "down_proj", "kernel"),
+}
+_GLOBAL_NAMES: dict[str, Path] = {
+    "token_embd.weight": ("embed", "embedding"),
+    "output_norm.weight": ("final_norm", "scale"),
+    "output.weight": ("lm_head",),
+}
+# Pre-tokenizer splits for the `tokenizer.ggml.pre` values we know, as the original tokenizer.json
+# files define them.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+  """Opens a GGUF file, turning a truncated or corrupt file into a clear error."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no GGUF file at {path}")
+  try:
+    return gguf.GGUFReader(path)
+  except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad files
+    raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
+                     f"{type(e).__name__}: {e}") from None
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+  field = reader.fields.get(key)
+  return default if field is None else field.contents()
+
+
+def read_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
+  """ModelConfig from GGUF metadata."""
+  arch = _field(reader, "general.architecture")
+  if arch not in ("llama", "qwen2"):
+    raise ValueError(f"{path}: architecture {arch!r} is not supported; expected 'llama' or 'qwen2'")
+  if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
+    raise ValueError(f"{path}: rope scaling {_field(reader, f'{arch}.rope.scaling.type')!r} in "
+                     "GGUF files is not supported")
+  names = {t.name for t in reader.tensors}
+  try:
+    hidden, heads = _field(reader, f"{arch}.embedding_length"), _field(reader, f"{arch}.attention.head_count")
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    return ModelConfig(
+        architecture=arch, vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
+        num_layers=_field(reader, f"{arch}.block_count"), num_heads=heads,
+        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", heads),
+        head_dim=_field(reader, f"{arch}.attention.key_length", hidden // heads),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048))
+  except TypeError:
+    raise ValueError(f"{path}: metadata lacks the {arch} shape fields (embedding_length, "
+                     "block_count, attention.head_count, feed_forward_length)") from None
+
+
+def unpermute_rotary(w_oi: np.ndarray, heads: int) -> np.ndarray:
+  """Inverse of llama.cpp's `permute` of q/k weights [out, in] (or biases [out])."""
+  rest = w_oi.shape[1:]
+  return w_oi.reshape(heads, w_oi.shape[0] // heads // 2, 2, *rest).swapaxes(1, 2).reshape(w_oi.shape)
+
+
+def _dequantize(tensor, path: str) -> np.ndarray:
+  try:
+    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+  except NotImplementedError:
+    raise ValueError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which "
+                     "this gguf package cannot dequantize") from None
+
+
+def read_params(reader: gguf.GGUFReader, config: ModelConfig, path: str) -> dict[Path, np.ndarray]:
+  """All tensors, dequantized to float32 and laid out as the model's parameters."""
+  per_layer: dict[Path, list] = {}
+  params: dict[Path, np.ndarray] = {}
+  for tensor in reader.tensors:
+    name = tensor.name
+    if name.startswith("blk."):
+      _, layer, sub = name.split(".", 2)
+      if sub not in _LAYER_NAMES:
+        raise ValueError(f"{path}: unexpected tensor {name!r}")
+      array = _dequantize(tensor, path)
+      if config.architecture == "llama" and sub.startswith(("attn_q", "attn_k")):
+        array = unpermute_rotary(array, config.num_heads if sub.startswith("attn_q")
+                                 else config.num_kv_heads)
+      if sub.endswith("weight") and array.ndim == 2:
+        array = array.T  # [out, in] -> [in, out]
+      per_layer.setdefault(_LAYER_NAMES[sub], [None] * config.num_layers)[int(layer)] = array
+    elif name in _GLOBAL_NAMES:
+      params[_GLOBAL_NAMES[name]] = _dequantize(tensor, path)
+    elif name != "rope_freqs.weight":
+      raise ValueError(f"{path}: unexpected tensor {name!r}")
+  params.update(stack_layers(per_layer, config.num_layers, path))
+  return params
+
+
+def _pre_tokenizer(pre: str | None):
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if pre == "smollm":
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+  split = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
+  if split is not None:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  return byte_level
+
+
+def read_tokenizer(reader: gguf.GGUFReader, path: str) -> Tokenizer:
+  """A byte-level BPE tokenizer and chat template built from `tokenizer.*` metadata."""
+  kind = _field(reader, "tokenizer.ggml.model")
+  if kind != "gpt2":
+    raise ValueError(f"{path}: tokenizer model {kind!r} is not supported; expected 'gpt2' "
+                     "(byte-level BPE)")
+  tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+  merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+  backend = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
+                                            ignore_merges=False))
+  backend.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre"))
+  backend.decoder = decoders.ByteLevel()
+  types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+  backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                              for t, k in zip(tokens, types) if k == gguf.TokenType.CONTROL])
+  backend.add_tokens([tokenizers.AddedToken(t, normalized=False)
+                      for t, k in zip(tokens, types) if k == gguf.TokenType.USER_DEFINED])
+  bos_id, eos_id = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
+  bos = tokens[bos_id] if bos_id is not None else None
+  if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+  eos_ids = [i for i in (eos_id, _field(reader, "tokenizer.ggml.eot_token_id")) if i is not None]
+  return Tokenizer(backend, tuple(dict.fromkeys(eos_ids)), bos,
+                   tokens[eos_id] if eos_id is not None else None,
+                   _field(reader, "tokenizer.chat_template"))
+
+
+def load(path: str) -> tuple[ModelConfig, dict[Path, np.ndarray], Tokenizer]:
+  """Config, float32 parameters and tokenizer of a GGUF file."""
+  reader = open_gguf(path)
+  config = read_config(reader, path)
+  return config, read_params(reader, config, path), read_tokenizer(reader, path)

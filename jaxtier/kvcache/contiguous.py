@@ -1,0 +1,50 @@
+"""A contiguous KV cache: one [max_len] slot row per sequence and layer.
+
+It is the simplest cache the model runs on and the reference the paged cache is compared with.
+
+Every cache type offers `update_and_attend(layer, q, k, v, positions, meta) -> (cache, out)`: write
+the new keys and values of one layer, then attend over everything the sequence has cached. The model
+calls it inside its scan over layers with a traced `layer` index, so a cache holds all layers in one
+stacked array and writes only the new tokens (a scatter, in place under donation).
+Positions below zero mark padding tokens: they are not written and their output is ignored.
+
+Shape legend: l layers, b batch, s max_len slots, t new tokens, n query heads, k kv heads, d head dim.
+"""
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxtier.kvcache.attention import dense_attention
+
+
+@flax.struct.dataclass(frozen=True)
+class ContiguousKVCache:
+  k_lbskd: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
+  v_lbskd: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
+
+  @classmethod
+  def create(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+             dtype=jnp.float32) -> "ContiguousKVCache":
+    shape = (num_layers, batch, max_len, kv_heads, head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+  @property
+  def max_len(self) -> int:
+    return self.k_lbskd.shape[2]
+
+  def update_and_attend(self, layer: jax.Array, q_btnd: jax.Array, k_btkd: jax.Array,
+                        v_btkd: jax.Array, pos_bt: jax.Array, meta: Any = None
+                        ) -> tuple["ContiguousKVCache", jax.Array]:
+    del meta
+    b, t = pos_bt.shape
+    slot_bt = jnp.where(pos_bt >= 0, pos_bt, self.max_len)  # padding lands out of range: dropped
+    batch_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    k_all = self.k_lbskd.at[layer, batch_bt, slot_bt].set(
+        k_btkd.astype(self.k_lbskd.dtype), mode="drop")
+    v_all = self.v_lbskd.at[layer, batch_bt, slot_bt].set(
+        v_btkd.astype(self.v_lbskd.dtype), mode="drop")
+    out_btnd = dense_attention(q_btnd, k_all[layer], v_all[layer], pos_bt)
+    return ContiguousKVCache(k_all, v_all), out_btnd

@@ -1,0 +1,148 @@
+"""A Llama-family decoder (Llama, Qwen2) in Flax NNX, with layers stacked along a leading axis.
+
+The forward pass embeds tokens, scans the stacked decoder layers with `jax.lax.scan`, and projects to
+the vocabulary. The KV cache is an explicit argument (any object with `update_and_attend`, see
+`jaxtier.kvcache`), and so are the token positions: prefill and decode are one function called with
+different shapes.
+
+Shape legend: b batch, t tokens, h hidden size, n query heads, k kv heads, d head dim, v vocab,
+l layers, f MLP width.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtier.config import ModelConfig
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square norm computed in float32, scaled in the parameter dtype (as Hugging Face does)."""
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype))  # [h]
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...] * y.astype(x.dtype)
+
+
+def rotary_tables(inv_freq_d2: jax.Array, pos_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos and sin tables [b, t, d] for the given positions (float32)."""
+  angles_btd2 = pos_bt[..., None].astype(jnp.float32) * inv_freq_d2
+  angles_btd = jnp.concatenate([angles_btd2, angles_btd2], axis=-1)
+  return jnp.cos(angles_btd), jnp.sin(angles_btd)
+
+
+def apply_rotary(x_btnd: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax.Array:
+  """Rotates the two halves of each head (the Hugging Face `rotate_half` convention)."""
+  half = x_btnd.shape[-1] // 2
+  rotated = jnp.concatenate([-x_btnd[..., half:], x_btnd[..., :half]], axis=-1)
+  cos, sin = cos_btd[:, :, None, :].astype(x_btnd.dtype), sin_btd[:, :, None, :].astype(x_btnd.dtype)
+  return x_btnd * cos + rotated * sin
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm attention block and SwiGLU MLP block."""
+
+  def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+    c = config
+    h, n, k, d, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+
+    def linear(i, o, bias=False):
+      return nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                        kernel_init=nnx.initializers.normal(0.02))
+
+    self.attn_norm = RMSNorm(h, c.rms_norm_eps, dtype)
+    self.q_proj = linear(h, n * d, c.attention_bias)
+    self.k_proj = linear(h, k * d, c.attention_bias)
+    self.v_proj = linear(h, k * d, c.attention_bias)
+    self.o_proj = linear(n * d, h)
+    self.mlp_norm = RMSNorm(h, c.rms_norm_eps, dtype)
+    self.gate_proj = linear(h, f)
+    self.up_proj = linear(h, f)
+    self.down_proj = linear(f, h)
+    self.shape = (n, k, d)
+
+  def __call__(self, x_bth, cos_btd, sin_btd, cache, layer, pos_bt, meta):
+    n, k, d = self.shape
+    b, t, _ = x_bth.shape
+    with jax.named_scope("attention"):
+      y = self.attn_norm(x_bth)
+      q_btnd = apply_rotary(self.q_proj(y).reshape(b, t, n, d), cos_btd, sin_btd)
+      k_btkd = apply_rotary(self.k_proj(y).reshape(b, t, k, d), cos_btd, sin_btd)
+      v_btkd = self.v_proj(y).reshape(b, t, k, d)
+      cache, attn_btnd = cache.update_and_attend(layer, q_btnd, k_btkd, v_btkd, pos_bt, meta)
+      x_bth = x_bth + self.o_proj(attn_btnd.reshape(b, t, n * d))
+    with jax.named_scope("mlp"):
+      y = self.mlp_norm(x_bth)
+      x_bth = x_bth + self.down_proj(jax.nn.silu(self.gate_proj(y)) * self.up_proj(y))
+    return x_bth, cache
+
+
+def make_layer_stack(config: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
+  """A DecoderLayer whose every parameter has a leading [num_layers] axis."""
+
+  @nnx.split_rngs(splits=config.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.num_layers)
+  def create(rngs):
+    return DecoderLayer(config, dtype, rngs)
+
+  return create(rngs)
+
+
+def scan_layers(graphdef: nnx.GraphDef, stacked_state: nnx.State, x_bth, cos_btd, sin_btd, cache,
+                pos_bt, meta, first_layer: int = 0):
+  """Runs a stack of layers (state with a leading layer axis) with `lax.scan`.
+
+  `first_layer` is the global index of the stack's first layer: the cache is indexed globally, so a
+  model split into several stacks (resident head, offloaded tail) writes the right cache layers.
+  """
+  num = jax.tree_util.tree_leaves(stacked_state)[0].shape[0]
+
+  def body(carry, xs):
+    x, cache = carry
+    layer_state, layer = xs
+    x, cache = nnx.merge(graphdef, layer_state)(x, cos_btd, sin_btd, cache, layer, pos_bt, meta)
+    return (x, cache), None
+
+  layers = jnp.arange(first_layer, first_layer + num, dtype=jnp.int32)
+  (x_bth, cache), _ = jax.lax.scan(body, (x_bth, cache), (stacked_state, layers))
+  return x_bth, cache
+
+
+class Transformer(nnx.Module):
+  """Token embedding, a stack of decoder layers, final norm and LM head (tied or not)."""
+
+  def __init__(self, config: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+    self.config = config
+    self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
+                           embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.layers = make_layer_stack(config, dtype, rngs)
+    self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+    if not config.tie_word_embeddings:
+      self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(
+          rngs.params(), (config.vocab_size, config.hidden_size), dtype))  # [v, h]
+    self.inv_freq = nnx.Variable(jnp.asarray(config.inv_freq()))  # [d // 2]
+
+  def hidden_states(self, tokens_bt: jax.Array, pos_bt: jax.Array, cache, meta: Any = None):
+    """Final-norm hidden states [b, t, h] and the updated cache."""
+    x_bth = self.embed(tokens_bt)
+    cos_btd, sin_btd = rotary_tables(self.inv_freq[...], pos_bt)
+    graphdef, stacked = nnx.split(self.layers)
+    x_bth, cache = scan_layers(graphdef, stacked, x_bth, cos_btd, sin_btd, cache, pos_bt, meta)
+    return self.final_norm(x_bth), cache
+
+  def logits(self, h_bth: jax.Array) -> jax.Array:
+    """Vocabulary logits [..., v] for hidden states [..., h]."""
+    table_vh = self.embed.embedding[...] if self.config.tie_word_embeddings else self.lm_head[...]
+    return jnp.einsum("...h,vh->...v", h_bth, table_vh)
+
+  def __call__(self, tokens_bt: jax.Array, pos_bt: jax.Array, cache, meta: Any = None):
+    """Logits [b, t, v] for every token, and the updated cache."""
+    h_bth, cache = self.hidden_states(tokens_bt, pos_bt, cache, meta)
+    return self.logits(h_bth), cache

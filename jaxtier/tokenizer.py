@@ -1,0 +1,128 @@
+"""Tokenizer and chat template, as Hugging Face applies them.
+
+Text is encoded with the `tokenizers` library (the same Rust code `transformers` uses) and chat
+templates are rendered with jinja2 in the environment `transformers` uses (`trim_blocks`,
+`lstrip_blocks`, loop controls, `raise_exception`, `tojson`).
+"""
+
+import dataclasses
+import json
+import os
+from typing import Any, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+Message = dict[str, Any]
+
+
+def _raise_exception(message):
+  raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
+  return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+  env.filters["tojson"] = _tojson
+  env.globals["raise_exception"] = _raise_exception
+  return env.from_string(source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+  """A `tokenizers.Tokenizer` plus the special tokens and chat template a model was trained with."""
+  backend: tokenizers.Tokenizer
+  eos_token_ids: tuple[int, ...]
+  bos_token: str | None = None
+  eos_token: str | None = None
+  chat_template: str | None = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.backend.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`; special tokens (such as BOS) are added as the tokenizer config says."""
+    return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+  def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True
+                          ) -> str:
+    """The prompt text for a conversation, rendered with the model's chat template."""
+    if self.chat_template is None:
+      raise ValueError("this model's tokenizer has no chat template; pass plain prompts to "
+                       "generate() instead of conversations to chat()")
+    validate_messages(messages)
+    return _compile_template(self.chat_template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt,
+        bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+  def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+    """Token ids of a rendered conversation (the template writes the special tokens itself)."""
+    return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+  def save(self, directory: str) -> None:
+    """Writes `tokenizer.json` and `tokenizer_config.json` in Hugging Face layout."""
+    os.makedirs(directory, exist_ok=True)
+    self.backend.save(os.path.join(directory, "tokenizer.json"))
+    config = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+              "chat_template": self.chat_template, "eos_token_ids": list(self.eos_token_ids)}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+      json.dump(config, f, indent=1)
+
+
+def validate_messages(messages: Sequence[Message]) -> None:
+  """Checks a conversation is a non-empty list of {"role", "content"} dicts."""
+  if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+    raise ValueError(f"a conversation must be a non-empty list of messages, got {messages!r:.80}")
+  for i, m in enumerate(messages):
+    if not isinstance(m, dict) or "role" not in m or "content" not in m:
+      raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r:.80}")
+    if not isinstance(m["content"], str):
+      raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
+
+
+def _token_text(value) -> str | None:
+  if isinstance(value, dict):  # AddedToken serialized as a dict
+    return value.get("content")
+  return value
+
+
+def _eos_ids_from_config(directory: str) -> list[int]:
+  ids: list[int] = []
+  for name in ("generation_config.json", "config.json"):
+    path = os.path.join(directory, name)
+    if os.path.isfile(path):
+      with open(path) as f:
+        value = json.load(f).get("eos_token_id")
+      ids += value if isinstance(value, list) else ([value] if value is not None else [])
+  return ids
+
+
+def load_tokenizer_dir(directory: str) -> Tokenizer:
+  """Loads `tokenizer.json` and `tokenizer_config.json` of a Hugging Face (or jaxtier) directory."""
+  path = os.path.join(directory, "tokenizer.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{directory} has no tokenizer.json")
+  backend = tokenizers.Tokenizer.from_file(path)
+  config: dict = {}
+  config_path = os.path.join(directory, "tokenizer_config.json")
+  if os.path.isfile(config_path):
+    with open(config_path) as f:
+      config = json.load(f)
+  template = config.get("chat_template")
+  if isinstance(template, list):  # named templates: use the default one
+    template = next((t["template"] for t in template if t.get("name") == "default"), None)
+  bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+  eos_ids = list(config.get("eos_token_ids", [])) + _eos_ids_from_config(directory)
+  if eos is not None and backend.token_to_id(eos) is not None:
+    eos_ids.append(backend.token_to_id(eos))
+  return Tokenizer(backend, tuple(dict.fromkeys(eos_ids)), bos, eos, template)
