@@ -1,0 +1,124 @@
+"""Batched generation on a contiguous KV cache: one prefill, then one jitted decode step per token.
+
+This is the first, simple driver behind `jaxtier.LLM`. Shapes are padded to buckets (batch to a power
+of two, prompt length to a power of two >= 16, cache length to a multiple of 128) so a handful of
+compiled variants serve every request mix. Rows that finish early keep running as padding (negative
+positions: no cache writes) until the whole batch is done.
+"""
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtier.kvcache import ContiguousKVCache
+from jaxtier.sampling import SamplingArrays, SamplingParams, sample
+from jaxtier.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  prompt_ids: tuple[int, ...]
+  params: SamplingParams
+  seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  token_ids: tuple[int, ...]
+  text: str
+  finish_reason: str  # "stop" or "length"
+
+
+def bucket_pow2(n: int, minimum: int = 1) -> int:
+  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def model_step(graphdef: nnx.GraphDef, state: nnx.State, cache, tokens_bt: jax.Array,
+               pos_bt: jax.Array, last_b: jax.Array, sampling: SamplingArrays):
+  """Runs the model on new tokens and samples one token per row from position `last_b`."""
+  model = nnx.merge(graphdef, state)
+  h_bth, cache = model.hidden_states(tokens_bt, pos_bt, cache)
+  h_bh = jnp.take_along_axis(h_bth, last_b[:, None, None], axis=1)[:, 0]
+  return sample(model.logits(h_bh), sampling), cache
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+  """Index where the earliest stop string starts in `text`, or None."""
+  hits = [text.find(s) for s in stops if s in text]
+  return min(hits) if hits else None
+
+
+class _Row:
+  """Host-side progress of one request: generated ids and stop checks."""
+
+  def __init__(self, request: Request, tokenizer: Tokenizer, max_model_len: int):
+    self.request, self.tokenizer = request, tokenizer
+    self.generated: list[int] = []
+    self.finish_reason: str | None = None
+    self.limit = min(request.params.max_tokens, max_model_len - len(request.prompt_ids))
+
+  def append(self, token: int) -> None:
+    p = self.request.params
+    self.generated.append(token)
+    if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+      self.finish_reason = "stop"
+    elif p.stop and first_stop(self.tokenizer.decode(self.generated), p.stop) is not None:
+      self.finish_reason = "stop"
+    elif len(self.generated) >= self.limit:
+      self.finish_reason = "length"
+
+  def completion(self) -> Completion:
+    text = self.tokenizer.decode(self.generated)
+    cut = first_stop(text, self.request.params.stop)
+    return Completion(tuple(self.generated), text if cut is None else text[:cut], self.finish_reason)
+
+
+def generate_batch(graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenizer,
+                   requests: Sequence[Request], max_model_len: int, cache_dtype,
+                   on_token: Callable[[int], None] | None = None) -> list[Completion]:
+  """Generates for a batch of requests together; returns one Completion per request."""
+  config = nnx.merge(graphdef, state).config
+  rows = [_Row(r, tokenizer, max_model_len) for r in requests]
+  n = len(rows)
+  b = bucket_pow2(n)
+  lens = np.array([len(r.prompt_ids) for r in requests] + [1] * (b - n))
+  t = bucket_pow2(int(lens.max()), 16)
+  total = max(len(r.request.prompt_ids) + r.limit for r in rows)
+  cache = ContiguousKVCache.create(config.num_layers, b, round_up(max(total, t), 128),
+                                   config.num_kv_heads, config.head_dim, cache_dtype)
+  tokens = np.zeros((b, t), np.int32)
+  pos = np.full((b, t), -1, np.int32)
+  for i, r in enumerate(requests):
+    tokens[i, :len(r.prompt_ids)] = r.prompt_ids
+    pos[i, :len(r.prompt_ids)] = np.arange(len(r.prompt_ids))
+  params = [r.params for r in requests] + [SamplingParams(temperature=0)] * (b - n)
+  seeds = [r.seed for r in requests] + [0] * (b - n)
+  next_b, cache = model_step(graphdef, state, cache, tokens, pos, np.maximum(lens - 1, 0),
+                             SamplingArrays.from_params(params, seeds, [0] * b))
+  step = 0
+  while True:
+    next_b = np.asarray(next_b)
+    for i, row in enumerate(rows):
+      if row.finish_reason is None:
+        row.append(int(next_b[i]))
+    step += 1
+    if on_token is not None:
+      on_token(step)
+    active = np.array([row.finish_reason is None for row in rows] + [False] * (b - n))
+    if not active.any():
+      break
+    dec_pos = np.where(active, lens + step - 1, -1).astype(np.int32)[:, None]
+    next_b, cache = model_step(graphdef, state, cache, next_b[:, None].astype(np.int32), dec_pos,
+                               np.zeros(b, np.int32),
+                               SamplingArrays.from_params(params, seeds, [step] * b))
+  return [row.completion() for row in rows]

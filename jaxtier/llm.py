@@ -1,0 +1,150 @@
+"""The offline API, in the shape vLLM users know: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxtier import checkpoint
+from jaxtier.generate import Request, generate_batch
+from jaxtier.sampling import SamplingParams
+from jaxtier.tokenizer import Message
+
+Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionOutput:
+  index: int
+  text: str
+  token_ids: tuple[int, ...]  # generated tokens only
+  finish_reason: str  # "stop" or "length"
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  """One prompt's result; `text`, `token_ids`, `finish_reason` are those of its first completion."""
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: tuple[int, ...]
+  outputs: tuple[CompletionOutput, ...]
+
+  @property
+  def text(self) -> str:
+    return self.outputs[0].text
+
+  @property
+  def token_ids(self) -> tuple[int, ...]:
+    return self.outputs[0].token_ids
+
+  @property
+  def finish_reason(self) -> str:
+    return self.outputs[0].finish_reason
+
+
+class LLM:
+  """A model ready to generate.
+
+  Args:
+    model: a registry name (see `models/`), a Hugging Face directory, a .gguf file or a jaxtier
+      Orbax directory.
+    dtype: parameter and activation dtype, "float32" or "bfloat16".
+    max_model_len: context window (prompt plus generated tokens); defaults to the model's.
+    max_num_seqs: how many prompts run together in one batch.
+    kv_cache_dtype: "auto" (the model dtype), "float32" or "bfloat16".
+    seed: seeds the per-request seeds of requests that do not set one.
+  """
+
+  def __init__(self, model: str, dtype: str = "float32", max_model_len: int | None = None,
+               max_num_seqs: int = 16, kv_cache_dtype: str = "auto", seed: int = 0):
+    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+      raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+    self.loaded = checkpoint.load(model, dtype)
+    self.model_name = model
+    self.tokenizer = self.loaded.tokenizer
+    self.config = self.loaded.model.config
+    limit = self.config.max_position_embeddings
+    if max_model_len is not None and not 2 <= max_model_len <= limit:
+      raise ValueError(f"max_model_len must be in [2, {limit}] for this model, got {max_model_len}")
+    self.max_model_len = max_model_len or limit
+    self.max_num_seqs = max_num_seqs
+    self.cache_dtype = checkpoint.resolve_dtype(dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+    self.graphdef, self.state = nnx.split(self.loaded.model)
+    self._rng = np.random.default_rng(seed)
+
+  def _prompt_ids(self, index: int, prompt: Prompt) -> list[int]:
+    if isinstance(prompt, str):
+      if not prompt:
+        raise ValueError(f"prompt {index} is empty")
+      ids = self.tokenizer.encode(prompt)
+    elif isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) for t in prompt):
+      ids = [int(t) for t in prompt]
+      bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+      if bad:
+        raise ValueError(f"prompt {index} has token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
+    else:
+      raise TypeError(f"prompt {index} must be a string or a list of token ids, got "
+                      f"{type(prompt).__name__}")
+    if not ids:
+      raise ValueError(f"prompt {index} is empty")
+    if len(ids) >= self.max_model_len:
+      raise ValueError(f"prompt {index} has {len(ids)} tokens; the context window max_model_len is "
+                       f"{self.max_model_len} and at least one token must be generated")
+    return ids
+
+  def _params_list(self, params, n: int) -> list[SamplingParams]:
+    if params is None:
+      return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+      return [params] * n
+    params = list(params)
+    if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+      raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} of them")
+    return params
+
+  def _run(self, prompts: list[Any], ids: list[list[int]], params: list[SamplingParams],
+           use_tqdm: bool) -> list[RequestOutput]:
+    requests = [Request(tuple(i), p, p.seed if p.seed is not None else int(self._rng.integers(2**32)))
+                for i, p in zip(ids, params)]
+    order = sorted(range(len(requests)), key=lambda i: len(ids[i]))  # similar lengths batch together
+    results: dict[int, Any] = {}
+    with tqdm(total=len(requests), disable=not use_tqdm, desc="generate", unit="prompt") as bar:
+      for start in range(0, len(order), self.max_num_seqs):
+        chunk = order[start:start + self.max_num_seqs]
+        done = generate_batch(self.graphdef, self.state, self.tokenizer,
+                              [requests[i] for i in chunk], self.max_model_len, self.cache_dtype)
+        results.update(zip(chunk, done))
+        bar.update(len(chunk))
+    return [RequestOutput(str(i), p if isinstance(p, str) else None, tuple(ids[i]),
+                          (CompletionOutput(0, results[i].text, results[i].token_ids,
+                                            results[i].finish_reason),))
+            for i, p in enumerate(prompts)]
+
+  def generate(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               use_tqdm: bool = False) -> list[RequestOutput]:
+    """Completes each prompt (a string or a list of token ids); returns outputs in prompt order."""
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                    and isinstance(prompts[0], (int, np.integer))):
+      prompts = [prompts]
+    prompts = list(prompts)
+    if not prompts:
+      raise ValueError("prompts is empty: pass at least one prompt")
+    ids = [self._prompt_ids(i, p) for i, p in enumerate(prompts)]
+    return self._run(prompts, ids, self._params_list(sampling_params, len(prompts)), use_tqdm)
+
+  def chat(self, conversations: Sequence[Message] | Sequence[Sequence[Message]],
+           sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+           use_tqdm: bool = False) -> list[RequestOutput]:
+    """Applies the chat template to each conversation and generates the assistant's reply."""
+    if conversations and isinstance(conversations[0], dict):
+      conversations = [conversations]
+    conversations = list(conversations)
+    if not conversations:
+      raise ValueError("conversations is empty: pass at least one conversation")
+    texts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+    prompts = [self._prompt_ids(i, self.tokenizer.encode(t, add_special_tokens=False))
+               for i, t in enumerate(texts)]
+    return self._run(texts, prompts, self._params_list(sampling_params, len(texts)), use_tqdm)

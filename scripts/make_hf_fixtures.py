@@ -1,0 +1,158 @@
+"""Regenerates the Hugging Face reference fixtures under tests/fixtures (needs `pip install -e .[ref]`).
+
+Writes:
+  tests/fixtures/tiny_llama/   a random Llama checkpoint (llama3 rope scaling, untied embeddings, two
+                               safetensors shards with an index), tokenizer, and hf_logits.npz
+  tests/fixtures/tiny_qwen2/   a random Qwen2 checkpoint (q/k/v biases, tied embeddings), same files
+  tests/fixtures/smollm2_hf.json  for the default model: prompt token ids, HF's top-k last-position
+                               logits, 24-token greedy continuations, chat template renderings and
+                               tokenizations, computed by transformers from the same GGUF file.
+
+The test suite reads only these files; it never imports torch or transformers.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import torch
+import transformers
+from absl import app, flags
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+
+from jaxtier.checkpoint import registry
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"),
+                    "fixture directory")
+flags.DEFINE_integer("top_k", 20, "how many last-position logits to keep per prompt")
+flags.DEFINE_integer("continuation", 24, "greedy continuation length")
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TOKENIZER_TEXT = ("The quick brown fox jumps over the lazy dog. Rotary embeddings rotate pairs of "
+                  "features; grouped-query attention shares keys and values across heads. 0123456789 "
+                  "Hello, world! Caches page blocks between device and host memory.") * 4
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "In 1492, Columbus sailed",
+    "Water boils at a temperature of",
+    "Once upon a time, in a small village,",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of Japan?"}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "List three primary colors."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a fact about octopuses."}],
+]
+TOKENIZE_TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnewlines", "Numbers: 12345 and 3.14159",
+                  "Unicode: café, naïve, 日本語, emoji 🙂", "<|im_start|>user\nHi<|im_end|>",
+                  "snake_case_identifier = compute(x, y=2)"]
+
+
+def tiny_tokenizer(directory: str) -> None:
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator([TOKENIZER_TEXT], trainer)
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}, f, indent=1)
+
+
+def tiny_model(directory: str, config: transformers.PretrainedConfig, cls, shard: str | None):
+  shutil.rmtree(directory, ignore_errors=True)
+  os.makedirs(directory)
+  torch.manual_seed(0)
+  model = cls(config).eval()
+  with torch.no_grad():  # random norms and biases, so a loader that drops them fails the test
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight") or name.endswith("bias"):
+        p.copy_(1.0 + 0.5 * torch.randn_like(p) if name.endswith("weight") else 0.5 * torch.randn_like(p))
+  kwargs = {"max_shard_size": shard} if shard else {}
+  model.save_pretrained(directory, safe_serialization=True, **kwargs)
+  tiny_tokenizer(directory)
+  rng = np.random.default_rng(0)
+  inputs = {"ids_a": rng.integers(0, config.vocab_size, 7), "ids_b": rng.integers(0, config.vocab_size, 13)}
+  out = {}
+  with torch.no_grad():
+    for name, ids in inputs.items():
+      out[name] = ids.astype(np.int32)
+      out[name.replace("ids", "logits")] = model(torch.tensor(ids[None])).logits[0].numpy()
+  np.savez(os.path.join(directory, "hf_logits.npz"), **out)
+
+
+def hf_smollm(gguf_path: str):
+  directory, name = os.path.split(gguf_path)
+  model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                            dtype=torch.float32).eval()
+  tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+  # The GGUF records pre-tokenizer "smollm"; SmolLM2's own tokenizer.json splits digits one by one
+  # before the byte-level step, which transformers' GGUF converter does not reproduce. Restore it.
+  tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Digits(individual_digits=True),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+  return model, tokenizer
+
+
+def greedy(model, ids: list[int], steps: int) -> list[int]:
+  out, past, inputs = [], None, torch.tensor([ids])
+  with torch.no_grad():
+    for _ in range(steps):
+      result = model(inputs, past_key_values=past, use_cache=True)
+      past = result.past_key_values
+      token = int(result.logits[0, -1].argmax())
+      out.append(token)
+      inputs = torch.tensor([[token]])
+  return out
+
+
+def smollm_fixture(path: str) -> None:
+  manifest = registry.find_manifest("smollm2-135m-instruct")
+  model, tokenizer = hf_smollm(registry.fetch(manifest))
+  cases = [{"kind": "raw", "prompt": p, "ids": tokenizer(p).input_ids} for p in RAW_PROMPTS]
+  for conv in CONVERSATIONS:
+    text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    cases.append({"kind": "chat", "messages": conv, "text": text,
+                  "ids": tokenizer(text, add_special_tokens=False).input_ids})
+  for case in cases:
+    with torch.no_grad():
+      logits = model(torch.tensor([case["ids"]])).logits[0, -1].numpy()
+    top = np.argsort(-logits)[:FLAGS.top_k]
+    case["top_ids"] = top.tolist()
+    case["top_logits"] = logits[top].tolist()
+    case["greedy"] = greedy(model, case["ids"], FLAGS.continuation)
+  tokenized = [{"text": t, "ids": tokenizer(t).input_ids} for t in TOKENIZE_TEXTS]
+  with open(path, "w") as f:
+    json.dump({"transformers": transformers.__version__, "torch": torch.__version__,
+               "model": manifest.name, "sha256": manifest.sha256, "cases": cases,
+               "tokenized": tokenized}, f, indent=1)
+
+
+def main(argv):
+  del argv
+  out = os.path.abspath(FLAGS.out)
+  llama = transformers.LlamaConfig(
+      vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+      rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+  tiny_model(os.path.join(out, "tiny_llama"), llama, transformers.LlamaForCausalLM, "150KB")
+  qwen2 = transformers.Qwen2Config(
+      vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+      rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+  tiny_model(os.path.join(out, "tiny_qwen2"), qwen2, transformers.Qwen2ForCausalLM, None)
+  smollm_fixture(os.path.join(out, "smollm2_hf.json"))
+  print(f"fixtures written to {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,59 @@
+"""The sampler against its definition: greedy is argmax, top-k/top-p restrict support, frequencies
+follow the softmax; and sampling parameters are validated."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtier.sampling import SamplingArrays, SamplingParams, sample
+
+sample_jit = jax.jit(sample)
+
+
+def arrays(n, temperature=1.0, top_k=-1, top_p=1.0, seed=0, steps=None):
+  p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+  return SamplingArrays.from_params([p] * n, [seed] * n, steps if steps is not None else range(n))
+
+
+def test_greedy_is_argmax():
+  logits = jax.random.normal(jax.random.key(0), (4, 50))
+  got = sample_jit(logits, arrays(4, temperature=0.0))
+  np.testing.assert_array_equal(got, np.argmax(logits, -1))
+
+
+def test_top_k_one_and_tiny_top_p_are_argmax():
+  logits = jax.random.normal(jax.random.key(1), (64, 30))
+  np.testing.assert_array_equal(sample_jit(logits, arrays(64, top_k=1)), np.argmax(logits, -1))
+  np.testing.assert_array_equal(sample_jit(logits, arrays(64, top_p=1e-4)), np.argmax(logits, -1))
+
+
+def test_frequencies_follow_softmax_and_support_is_restricted():
+  n = 4000
+  row = jnp.log(jnp.array([0.5, 0.25, 0.15, 0.1]))
+  logits = jnp.broadcast_to(row, (n, 4))
+  freq = np.bincount(np.asarray(sample_jit(logits, arrays(n))), minlength=4) / n
+  np.testing.assert_allclose(freq, [0.5, 0.25, 0.15, 0.1], atol=0.03)
+  top2 = np.bincount(np.asarray(sample_jit(logits, arrays(n, top_k=2))), minlength=4) / n
+  np.testing.assert_allclose(top2, [2 / 3, 1 / 3, 0, 0], atol=0.03)
+  # top_p=0.7: the smallest prefix reaching 0.7 is {0, 1} (0.75), renormalized.
+  nucleus = np.bincount(np.asarray(sample_jit(logits, arrays(n, top_p=0.7))), minlength=4) / n
+  np.testing.assert_allclose(nucleus, [2 / 3, 1 / 3, 0, 0], atol=0.03)
+
+
+def test_same_seed_and_step_give_the_same_token():
+  logits = jax.random.normal(jax.random.key(2), (1, 1000))
+  a = sample_jit(logits, arrays(1, seed=5, steps=[3]))
+  b = sample_jit(logits, arrays(1, seed=5, steps=[3]))
+  assert int(a[0]) == int(b[0])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"), ({"top_k": 2.5}, "top_k"), ({"seed": -1}, "seed"),
+    ({"stop": [""]}, "stop"), ({"stop_token_ids": [-3]}, "stop_token_ids"),
+])
+def test_invalid_sampling_params_are_named(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    SamplingParams(**kwargs)

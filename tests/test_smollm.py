@@ -1,0 +1,74 @@
+"""The default model (SmolLM2-135M-Instruct) against Hugging Face transformers' fixtures."""
+
+import json
+
+import numpy as np
+import pytest
+import jax.numpy as jnp
+
+import jaxtier
+from conftest import fixture_path
+
+pytestmark = pytest.mark.slow
+REF = json.load(open(fixture_path("smollm2_hf.json")))
+
+
+def test_tokenization_matches_hugging_face(smollm_llm):
+  for case in REF["tokenized"]:
+    assert smollm_llm.tokenizer.encode(case["text"]) == case["ids"], case["text"]
+  for case in REF["cases"]:
+    if case["kind"] == "raw":
+      assert smollm_llm.tokenizer.encode(case["prompt"]) == case["ids"]
+
+
+def test_chat_template_matches_hugging_face(smollm_llm):
+  for case in (c for c in REF["cases"] if c["kind"] == "chat"):
+    assert smollm_llm.tokenizer.apply_chat_template(case["messages"]) == case["text"]
+    assert smollm_llm.tokenizer.encode_chat(case["messages"]) == case["ids"]
+
+
+def test_greedy_continuations_match_hugging_face(smollm_llm):
+  # All prompts in one call: they run as one padded batch of different lengths.
+  params = jaxtier.SamplingParams(max_tokens=len(REF["cases"][0]["greedy"]), temperature=0,
+                                  ignore_eos=True)
+  outputs = smollm_llm.generate([c["ids"] for c in REF["cases"]], params)
+  for case, out in zip(REF["cases"], outputs):
+    assert list(out.token_ids) == case["greedy"], case.get("prompt", case.get("text"))
+    assert out.finish_reason == "length"
+
+
+def test_last_position_logits_match_hugging_face(smollm_llm):
+  from flax import nnx
+  from jaxtier.kvcache import ContiguousKVCache
+  model = nnx.merge(smollm_llm.graphdef, smollm_llm.state)
+  c = model.config
+  for case in REF["cases"]:
+    ids = jnp.asarray(case["ids"], jnp.int32)[None]
+    cache = ContiguousKVCache.create(c.num_layers, 1, ids.shape[1], c.num_kv_heads, c.head_dim)
+    logits, _ = nnx.jit(lambda m, t, p, k: m(t, p, k))(model, ids, jnp.arange(ids.shape[1])[None], cache)
+    got = np.asarray(logits[0, -1])
+    assert list(np.argsort(-got)[:5]) == case["top_ids"][:5]
+    np.testing.assert_allclose(got[case["top_ids"]], case["top_logits"], atol=2e-3, rtol=0)
+
+
+def test_chat_reply_stops_at_end_of_turn(smollm_llm):
+  out = smollm_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        jaxtier.SamplingParams(max_tokens=64, temperature=0))[0]
+  assert out.finish_reason == "stop" and out.token_ids[-1] in smollm_llm.tokenizer.eos_token_ids
+  assert "Paris" in out.text and "<|im_end|>" not in out.text
+
+
+def test_stop_strings_truncate_text(smollm_llm):
+  out = smollm_llm.generate("The capital of France is",
+                            jaxtier.SamplingParams(max_tokens=24, temperature=0, stop=["Paris"]))[0]
+  assert out.finish_reason == "stop" and "Paris" not in out.text
+  full = smollm_llm.tokenizer.decode(out.token_ids)
+  assert "Paris" in full and full.startswith(out.text)
+
+
+def test_seeded_sampling_is_reproducible(smollm_llm):
+  params = [jaxtier.SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, top_k=50, seed=s)
+            for s in (7, 7, 8)]
+  a, b, c = smollm_llm.generate(["Once upon a time"] * 3, params)
+  assert a.token_ids == b.token_ids
+  assert a.token_ids != c.token_ids
