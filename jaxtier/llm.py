@@ -3,16 +3,28 @@
 import dataclasses
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxtier import checkpoint
 from jaxtier.generate import Request, generate_batch
+from jaxtier.model import GroupedTransformer
 from jaxtier.sampling import SamplingParams
 from jaxtier.tokenizer import Message
 
 Prompt = str | Sequence[int]
+LAYER_EXECUTIONS = ("auto", "scan", "unrolled")
+
+
+def resolve_layer_execution(value: str) -> str:
+  """"scan" or "unrolled" for an engine argument that may be "auto"."""
+  if value not in LAYER_EXECUTIONS:
+    raise ValueError(f"layer_execution={value!r} is not supported; expected one of {LAYER_EXECUTIONS}")
+  if value == "auto":
+    return "unrolled" if jax.default_backend() == "cpu" else "scan"
+  return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +67,14 @@ class LLM:
     max_num_seqs: how many prompts run together in one batch.
     kv_cache_dtype: "auto" (the model dtype), "float32" or "bfloat16".
     seed: seeds the per-request seeds of requests that do not set one.
+    layer_execution: "scan" runs the stacked layers with `lax.scan`; "unrolled" keeps each layer in
+      its own buffers and runs them one after another (faster on CPU, where XLA copies the slice a
+      scan reads; longer to compile); "auto" picks "unrolled" on CPU and "scan" elsewhere.
   """
 
   def __init__(self, model: str, dtype: str = "float32", max_model_len: int | None = None,
-               max_num_seqs: int = 16, kv_cache_dtype: str = "auto", seed: int = 0):
+               max_num_seqs: int = 16, kv_cache_dtype: str = "auto", seed: int = 0,
+               layer_execution: str = "auto"):
     if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
       raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
     self.loaded = checkpoint.load(model, dtype)
@@ -71,7 +87,11 @@ class LLM:
     self.max_model_len = max_model_len or limit
     self.max_num_seqs = max_num_seqs
     self.cache_dtype = checkpoint.resolve_dtype(dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
-    self.graphdef, self.state = nnx.split(self.loaded.model)
+    self.layer_execution = resolve_layer_execution(layer_execution)
+    model = self.loaded.model
+    if self.layer_execution == "unrolled":
+      model = GroupedTransformer(model, [(self.config.num_layers, "unrolled")])
+    self.graphdef, self.state = nnx.split(model)
     self._rng = np.random.default_rng(seed)
 
   def _prompt_ids(self, index: int, prompt: Prompt) -> list[int]:

@@ -90,3 +90,23 @@ def test_orbax_round_trip_is_exact(tiny, tmp_path):
   np.testing.assert_array_equal(full_logits(loaded.model, ids), full_logits(model, ids))
   assert loaded.tokenizer.encode("Hello, world!") == tokenizer.encode("Hello, world!")
   assert loaded.tokenizer.chat_template == tokenizer.chat_template
+
+
+@pytest.mark.parametrize("groups", [[(1, "unrolled"), (2, "scan")], [(3, "unrolled")],
+                                    [(2, "scan"), (1, "scan")]])
+def test_grouped_layers_equal_the_stacked_scan(groups):
+  from jaxtier.model import GroupedTransformer
+  model, _ = checkpoint.load_model(fixture_path("tiny_llama"))
+  ref = dict(np.load(fixture_path("tiny_llama", "hf_logits.npz")))
+  ids = jnp.asarray(ref["ids_b"])[None]
+  np.testing.assert_allclose(full_logits(GroupedTransformer(model, groups), ids),
+                             full_logits(model, ids), atol=1e-6, rtol=0)
+
+
+def test_grouped_layers_reject_bad_groups():
+  from jaxtier.model import GroupedTransformer
+  model, _ = checkpoint.load_model(fixture_path("tiny_llama"))
+  with pytest.raises(ValueError, match="must have positive sizes adding up to num_layers=3"):
+    GroupedTransformer(model, [(2, "scan")])
+  with pytest.raises(ValueError, match="mode 'python'"):
+    GroupedTransformer(model, [(3, "python")])

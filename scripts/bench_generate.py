@@ -1,0 +1,137 @@
+"""jaxtier vs Hugging Face transformers on the same checkpoint and prompts, side by side in one run.
+
+Prints JSON: batch-1 greedy decode tokens/s, time to first token, jaxtier's compile time (reported
+separately, excluded from the rest), the jaxtier/HF ratio, and jaxtier's decode step time against
+the bound weight_bytes / memory bandwidth, with the bandwidth measured in the same run.
+Needs the `ref` extra (torch, transformers) for the Hugging Face side; `--skip_hf` runs without it.
+"""
+
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+from absl import app, flags, logging
+from flax import nnx
+
+import jaxtier
+from jaxtier.checkpoint import registry
+from jaxtier.generate import Request, generate_batch
+from jaxtier.sampling import SamplingParams
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m-instruct", "registry name of a GGUF model")
+flags.DEFINE_integer("new_tokens", 64, "tokens generated per prompt")
+flags.DEFINE_integer("repeats", 3, "timed repeats per prompt (median reported)")
+flags.DEFINE_integer("threads", os.cpu_count(), "torch CPU threads")
+flags.DEFINE_bool("skip_hf", False, "measure jaxtier only")
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the mountains,",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+
+
+def memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+  """Bytes per second of a large numpy copy (read + write), after a warm-up copy."""
+  src = np.ones(nbytes // 4, np.float32)
+  dst = np.empty_like(src)
+  np.copyto(dst, src)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    np.copyto(dst, src)
+    times.append(time.perf_counter() - start)
+  return 2 * nbytes / statistics.median(times)
+
+
+def timed_generation(run) -> tuple[float, float]:
+  """(time to first token, decode tokens/s) of one generation; `run(on_token)` drives it."""
+  stamps = []
+  start = time.perf_counter()
+  run(lambda *_: stamps.append(time.perf_counter()))
+  ttft = stamps[0] - start
+  return ttft, (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def jaxtier_side(llm: jaxtier.LLM, prompt_ids: list[list[int]]) -> dict:
+  params = SamplingParams(max_tokens=FLAGS.new_tokens, temperature=0, ignore_eos=True)
+
+  def run(ids, on_token):
+    generate_batch(llm.graphdef, llm.state, llm.tokenizer, [Request(tuple(ids), params, 0)],
+                   llm.max_model_len, llm.cache_dtype, on_token=on_token)
+
+  compile_start = time.perf_counter()
+  for ids in prompt_ids:  # one compile per prompt-length bucket, plus the decode step
+    run(ids, None)
+  first = time.perf_counter() - compile_start
+  results = [timed_generation(lambda cb: run(ids, cb)) for ids in prompt_ids
+             for _ in range(FLAGS.repeats)]
+  steady = sum(1 / tps * (FLAGS.new_tokens - 1) + ttft for ttft, tps in results) / FLAGS.repeats
+  return {"ttft_s": statistics.median(r[0] for r in results),
+          "decode_tokens_per_s": statistics.median(r[1] for r in results),
+          "compile_s": max(first - steady, 0.0)}
+
+
+def hf_side(prompt_ids: list[list[int]]) -> dict:
+  import torch
+  import transformers
+  torch.set_num_threads(FLAGS.threads)
+  path = registry.fetch(registry.find_manifest(FLAGS.model))
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+
+  class Stamp(transformers.generation.streamers.BaseStreamer):
+    def __init__(self, on_token):
+      self.on_token, self.prompt_seen = on_token, False
+
+    def put(self, value):
+      if self.prompt_seen:
+        self.on_token()
+      self.prompt_seen = True
+
+    def end(self):
+      pass
+
+  def run(ids, on_token):
+    with torch.no_grad():
+      model.generate(torch.tensor([ids]), max_new_tokens=FLAGS.new_tokens,
+                     min_new_tokens=FLAGS.new_tokens, do_sample=False,
+                     streamer=Stamp(on_token) if on_token else None, pad_token_id=0)
+
+  run(prompt_ids[0], None)  # warm-up
+  results = [timed_generation(lambda cb: run(ids, cb)) for ids in prompt_ids
+             for _ in range(FLAGS.repeats)]
+  return {"ttft_s": statistics.median(r[0] for r in results),
+          "decode_tokens_per_s": statistics.median(r[1] for r in results),
+          "transformers": transformers.__version__, "torch": torch.__version__}
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  llm = jaxtier.LLM(FLAGS.model)
+  prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+  bandwidth = memory_bandwidth()
+  ours = jaxtier_side(llm, prompt_ids)
+  weight_bytes = sum(x.nbytes for x in __import__("jax").tree_util.tree_leaves(llm.state))
+  step_s = 1 / ours["decode_tokens_per_s"]
+  report = {
+      "model": FLAGS.model, "dtype": "float32", "new_tokens": FLAGS.new_tokens,
+      "prompts": len(PROMPTS), "repeats": FLAGS.repeats,
+      "load": {"kind": llm.loaded.kind, "seconds": round(llm.loaded.seconds, 3)},
+      "jaxtier": ours,
+      "decode_step_vs_bound": {
+          "weight_bytes": weight_bytes, "memory_bandwidth_gb_s": bandwidth / 1e9,
+          "bound_step_s": weight_bytes / bandwidth, "step_s": step_s,
+          "step_over_bound": step_s / (weight_bytes / bandwidth)},
+  }
+  if not FLAGS.skip_hf:
+    hf = hf_side(prompt_ids)
+    report["hf"] = hf
+    report["decode_speedup_vs_hf"] = ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
+    report["ttft_speedup_vs_hf"] = hf["ttft_s"] / ours["ttft_s"]
+  print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+  app.run(main)
