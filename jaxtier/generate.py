@@ -1,7 +1,7 @@
 """Batched generation on a contiguous KV cache: one prefill, then one jitted decode step per token.
 
 This is the first, simple driver behind `jaxtier.LLM`. Shapes are padded to buckets (batch to a power
-of two, prompt length to a power of two >= 16, cache length to a multiple of 128) so a handful of
+of two, prompt length to a power of two >= 16, cache length to a power of two >= 128) so a handful of
 compiled variants serve every request mix. Rows that finish early keep running as padding (negative
 positions: no cache writes) until the whole batch is done.
 """
@@ -36,10 +36,6 @@ class Completion:
 
 def bucket_pow2(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
-
-
-def round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
@@ -94,7 +90,7 @@ def generate_batch(graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenize
   lens = np.array([len(r.prompt_ids) for r in requests] + [1] * (b - n))
   t = bucket_pow2(int(lens.max()), 16)
   total = max(len(r.request.prompt_ids) + r.limit for r in rows)
-  cache = ContiguousKVCache.create(config.num_layers, b, round_up(max(total, t), 128),
+  cache = ContiguousKVCache.create(config.num_layers, b, bucket_pow2(max(total, t), 128),
                                    config.num_kv_heads, config.head_dim, cache_dtype)
   tokens = np.zeros((b, t), np.int32)
   pos = np.full((b, t), -1, np.int32)

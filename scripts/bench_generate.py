@@ -11,11 +11,12 @@ import os
 import statistics
 import time
 
+import jax
 import numpy as np
 from absl import app, flags, logging
-from flax import nnx
 
 import jaxtier
+from jaxtier import checkpoint
 from jaxtier.checkpoint import registry
 from jaxtier.generate import Request, generate_batch
 from jaxtier.sampling import SamplingParams
@@ -53,26 +54,17 @@ def timed_generation(run) -> tuple[float, float]:
   return ttft, (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def jaxtier_side(llm: jaxtier.LLM, prompt_ids: list[list[int]]) -> dict:
+def jaxtier_runner(llm: jaxtier.LLM):
   params = SamplingParams(max_tokens=FLAGS.new_tokens, temperature=0, ignore_eos=True)
 
   def run(ids, on_token):
     generate_batch(llm.graphdef, llm.state, llm.tokenizer, [Request(tuple(ids), params, 0)],
                    llm.max_model_len, llm.cache_dtype, on_token=on_token)
 
-  compile_start = time.perf_counter()
-  for ids in prompt_ids:  # one compile per prompt-length bucket, plus the decode step
-    run(ids, None)
-  first = time.perf_counter() - compile_start
-  results = [timed_generation(lambda cb: run(ids, cb)) for ids in prompt_ids
-             for _ in range(FLAGS.repeats)]
-  steady = sum(1 / tps * (FLAGS.new_tokens - 1) + ttft for ttft, tps in results) / FLAGS.repeats
-  return {"ttft_s": statistics.median(r[0] for r in results),
-          "decode_tokens_per_s": statistics.median(r[1] for r in results),
-          "compile_s": max(first - steady, 0.0)}
+  return run
 
 
-def hf_side(prompt_ids: list[list[int]]) -> dict:
+def hf_runner():
   import torch
   import transformers
   torch.set_num_threads(FLAGS.threads)
@@ -98,12 +90,21 @@ def hf_side(prompt_ids: list[list[int]]) -> dict:
                      min_new_tokens=FLAGS.new_tokens, do_sample=False,
                      streamer=Stamp(on_token) if on_token else None, pad_token_id=0)
 
-  run(prompt_ids[0], None)  # warm-up
-  results = [timed_generation(lambda cb: run(ids, cb)) for ids in prompt_ids
-             for _ in range(FLAGS.repeats)]
+  return run, {"transformers": transformers.__version__, "torch": torch.__version__,
+               "torch_threads": FLAGS.threads}
+
+
+def load_times() -> dict:
+  """Seconds to load the model from its GGUF file (dequantizing) and from its Orbax copy."""
+  gguf_path = registry.fetch(registry.find_manifest(FLAGS.model))
+  gguf_load = checkpoint.load(gguf_path)
+  orbax_load = checkpoint.load(FLAGS.model)
+  return {"gguf": round(gguf_load.seconds, 3), f"{orbax_load.kind}_copy": round(orbax_load.seconds, 3)}
+
+
+def summarize(results: list[tuple[float, float]]) -> dict:
   return {"ttft_s": statistics.median(r[0] for r in results),
-          "decode_tokens_per_s": statistics.median(r[1] for r in results),
-          "transformers": transformers.__version__, "torch": torch.__version__}
+          "decode_tokens_per_s": statistics.median(r[1] for r in results)}
 
 
 def main(argv):
@@ -112,21 +113,37 @@ def main(argv):
   llm = jaxtier.LLM(FLAGS.model)
   prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
   bandwidth = memory_bandwidth()
-  ours = jaxtier_side(llm, prompt_ids)
-  weight_bytes = sum(x.nbytes for x in __import__("jax").tree_util.tree_leaves(llm.state))
+  runners = {"jaxtier": jaxtier_runner(llm)}
+  versions = {}
+  if not FLAGS.skip_hf:
+    runners["hf"], versions = hf_runner()
+  compile_start = time.perf_counter()
+  for ids in prompt_ids:  # compiles every prompt-length bucket and the decode step
+    runners["jaxtier"](ids, None)
+  first_pass = time.perf_counter() - compile_start
+  runners.get("hf", lambda *_: None)(prompt_ids[0], None)  # warm-up
+  results = {name: [] for name in runners}
+  for _ in range(FLAGS.repeats):  # interleaved, so load changes hit both sides alike
+    for ids in prompt_ids:
+      for name, run in runners.items():
+        results[name].append(timed_generation(lambda cb: run(ids, cb)))
+  ours = summarize(results["jaxtier"])
+  steady = sum(t + (FLAGS.new_tokens - 1) / tps for t, tps in results["jaxtier"]) / FLAGS.repeats
+  ours["compile_s"] = max(first_pass - steady, 0.0)
+  weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(llm.state))
   step_s = 1 / ours["decode_tokens_per_s"]
   report = {
       "model": FLAGS.model, "dtype": "float32", "new_tokens": FLAGS.new_tokens,
-      "prompts": len(PROMPTS), "repeats": FLAGS.repeats,
-      "load": {"kind": llm.loaded.kind, "seconds": round(llm.loaded.seconds, 3)},
+      "prompts": len(PROMPTS), "repeats": FLAGS.repeats, "layer_execution": llm.layer_execution,
+      "load_seconds": load_times(),
       "jaxtier": ours,
       "decode_step_vs_bound": {
           "weight_bytes": weight_bytes, "memory_bandwidth_gb_s": bandwidth / 1e9,
           "bound_step_s": weight_bytes / bandwidth, "step_s": step_s,
           "step_over_bound": step_s / (weight_bytes / bandwidth)},
   }
-  if not FLAGS.skip_hf:
-    hf = hf_side(prompt_ids)
+  if "hf" in results:
+    hf = {**summarize(results["hf"]), **versions}
     report["hf"] = hf
     report["decode_speedup_vs_hf"] = ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
     report["ttft_speedup_vs_hf"] = hf["ttft_s"] / ours["ttft_s"]

@@ -1,0 +1,28 @@
+"""jaxtier's scheduler: pure state transitions over plain Python data, no JAX.
+
+    state = initial_state(SchedulerConfig(num_device_blocks=..., num_host_blocks=...))
+    state, plan = step(state, [Arrive(Request("a", prompt_len=12, max_tokens=32))])
+    # ... the engine executes `plan` (see `Plan`), then:
+    state, plan = step(state, [StepFinished(finished=(("a", "stop"),))])
+
+The plan is the whole contract with the device: block ids to copy and the block table of every
+sequence that computes. See `transitions` for the engine loop and `planning` for the policy.
+"""
+
+from jaxtier.scheduler import allocator, policies, simulator
+from jaxtier.scheduler.allocator import BlockPool, blocks_for
+from jaxtier.scheduler.config import SchedulerConfig, kv_block_bytes, kv_bytes_per_token
+from jaxtier.scheduler.metrics import Metrics, metrics
+from jaxtier.scheduler.planning import schedule
+from jaxtier.scheduler.policies import VICTIM_POLICIES
+from jaxtier.scheduler.request import Ended, Request, Seq
+from jaxtier.scheduler.state import (Abort, Arrive, ComputeBatch, Plan, SchedulerState, StepFinished,
+                                     initial_state)
+from jaxtier.scheduler.transitions import apply_event, step
+
+__all__ = [
+    "Abort", "Arrive", "BlockPool", "ComputeBatch", "Ended", "Metrics", "Plan", "Request",
+    "SchedulerConfig", "SchedulerState", "Seq", "StepFinished", "VICTIM_POLICIES", "apply_event",
+    "blocks_for", "initial_state", "kv_block_bytes", "kv_bytes_per_token", "metrics", "schedule",
+    "step",
+]

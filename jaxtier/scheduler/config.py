@@ -1,0 +1,135 @@
+"""Scheduler configuration: pool sizes, budgets, and the policies to run, by name.
+
+Sizes are in blocks of `block_size` tokens. `kv_block_bytes` turns a model's shape into the bytes of
+one block so that byte budgets and simulators can speak in bytes.
+"""
+
+import dataclasses
+import math
+
+from jaxtier.scheduler import policies
+
+PREEMPTION_MODES = ("swap", "recompute")
+HOST_FULL_FALLBACKS = ("recompute", "abort_oldest")
+
+
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+  """Returns the KV bytes of one token over all layers: 2 (K and V) x kv_heads x head_dim x bytes."""
+  for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                      ("bytes_per_element", bytes_per_element)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r}: expected an int >= 1")
+  return 2 * kv_heads * head_dim * bytes_per_element * num_layers
+
+
+def kv_block_bytes(num_layers: int, kv_heads: int, head_dim: int, bytes_per_element: int,
+                   block_size: int) -> int:
+  """Returns the bytes of one KV block of `block_size` tokens over all layers, K and V."""
+  if not isinstance(block_size, int) or block_size < 1:
+    raise ValueError(f"block_size={block_size!r}: expected an int >= 1")
+  return kv_bytes_per_token(num_layers, kv_heads, head_dim, bytes_per_element) * block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  """How one scheduler runs.
+
+  Attributes:
+    num_device_blocks: blocks in the device KV pool.
+    num_host_blocks: blocks in the host KV pool, allocated once up front (0: no swapping possible).
+    block_size: tokens per block.
+    max_running: most requests running (holding device KV) at once.
+    max_tokens_per_step: token budget of one step (decodes plus prefill chunks); at least
+      max_running, so every running decode fits in every step.
+    watermark_blocks, watermark_fraction: keep at least this many device blocks free (give one of
+      the two; the fraction is of num_device_blocks, rounded up). Running requests are preempted to
+      stay above it and new ones admitted only above it; a request running alone may dip into it.
+    max_blocks_per_request: KV cap of one request, in blocks (None: the whole device pool). A request
+      whose prompt_len + max_tokens - 1 tokens need more is rejected when it arrives.
+    preemption_mode: "swap" (KV moves to the host pool) or "recompute" (KV is dropped and the request
+      prefills again).
+    victim_policy: a name in policies.VICTIM_POLICIES, or a key function Seq -> tuple.
+    host_full: in swap mode, what happens to a victim whose KV does not fit in the host pool:
+      "recompute" it, or "abort_oldest" swapped requests (the victim included) until it fits.
+    prefetch_swap_in: True: a swap-in is planned one step before the request computes, so the engine
+      overlaps the copy with that step's compute; False: it computes in the step that swaps it in.
+    block_bytes: bytes of one block (see kv_block_bytes); needed for byte budgets, 0 if unknown.
+    link_bytes_per_step: bytes the host link moves per step (None: unlimited).
+    kv_link_share: the high-priority part of link_bytes_per_step that KV swaps may use; the rest is
+      the low-priority part for weight prefetch. Swap-outs are never deferred, but swap-ins stop once
+      the share is spent (the first swap-in of a step always goes, so none waits forever).
+    weight_prefetch_bytes_per_step: the weight bytes the offload plan wants to prefetch each step.
+  """
+  num_device_blocks: int
+  num_host_blocks: int
+  block_size: int = 16
+  max_running: int = 256
+  max_tokens_per_step: int = 2048
+  watermark_blocks: int = 0
+  watermark_fraction: float = 0.0
+  max_blocks_per_request: int | None = None
+  preemption_mode: str = "swap"
+  victim_policy: str | policies.VictimKey = "longest_waiting"
+  host_full: str = "recompute"
+  prefetch_swap_in: bool = True
+  block_bytes: int = 0
+  link_bytes_per_step: int | None = None
+  kv_link_share: float = 0.75
+  weight_prefetch_bytes_per_step: int = 0
+
+  def __post_init__(self):
+    _check_int("num_device_blocks", self.num_device_blocks, 1)
+    _check_int("num_host_blocks", self.num_host_blocks, 0)
+    _check_int("block_size", self.block_size, 1)
+    _check_int("max_running", self.max_running, 1)
+    _check_int("max_tokens_per_step", self.max_tokens_per_step, self.max_running)
+    _check_int("watermark_blocks", self.watermark_blocks, 0)
+    if not 0.0 <= self.watermark_fraction < 1.0:
+      raise ValueError(f"watermark_fraction={self.watermark_fraction!r}: expected 0 <= x < 1")
+    if self.watermark_blocks and self.watermark_fraction:
+      raise ValueError(f"watermark_blocks={self.watermark_blocks!r} and watermark_fraction="
+                       f"{self.watermark_fraction!r}: expected at most one of the two to be set")
+    if self.watermark >= self.num_device_blocks:
+      raise ValueError(f"watermark={self.watermark} blocks: expected fewer than num_device_blocks="
+                       f"{self.num_device_blocks}")
+    if self.max_blocks_per_request is not None:
+      _check_int("max_blocks_per_request", self.max_blocks_per_request, 1)
+    _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+    _check_choice("host_full", self.host_full, HOST_FULL_FALLBACKS)
+    policies.resolve_victim_policy(self.victim_policy)
+    if not isinstance(self.prefetch_swap_in, bool):
+      raise ValueError(f"prefetch_swap_in={self.prefetch_swap_in!r}: expected a bool")
+    self._check_link()
+
+  def _check_link(self):
+    _check_int("block_bytes", self.block_bytes, 0)
+    _check_int("weight_prefetch_bytes_per_step", self.weight_prefetch_bytes_per_step, 0)
+    if not 0.0 <= self.kv_link_share <= 1.0:
+      raise ValueError(f"kv_link_share={self.kv_link_share!r}: expected 0 <= x <= 1")
+    if self.link_bytes_per_step is not None:
+      _check_int("link_bytes_per_step", self.link_bytes_per_step, 1)
+      if self.block_bytes == 0:
+        raise ValueError(f"link_bytes_per_step={self.link_bytes_per_step!r} with block_bytes=0: "
+                         "expected block_bytes > 0 so that swaps can be counted in bytes")
+
+  @property
+  def watermark(self) -> int:
+    """The watermark in blocks."""
+    return max(self.watermark_blocks, math.ceil(self.watermark_fraction * self.num_device_blocks))
+
+  @property
+  def request_block_cap(self) -> int:
+    """The most device blocks one request may hold."""
+    if self.max_blocks_per_request is None:
+      return self.num_device_blocks
+    return min(self.max_blocks_per_request, self.num_device_blocks)
+
+
+def _check_int(name: str, value, minimum: int):
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    raise ValueError(f"{name}={value!r}: expected an int >= {minimum}")
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]):
+  if value not in choices:
+    raise ValueError(f"{name}={value!r}: expected one of {choices}")

@@ -1,0 +1,118 @@
+"""Requests as the scheduler sees them: what the client asked for, and how far each one got.
+
+Token accounting. A sequence is the prompt followed by the tokens generated so far. `num_computed`
+counts the tokens whose KV sits in the cache. A step computes a range [num_computed, end); when the
+range reaches the end of the sequence the model's last logits give a new token (the step "samples").
+So a decoding request computes its last generated token and samples the next one, and a request that
+lost its KV (recompute preemption) prefills prompt and generated tokens again. The last token sampled
+is never fed back, so a request holds the KV of at most prompt_len + max_tokens - 1 tokens.
+"""
+
+import dataclasses
+import typing
+from collections.abc import Hashable
+
+RequestId = Hashable
+
+FINISHED = "finished"
+ABORTED = "aborted"
+
+FINISH_LENGTH = "length"
+ABORT_CLIENT = "client_abort"
+ABORT_HOST_FULL = "host_pool_full"
+ABORT_TOO_LARGE = "exceeds_kv_capacity"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+  """What a client asked for. It never changes once the request has arrived.
+
+  Attributes:
+    request_id: unique among live requests.
+    prompt_len: prompt tokens, >= 1.
+    max_tokens: most tokens to generate, >= 1.
+    arrival_time: when the request arrived, in the caller's clock (seconds).
+    priority: lower runs first; 0 by default.
+    predicted_output_len: an estimate of the tokens it will generate (for the
+      `shortest_predicted_remaining` victim policy); None means max_tokens.
+  """
+  request_id: RequestId
+  prompt_len: int
+  max_tokens: int
+  arrival_time: float = 0.0
+  priority: int = 0
+  predicted_output_len: int | None = None
+
+  def __post_init__(self):
+    if self.request_id is None or not isinstance(self.request_id, Hashable):
+      raise ValueError(f"request_id={self.request_id!r}: expected a hashable id, not None")
+    _check_int("prompt_len", self.prompt_len, 1)
+    _check_int("max_tokens", self.max_tokens, 1)
+    _check_int("priority", self.priority, None)
+    if self.predicted_output_len is not None:
+      _check_int("predicted_output_len", self.predicted_output_len, 0)
+    if not isinstance(self.arrival_time, (int, float)) or self.arrival_time != self.arrival_time:
+      raise ValueError(f"arrival_time={self.arrival_time!r}: expected a number")
+
+  @property
+  def max_kv_tokens(self) -> int:
+    return self.prompt_len + self.max_tokens - 1
+
+  @property
+  def predicted_output(self) -> int:
+    if self.predicted_output_len is None:
+      return self.max_tokens
+    return self.predicted_output_len
+
+
+class Seq(typing.NamedTuple):
+  """A live request and its progress; `blocks` are device blocks while it runs, host blocks while it
+  is swapped out, and empty while it waits.
+
+  Immutable like the rest of the state; a named tuple rather than a frozen dataclass because every
+  step rebuilds one per running request, and a tuple is built about five times faster.
+  """
+  request: Request
+  order: int  # arrival order, breaks every tie
+  num_computed: int
+  num_generated: int
+  blocks: tuple[int, ...]  # [blocks] in token order: its block table
+
+  @property
+  def request_id(self) -> RequestId:
+    return self.request.request_id
+
+  @property
+  def seq_len(self) -> int:
+    return self.request.prompt_len + self.num_generated
+
+  @property
+  def num_uncomputed(self) -> int:
+    return self.request.prompt_len + self.num_generated - self.num_computed
+
+  @property
+  def is_decoding(self) -> bool:
+    return self.num_generated > 0 and self.num_computed + 1 == self.seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+  """A request that finished or was aborted, reported once in the next plan.
+
+  Attributes:
+    status: FINISHED or ABORTED.
+    reason: for FINISHED the stop reason the engine gave ("stop", ...) or FINISH_LENGTH; for ABORTED
+      one of ABORT_CLIENT, ABORT_HOST_FULL, ABORT_TOO_LARGE.
+    detail: a sentence for the client, when the reason alone does not say enough.
+  """
+  request_id: RequestId
+  status: str
+  reason: str
+  detail: str = ""
+
+
+def _check_int(name: str, value, minimum: int | None):
+  if not isinstance(value, int) or isinstance(value, bool):
+    raise ValueError(f"{name}={value!r}: expected an int")
+  if minimum is not None and value < minimum:
+    raise ValueError(f"{name}={value!r}: expected an int >= {minimum}")

@@ -1,0 +1,169 @@
+"""Scheduler state, the events that change it and the plans it hands to the engine: all plain data.
+
+Executing a plan. The engine applies the fields of a `Plan` in this order:
+  1. `swap_out`: copy each device block to its host block (device -> host).
+  2. `swap_in`: copy each host block to its device block (host -> device).
+  3. compute `prefill` and `decode`: each sequence computes tokens [start, end) into its block table.
+  4. `prefetch`: copy host -> device, overlapping step 3; it must finish before the next plan's step 1.
+Device blocks freed by this plan's swap-outs may be the destinations of step 2 or 4 or be written in
+step 3, which is why step 1 goes first. `free_device` / `free_host` list the blocks that became free
+since the previous plan (finished, aborted, swapped out or dropped requests); they need no copy.
+Then the engine reports the step with a `StepFinished` event before asking for the next plan.
+"""
+
+import dataclasses
+
+from jaxtier.scheduler import allocator
+from jaxtier.scheduler.config import SchedulerConfig
+from jaxtier.scheduler.request import FINISHED, Ended, Request, RequestId, Seq
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrive:
+  """A client submitted `request`."""
+  request: Request
+
+  def __post_init__(self):
+    if not isinstance(self.request, Request):
+      raise ValueError(f"request={self.request!r}: expected a Request")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFinished:
+  """The engine ran the plan in flight.
+
+  Every sequence of that plan computed its range and each one whose range reached the end of its
+  sequence (`samples`) appended one token. `finished` names those that stopped on that token (EOS, a
+  stop string) with the reason; the scheduler itself ends requests that reach max_tokens ("length").
+  """
+  finished: tuple[tuple[RequestId, str], ...] = ()
+
+  def __post_init__(self):
+    for entry in self.finished:
+      if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], str)
+              and entry[1]):
+        raise ValueError(f"finished entry {entry!r}: expected (request_id, non-empty reason)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+  """The client gave up on `request_id`; aborting a request that already ended does nothing."""
+  request_id: RequestId
+
+
+Event = Arrive | StepFinished | Abort
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeBatch:
+  """Sequences to compute in one step, as columns the engine turns into device arrays."""
+  request_ids: tuple[RequestId, ...]  # [seqs]
+  starts: tuple[int, ...]  # [seqs] first position computed
+  ends: tuple[int, ...]  # [seqs] one past the last position computed
+  block_tables: tuple[tuple[int, ...], ...]  # [seqs][blocks] device blocks in token order
+  samples: tuple[bool, ...]  # [seqs] the range reaches the end of the sequence: sample a token
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(self.ends) - sum(self.starts)
+
+  def __len__(self) -> int:
+    return len(self.request_ids)
+
+
+EMPTY_BATCH = ComputeBatch((), (), (), (), ())
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What the engine does in one step; see the module docstring for the order."""
+  step: int
+  prefill: ComputeBatch
+  decode: ComputeBatch
+  swap_out: tuple[tuple[int, int], ...]  # [pairs] (device block, host block)
+  swap_in: tuple[tuple[int, int], ...]  # [pairs] (host block, device block)
+  prefetch: tuple[tuple[int, int], ...]  # [pairs] (host block, device block)
+  free_device: tuple[int, ...]
+  free_host: tuple[int, ...]
+  preempted: tuple[tuple[RequestId, str], ...]  # (request, "swap" or "recompute")
+  ended: tuple[Ended, ...]  # requests that ended since the previous plan
+  kv_swap_bytes: int  # high-priority link bytes: all swap and prefetch copies
+  weight_prefetch_bytes: int  # low-priority link bytes granted to weight prefetch
+
+  @property
+  def num_tokens(self) -> int:
+    return self.prefill.num_tokens + self.decode.num_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Counters:
+  """Running totals since the scheduler started; the pairs are (name, count) sorted by name."""
+  steps: int = 0
+  swap_outs: int = 0
+  swap_out_blocks: int = 0
+  swap_ins: int = 0
+  swap_in_blocks: int = 0
+  preemptions: tuple[tuple[str, int], ...] = ()
+  finished: tuple[tuple[str, int], ...] = ()
+  aborted: tuple[tuple[str, int], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerState:
+  """Everything the scheduler knows. Each live request is in exactly one of the three queues.
+
+  Attributes:
+    waiting: requests without KV, by (priority, arrival); new and recompute-preempted ones.
+    running: requests whose KV is on the device, in the order they started running.
+    swapped: requests whose KV is on the host, by (priority, arrival).
+    ended, freed_device, freed_host: what happened since the last plan, reported in the next one.
+    in_flight: the plan the engine is running, until its StepFinished arrives.
+    next_order: arrival order of the next request.
+  """
+  config: SchedulerConfig
+  device: allocator.BlockPool
+  host: allocator.BlockPool
+  waiting: tuple[Seq, ...] = ()
+  running: tuple[Seq, ...] = ()
+  swapped: tuple[Seq, ...] = ()
+  ended: tuple[Ended, ...] = ()
+  freed_device: tuple[int, ...] = ()
+  freed_host: tuple[int, ...] = ()
+  in_flight: Plan | None = None
+  next_order: int = 0
+  counters: Counters = Counters()
+
+
+def initial_state(config: SchedulerConfig) -> SchedulerState:
+  """Returns the state of a scheduler with empty pools and no requests."""
+  if not isinstance(config, SchedulerConfig):
+    raise ValueError(f"config={config!r}: expected a SchedulerConfig")
+  return SchedulerState(config, allocator.new_pool(config.num_device_blocks),
+                        allocator.new_pool(config.num_host_blocks))
+
+
+def find(state: SchedulerState, request_id: RequestId) -> tuple[str, Seq] | None:
+  """Returns ("waiting" | "running" | "swapped", seq) for a live request, or None."""
+  for place in ("waiting", "running", "swapped"):
+    for seq in getattr(state, place):
+      if seq.request_id == request_id:
+        return place, seq
+  return None
+
+
+def add_count(pairs: tuple[tuple[str, int], ...], name: str, count: int = 1
+              ) -> tuple[tuple[str, int], ...]:
+  """Returns `pairs` with `count` added to the entry for `name`."""
+  totals = dict(pairs)
+  totals[name] = totals.get(name, 0) + count
+  return tuple(sorted(totals.items()))
+
+
+def with_ended(state: SchedulerState, ended: tuple[Ended, ...]) -> SchedulerState:
+  """Returns `state` with `ended` queued for the next plan and counted."""
+  counters = state.counters
+  for item in ended:
+    field = "finished" if item.status == FINISHED else "aborted"
+    counters = dataclasses.replace(
+        counters, **{field: add_count(getattr(counters, field), item.reason)})
+  return dataclasses.replace(state, ended=state.ended + ended, counters=counters)

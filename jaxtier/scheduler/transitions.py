@@ -1,0 +1,124 @@
+"""Event transitions `state, event -> state`, and `step`, the one call an engine makes per step.
+
+Engine loop:
+
+    state = scheduler.initial_state(config)
+    events = [scheduler.Arrive(request), ...]
+    while serving:
+      state, plan = scheduler.step(state, events)
+      finished = engine.execute(plan)          # swaps, compute, sampling
+      events = [scheduler.StepFinished(finished)] + new_arrivals_and_aborts
+
+Nothing here reads a clock or draws a random number: times arrive inside events.
+"""
+
+import bisect
+import dataclasses
+from collections.abc import Iterable
+
+from jaxtier.scheduler import allocator
+from jaxtier.scheduler import policies
+from jaxtier.scheduler.planning import schedule
+from jaxtier.scheduler.request import (ABORT_CLIENT, ABORT_TOO_LARGE, ABORTED, FINISH_LENGTH,
+                                       FINISHED, Ended, Request, Seq)
+from jaxtier.scheduler.state import (Abort, Arrive, Event, Plan, SchedulerState, StepFinished, find,
+                                     with_ended)
+
+
+def step(state: SchedulerState, events: Iterable[Event] = ()) -> tuple[SchedulerState, Plan]:
+  """Applies `events` in order, then plans the next step."""
+  for event in events:
+    state = apply_event(state, event)
+  return schedule(state)
+
+
+def apply_event(state: SchedulerState, event: Event) -> SchedulerState:
+  """Returns the state after one event; its effects are reported in the next plan."""
+  if isinstance(event, Arrive):
+    return _arrive(state, event.request)
+  if isinstance(event, StepFinished):
+    return _step_finished(state, event)
+  if isinstance(event, Abort):
+    return _abort(state, event)
+  raise ValueError(f"event={event!r}: expected an Arrive, StepFinished or Abort")
+
+
+def _arrive(state: SchedulerState, request: Request) -> SchedulerState:
+  config = state.config
+  if find(state, request.request_id) is not None:
+    raise ValueError(f"request_id={request.request_id!r}: expected an id not used by a live request")
+  need = allocator.blocks_for(request.max_kv_tokens, config.block_size)
+  order = state.next_order
+  state = dataclasses.replace(state, next_order=order + 1)
+  if need > config.request_block_cap:
+    detail = (f"prompt_len={request.prompt_len} + max_tokens={request.max_tokens} needs {need} KV "
+              f"blocks of {config.block_size} tokens; a request may hold at most "
+              f"{config.request_block_cap}")
+    return with_ended(state, (Ended(request.request_id, ABORTED, ABORT_TOO_LARGE, detail),))
+  seq = Seq(request, order, 0, 0, ())
+  at = bisect.bisect(state.waiting, policies.queue_key(seq), key=policies.queue_key)
+  return dataclasses.replace(state, waiting=state.waiting[:at] + (seq,) + state.waiting[at:])
+
+
+def _step_finished(state: SchedulerState, event: StepFinished) -> SchedulerState:
+  plan = state.in_flight
+  if plan is None:
+    raise ValueError("StepFinished with no plan in flight: expected one StepFinished per plan")
+  scheduled = dict(zip(plan.decode.request_ids, plan.decode.ends))
+  scheduled.update(zip(plan.prefill.request_ids, plan.prefill.ends))
+  sampling = set(plan.decode.request_ids)
+  sampling.update(i for i, s in zip(plan.prefill.request_ids, plan.prefill.samples) if s)
+  stopped = _check_finished(state, event, sampling)
+  running, ended, released = [], [], []
+  for seq in state.running:
+    request = seq.request
+    end = scheduled.get(request.request_id)
+    if end is not None:
+      sampled = end == request.prompt_len + seq.num_generated
+      generated = seq.num_generated + sampled
+      seq = Seq(request, seq.order, end, generated, seq.blocks)
+      reason = stopped.get(request.request_id)
+      if reason is None and generated >= request.max_tokens:
+        reason = FINISH_LENGTH
+      if reason is not None:
+        ended.append(Ended(request.request_id, FINISHED, reason))
+        released.extend(seq.blocks)
+        continue
+    running.append(seq)
+  device = state.device
+  if released:
+    device, _ = allocator.update(device, release=released)
+  state = dataclasses.replace(state, running=tuple(running), device=device, in_flight=None,
+                              freed_device=state.freed_device + tuple(released))
+  return with_ended(state, tuple(ended)) if ended else state
+
+
+def _check_finished(state: SchedulerState, event: StepFinished, sampling: set) -> dict:
+  """Returns the stop reasons by request id of the live requests in `event.finished`."""
+  stopped = {}
+  for request_id, reason in event.finished:
+    if request_id in stopped:
+      raise ValueError(f"finished names request {request_id!r} twice: expected it once")
+    if find(state, request_id) is None:
+      continue  # the client aborted it while the step ran
+    if request_id not in sampling:
+      raise ValueError(f"finished names request {request_id!r}, which sampled no token in step "
+                       f"{state.in_flight.step}: expected only requests whose range had samples=True")
+    stopped[request_id] = reason
+  return stopped
+
+
+def _abort(state: SchedulerState, event: Abort) -> SchedulerState:
+  found = find(state, event.request_id)
+  if found is None:
+    return state
+  place, seq = found
+  remaining = tuple(s for s in getattr(state, place) if s.request_id != event.request_id)
+  state = dataclasses.replace(state, **{place: remaining})
+  if place == "running":
+    device, _ = allocator.update(state.device, release=seq.blocks)
+    state = dataclasses.replace(state, device=device, freed_device=state.freed_device + seq.blocks)
+  elif place == "swapped":
+    host, _ = allocator.update(state.host, release=seq.blocks)
+    state = dataclasses.replace(state, host=host, freed_host=state.freed_host + seq.blocks)
+  return with_ended(state, (Ended(seq.request_id, ABORTED, ABORT_CLIENT),))
