@@ -1,0 +1,262 @@
+"""A paged KV cache: device block pools for all layers, and a pinned-host pool for swapped blocks.
+
+The cache is one pytree. Its device pool holds K and V for every layer, in the flat-page layout the
+attention kernels read (see `paged_attention`); its host pool, allocated once in `pinned_host`
+memory, holds whole blocks (all layers and heads of one block contiguous, the unit a swap moves).
+Which block belongs to which sequence is not part of the cache: it travels per step in
+`PagedMetadata`, built by whoever allocates blocks. bfloat16 KV is stored as uint16 bit patterns on
+CPU (see `quant.storage_dtype`).
+
+`cache.update_and_attend(layer, q, k, v, pos, meta)` is the contract with the model (see
+`contiguous.py`): the new tokens are scattered into their slots (in place when the cache is
+donated), then the layer attends. Every jit that takes and returns the cache must donate it, or XLA
+copies both pools (the host one included) on every call.
+
+Shape legend: l layers, k kv heads, p device blocks, h host blocks, c block size, d head dim,
+b batch, t new tokens, n query heads, m blocks per sequence (table width), f flat pages (l * p).
+"""
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_pallas,
+                                              paged_attention_reference)
+from jaxtier.kvcache.quant import (KV_CACHE_DTYPES, SCALE_DTYPE, encode, quantize_int8,
+                                   storage_dtype)
+
+ATTENTION_IMPLS = ("xla", "reference", "pallas", "pallas_interpret")
+_GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCacheConfig:
+  """Shape, storage dtype and attention path of a paged cache.
+
+  The host pool is sized by `num_host_blocks` or by `host_pool_gib` (at most one of them);
+  `attention_impl` picks the decode-step attention ("pallas" is the GPU kernel).
+  """
+  num_layers: int
+  num_kv_heads: int
+  head_dim: int
+  num_blocks: int
+  block_size: int = 16
+  num_host_blocks: int | None = None
+  host_pool_gib: float | None = None
+  kv_cache_dtype: str = "float32"
+  attention_impl: str = "xla"
+
+  def __post_init__(self):
+    for name in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name}={getattr(self, name)} must be positive")
+    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
+                       f"{sorted(KV_CACHE_DTYPES)}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}")
+    if self.num_host_blocks is not None and self.host_pool_gib is not None:
+      raise ValueError(f"give num_host_blocks={self.num_host_blocks} or "
+                       f"host_pool_gib={self.host_pool_gib}, not both")
+    if (self.num_host_blocks or 0) < 0 or (self.host_pool_gib or 0) < 0:
+      raise ValueError(f"{self.num_host_blocks=} and {self.host_pool_gib=} must not be negative")
+
+  @property
+  def quantized(self) -> bool:
+    return self.kv_cache_dtype == "int8"
+
+  @property
+  def bytes_per_block(self) -> int:
+    """Bytes of K plus V (plus INT8 scales) of one block over all layers: what a swap moves."""
+    per_slot = self.head_dim * np.dtype(KV_CACHE_DTYPES[self.kv_cache_dtype]).itemsize
+    per_slot += np.dtype(SCALE_DTYPE).itemsize if self.quantized else 0
+    return 2 * self.num_layers * self.num_kv_heads * self.block_size * per_slot
+
+  @property
+  def host_blocks(self) -> int:
+    """Blocks in the pinned-host pool."""
+    if self.host_pool_gib is not None:
+      return int(self.host_pool_gib * _GIB) // self.bytes_per_block
+    return self.num_host_blocks or 0
+
+
+@flax.struct.dataclass(frozen=True)
+class KVBlocks:
+  """K and V blocks, with float32 scales when the values are int8 (None otherwise).
+
+  The device pool is [k, l, p, c, d] (scales [k, l, p, c]); the host pool is block-major,
+  [h, k, l, c, d] (scales [h, k, l, c]).
+  """
+  k: jax.Array
+  v: jax.Array
+  k_scales: jax.Array | None = None
+  v_scales: jax.Array | None = None
+
+
+@flax.struct.dataclass(frozen=True)
+class PagedMetadata:
+  """Per-step attention metadata: each sequence's device block ids, in order.
+
+  Entry [b, i] holds the block of token positions i * block_size ... (i + 1) * block_size - 1 of
+  sequence b; -1 marks an unused entry. Positions beyond the table are neither written nor read.
+  """
+  block_tables_bm: jax.Array  # [batch, max_blocks_per_seq] int32
+
+  @classmethod
+  def create(cls, block_tables_bm, num_blocks: int) -> "PagedMetadata":
+    """Validates concrete block tables (int32 [batch, width], ids in [-1, num_blocks))."""
+    tables = np.asarray(block_tables_bm)
+    if tables.ndim != 2 or not np.issubdtype(tables.dtype, np.integer):
+      raise ValueError(f"block tables {tables.shape} {tables.dtype} must be integer [batch, width]")
+    bad = tables[(tables < -1) | (tables >= num_blocks)]
+    if bad.size:
+      raise ValueError(f"block ids {sorted(set(bad.tolist()))[:8]} are outside [-1, {num_blocks})")
+    return cls(jnp.asarray(tables, jnp.int32))
+
+
+def _platform(sharding) -> str:
+  return next(iter(sharding.device_set)).platform
+
+
+def _zeros(shape, dtype, sharding) -> jax.Array:
+  if sharding.memory_kind == "device":
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+  # A host array made by a jit with host out_shardings carries a device aval in jax 0.10.2 (later
+  # jits would return it in device memory), so it is put from numpy. np.zeros maps untouched zero
+  # pages: the temporary costs no memory. On CPU that put aliases the numpy buffer, which donation
+  # cannot reuse: the first swap would silently reallocate the pool, so copy it once here.
+  host = jax.device_put(np.zeros(shape, dtype), sharding)
+  if _platform(sharding) == "cpu":
+    host = jax.device_put(host, sharding, may_alias=False)
+  return host
+
+
+def _allocate(leading: tuple[int, ...], config: PagedCacheConfig, sharding) -> KVBlocks:
+  shape = leading + (config.block_size,)
+  value_dtype = storage_dtype(config.kv_cache_dtype, _platform(sharding))
+  values = [_zeros(shape + (config.head_dim,), value_dtype, sharding) for _ in range(2)]
+  scales = [_zeros(shape, SCALE_DTYPE, sharding) if config.quantized else None for _ in range(2)]
+  return KVBlocks(*values, *scales)
+
+
+@flax.struct.dataclass(frozen=True)
+class PagedKVCache:
+  """Device and host block pools of a paged KV cache (see the module docstring)."""
+  device: KVBlocks  # [kv_heads, layers, blocks, block_size, head_dim] in `device` memory
+  host: KVBlocks  # [host_blocks, kv_heads, layers, block_size, head_dim] in `pinned_host` memory
+  config: PagedCacheConfig = flax.struct.field(pytree_node=False)
+
+  @classmethod
+  def create(cls, config: PagedCacheConfig, device: jax.Device | None = None) -> "PagedKVCache":
+    """Allocates both pools (zeros) on `device` (default: the first device)."""
+    device = device or jax.devices()[0]
+    if config.attention_impl == "pallas" and device.platform != "gpu":
+      raise ValueError(f"attention_impl='pallas' needs a GPU, got a {device.platform} device "
+                       "(use 'pallas_interpret' to run the kernel on CPU)")
+    k, l = config.num_kv_heads, config.num_layers
+    dev = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    return cls(_allocate((k, l, config.num_blocks), config, dev),
+               _allocate((config.host_blocks, k, l), config, host), config)
+
+  def update_and_attend(self, layer: jax.Array, q_btnd: jax.Array, k_btkd: jax.Array,
+                        v_btkd: jax.Array, pos_bt: jax.Array, meta: PagedMetadata
+                        ) -> tuple["PagedKVCache", jax.Array]:
+    """Writes the new tokens of `layer`, then attends over the sequence's cached tokens."""
+    cache = write_chunk(self, layer, k_btkd, v_btkd, pos_bt, meta)
+    return cache, attend(cache, layer, q_btnd, pos_bt, meta)
+
+
+def _check(cache: PagedKVCache, x_btkd, pos_bt, meta, name: str) -> None:
+  cfg = cache.config
+  if not isinstance(meta, PagedMetadata):
+    raise ValueError(f"meta must be a PagedMetadata, got {type(meta).__name__}")
+  b, t = pos_bt.shape
+  heads = x_btkd.shape[2] if x_btkd.ndim == 4 else 0
+  fits_heads = heads % cfg.num_kv_heads == 0 if name == "q" else heads == cfg.num_kv_heads
+  if x_btkd.shape[:2] != (b, t) or x_btkd.shape[-1] != cfg.head_dim or not heads or not fits_heads:
+    raise ValueError(f"{name} {x_btkd.shape} does not fit {pos_bt.shape=}, {cfg.num_kv_heads=} "
+                     f"and {cfg.head_dim=}")
+  tables = meta.block_tables_bm
+  if tables.ndim != 2 or tables.shape[0] != b or tables.dtype != jnp.int32:
+    raise ValueError(f"block tables {tables.shape} {tables.dtype} must be int32 [batch={b}, width]")
+  if pos_bt.dtype != jnp.int32:
+    raise ValueError(f"{pos_bt.dtype=} must be int32")
+
+
+def _flat(pool_klp) -> jax.Array:
+  """[k, l, p, ...] -> [k, l * p, ...], a free reshape."""
+  if pool_klp is None:
+    return None
+  return pool_klp.reshape((pool_klp.shape[0], -1) + pool_klp.shape[3:])
+
+
+def _pages_bm(cache: PagedKVCache, layer, meta: PagedMetadata) -> jax.Array:
+  tables_bm = meta.block_tables_bm
+  return jnp.where(tables_bm >= 0, tables_bm + layer * cache.config.num_blocks, -1)
+
+
+def write_chunk(cache: PagedKVCache, layer: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
+                pos_bt: jax.Array, meta: PagedMetadata) -> PagedKVCache:
+  """Scatters a chunk of new tokens (prefill or decode) of one layer into their slots.
+
+  Tokens with a negative position, an unused (-1) table entry or a position beyond the table are
+  dropped. Only the new tokens are written: in place when the cache is donated.
+  """
+  if k_btkd.shape != v_btkd.shape:
+    raise ValueError(f"{k_btkd.shape=} must equal {v_btkd.shape=}")
+  _check(cache, k_btkd, pos_bt, meta, "k")
+  cfg, dev = cache.config, cache.device
+  c, m = cfg.block_size, meta.block_tables_bm.shape[1]
+  pages_bm = _pages_bm(cache, layer, meta)
+  page_bt = jnp.take_along_axis(pages_bm, jnp.clip(pos_bt // c, 0, m - 1), axis=1)
+  keep_bt = (pos_bt >= 0) & (pos_bt < m * c) & (page_bt >= 0)
+  page_bt = jnp.where(keep_bt, page_bt, cfg.num_layers * cfg.num_blocks)  # out of range: dropped
+  offset_bt = pos_bt % c
+
+  def scatter(pool_klp, new_bt):
+    assert new_bt.dtype == pool_klp.dtype, (new_bt.dtype, pool_klp.dtype)
+    flat = _flat(pool_klp).at[:, page_bt, offset_bt].set(jnp.moveaxis(new_bt, 2, 0), mode="drop")
+    return flat.reshape(pool_klp.shape)
+
+  if cfg.quantized:
+    (k_q, k_s), (v_q, v_s) = quantize_int8(k_btkd), quantize_int8(v_btkd)
+    new = KVBlocks(scatter(dev.k, k_q), scatter(dev.v, v_q), scatter(dev.k_scales, k_s),
+                   scatter(dev.v_scales, v_s))
+  else:
+    new = KVBlocks(scatter(dev.k, encode(k_btkd, cfg.kv_cache_dtype, dev.k.dtype)),
+                   scatter(dev.v, encode(v_btkd, cfg.kv_cache_dtype, dev.v.dtype)))
+  return cache.replace(device=new)
+
+
+def write_decode(cache: PagedKVCache, layer: jax.Array, k_bkd: jax.Array, v_bkd: jax.Array,
+                 pos_b: jax.Array, meta: PagedMetadata) -> PagedKVCache:
+  """Writes one decode token per sequence: `write_chunk` with a single new token."""
+  return write_chunk(cache, layer, k_bkd[:, None], v_bkd[:, None], pos_b[:, None], meta)
+
+
+def attend(cache: PagedKVCache, layer: jax.Array, q_btnd: jax.Array, pos_bt: jax.Array,
+           meta: PagedMetadata) -> jax.Array:
+  """Attention of queries at `pos_bt` over the cached tokens of `layer`; output [b, t, n, d]."""
+  _check(cache, q_btnd, pos_bt, meta, "q")
+  dev, impl = cache.device, cache.config.attention_impl
+  args = (q_btnd, _flat(dev.k), _flat(dev.v), _pages_bm(cache, layer, meta), pos_bt,
+          _flat(dev.k_scales), _flat(dev.v_scales))
+  if impl == "reference":
+    return paged_attention_reference(*args)
+  if impl.startswith("pallas") and q_btnd.shape[1] == 1:
+    return paged_attention_pallas(*args, interpret=impl == "pallas_interpret")
+  return paged_attention(*args)
+
+
+def device_pool_bytes(cache: PagedKVCache) -> int:
+  """Bytes held by the device pool (values and scales)."""
+  return sum(x.nbytes for x in jax.tree.leaves(cache.device))
+
+
+def host_pool_bytes(cache: PagedKVCache) -> int:
+  """Bytes held by the pinned-host pool (values and scales)."""
+  return sum(x.nbytes for x in jax.tree.leaves(cache.host))

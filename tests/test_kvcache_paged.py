@@ -1,0 +1,191 @@
+"""The paged cache through the model's contract: equal to the contiguous cache, writes in place.
+
+Shape legend: l layers, b batch, t new tokens, n query heads, k kv heads, d head dim, m table width.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtier.kvcache import (ContiguousKVCache, PagedCacheConfig, PagedKVCache, PagedMetadata,
+                             attend, device_pool_bytes, quantize_int8, write_chunk, write_decode)
+from jaxtier.kvcache.quant import decode
+
+L, K, G, D, C = 3, 2, 3, 8, 4
+NUM_BLOCKS = 24
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def run_layers(cache, q_lbtnd, k_lbtkd, v_lbtkd, pos_bt, meta):
+  """What the model does: a scan over layers calling `update_and_attend` with a traced layer."""
+  def body(cache, xs):
+    layer, q, k, v = xs
+    return cache.update_and_attend(layer, q, k, v, pos_bt, meta)
+  layers = jnp.arange(q_lbtnd.shape[0], dtype=jnp.int32)
+  return jax.lax.scan(body, cache, (layers, q_lbtnd, k_lbtkd, v_lbtkd))
+
+
+def block_tables(rng, lengths):
+  """Shuffled distinct device blocks for each sequence, -1 past its last block."""
+  used = [-(-n // C) for n in lengths]
+  m = max(used) + 1
+  ids = rng.permutation(NUM_BLOCKS)
+  table = np.full((len(lengths), m), -1, np.int32)
+  for i, u in enumerate(used):
+    table[i, :u] = ids[i * m:i * m + u]
+  return table
+
+
+def random_step(rng, positions):
+  """Random q/k/v for every layer at the given [b, t] positions (negative = padding)."""
+  b, t = positions.shape
+  q = rng.normal(size=(L, b, t, K * G, D)).astype(np.float32)
+  k = rng.normal(size=(L, b, t, K, D)).astype(np.float32)
+  v = rng.normal(size=(L, b, t, K, D)).astype(np.float32)
+  return q, k, v, positions.astype(np.int32)
+
+
+def schedule(lengths):
+  """Ragged padded prefill of the first 7 tokens, a second chunk, then two decode steps."""
+  pos = np.arange(7)[None].repeat(len(lengths), 0)
+  first = np.where(pos < np.minimum(np.array(lengths)[:, None] - 3, 7), pos, -1)
+  second = first.max(1, keepdims=True) + 1 + np.arange(4)[None]
+  second = np.where(second < np.array(lengths)[:, None] - 2, second, -1)
+  done = np.maximum(first.max(1), second.max(1))
+  return [first, second, done[:, None] + 1, done[:, None] + 2]
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference", "pallas_interpret"])
+def test_equals_contiguous_cache_over_prefill_chunks_and_decode(impl):
+  rng = np.random.default_rng(0)
+  lengths = [9, 14, 6]
+  config = PagedCacheConfig(L, K, D, NUM_BLOCKS, block_size=C, attention_impl=impl)
+  paged = PagedKVCache.create(config)
+  contiguous = ContiguousKVCache.create(L, len(lengths), 16, K, D)
+  meta = PagedMetadata.create(block_tables(rng, lengths), NUM_BLOCKS)
+  for positions in schedule(lengths):
+    step = random_step(rng, positions)
+    paged, out_paged = run_layers(paged, *step, meta)
+    contiguous, out_contiguous = run_layers(contiguous, *step, None)
+    real = (positions >= 0)[None, :, :, None, None]
+    np.testing.assert_allclose(np.where(real, out_paged, 0), np.where(real, out_contiguous, 0),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_pure_functions_compose_like_update_and_attend():
+  rng = np.random.default_rng(5)
+  config = PagedCacheConfig(L, K, D, NUM_BLOCKS, block_size=C, kv_cache_dtype="bfloat16")
+  meta = PagedMetadata.create(block_tables(rng, [7, 3]), NUM_BLOCKS)
+  layer = jnp.int32(2)
+  q, k, v, pos = random_step(rng, np.array([[0, 1, 2, 3, 4, 5], [0, 1, 2, -1, -1, -1]]))
+  q1, k1, v1, pos1 = random_step(rng, np.array([[6], [3]]))
+  cache = jax.jit(write_chunk)(PagedKVCache.create(config), layer, k[2], v[2], pos, meta)
+  cache = jax.jit(write_decode)(cache, layer, k1[2, :, 0], v1[2, :, 0], pos1[:, 0], meta)
+  got = jax.jit(attend)(cache, layer, q1[2], pos1, meta)
+  update_and_attend = jax.jit(PagedKVCache.update_and_attend)
+  want_cache, _ = update_and_attend(PagedKVCache.create(config), layer, q[2], k[2], v[2], pos, meta)
+  _, want = update_and_attend(want_cache, layer, q1[2], k1[2], v1[2], pos1, meta)
+  np.testing.assert_array_equal(got, want)
+
+
+def gather_tokens(cache, layer, table, n):
+  """Values, scales of the first n slots of each sequence, read from the pool by hand."""
+  def read(pool):
+    if pool is None:
+      return None
+    pool = np.asarray(decode(pool).astype(jnp.float32) if pool.dtype == jnp.uint16 else pool)
+    return np.stack([np.stack([pool[:, layer, row[s // C], s % C] for s in range(n)])
+                     for row in table])
+  dev = cache.device
+  return read(dev.k), read(dev.k_scales)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_writes_store_exactly_the_new_tokens(dtype):
+  rng = np.random.default_rng(1)
+  config = PagedCacheConfig(L, K, D, NUM_BLOCKS, block_size=C, kv_cache_dtype=dtype)
+  cache = PagedKVCache.create(config)
+  table = block_tables(rng, [11, 5])
+  meta = PagedMetadata.create(table, NUM_BLOCKS)
+  positions = np.array([np.arange(11), np.where(np.arange(11) < 5, np.arange(11), -1)])
+  q, k, v, pos = random_step(rng, positions)
+  cache, _ = run_layers(cache, q, k, v, pos, meta)
+  got, got_scales = gather_tokens(cache, 1, table, 5)
+  want = k[1, :, :5]
+  if dtype == "int8":
+    want_q, want_s = quantize_int8(jnp.asarray(want))
+    np.testing.assert_array_equal(got, want_q)
+    np.testing.assert_array_equal(got_scales, want_s)
+  else:
+    np.testing.assert_array_equal(got, np.asarray(jnp.asarray(want).astype(dtype), np.float32))
+  written = np.zeros(NUM_BLOCKS, bool)
+  written[table[0, :3]] = written[table[1, :2]] = True
+  untouched = np.asarray(cache.device.k)[:, :, ~written]
+  assert not untouched.any(), "padding tokens or unused blocks were written"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_step_writes_in_place_without_pool_copies(dtype):
+  rng = np.random.default_rng(2)
+  config = PagedCacheConfig(L, K, D, 512, block_size=C, num_host_blocks=8, kv_cache_dtype=dtype)
+  cache = PagedKVCache.create(config)
+  meta = PagedMetadata.create(np.arange(8, dtype=np.int32).reshape(2, 4), 512)
+  step = random_step(rng, np.array([[5], [9]]))
+  compiled = run_layers.lower(cache, *step, meta).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < device_pool_bytes(cache) // 20
+  pointers = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(cache)]
+  cache, _ = run_layers(cache, *step, meta)
+  assert [a.unsafe_buffer_pointer() for a in jax.tree.leaves(cache)] == pointers
+  kinds = [a.sharding.memory_kind for a in jax.tree.leaves(cache)]
+  assert kinds == ["device"] * (len(kinds) // 2) + ["pinned_host"] * (len(kinds) // 2)
+
+
+def test_cuda_export_of_a_step_moves_nothing_between_memory_kinds():
+  """On a GPU the host pool rides through the model's scan untouched: no transfers, aliased."""
+  rng = np.random.default_rng(3)
+  config = PagedCacheConfig(L, K, D, NUM_BLOCKS, block_size=C, num_host_blocks=8)
+  cache = PagedKVCache.create(config)
+  meta = PagedMetadata.create(block_tables(rng, [5, 9]), NUM_BLOCKS)
+  step = random_step(rng, np.array([[4], [8]]))
+  module = jax.export.export(run_layers, platforms=["cuda"])(cache, *step, meta).mlir_module()
+  assert "annotate_device_placement" not in module
+  signature = module[module.index("func.func public @main"):].split("->")[0]
+  host_args = [arg for arg in signature.split("%arg") if "pinned_host" in arg]
+  assert len(host_args) == 2 and all("tf.aliasing_output" in arg for arg in host_args)
+
+
+def test_config_and_metadata_validation():
+  with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+    PagedCacheConfig(L, K, D, 8, kv_cache_dtype="fp8")
+  with pytest.raises(ValueError, match="block_size=0"):
+    PagedCacheConfig(L, K, D, 8, block_size=0)
+  with pytest.raises(ValueError, match="not both"):
+    PagedCacheConfig(L, K, D, 8, num_host_blocks=4, host_pool_gib=1.0)
+  with pytest.raises(ValueError, match=r"block ids \[8, 9\] are outside \[-1, 8\)"):
+    PagedMetadata.create(np.array([[0, 8], [9, -1]]), 8)
+  config = PagedCacheConfig(L, K, D, 8, block_size=C, host_pool_gib=1 / 1024)
+  assert config.host_blocks == (1 << 20) // config.bytes_per_block
+  cache = PagedKVCache.create(config)
+  q = jnp.zeros((2, 1, K * G, D))
+  kv = jnp.zeros((2, 1, K, D))
+  pos = jnp.zeros((2, 1), jnp.int32)
+  with pytest.raises(ValueError, match="meta must be a PagedMetadata"):
+    cache.update_and_attend(jnp.int32(0), q, kv, kv, pos, None)
+  with pytest.raises(ValueError, match="must be int32"):
+    cache.update_and_attend(jnp.int32(0), q, kv, kv, pos, PagedMetadata(jnp.zeros((2, 3))))
+  meta = PagedMetadata(jnp.zeros((2, 3), jnp.int32))
+  with pytest.raises(ValueError, match="head_dim"):
+    cache.update_and_attend(jnp.int32(0), q, kv[..., :4], kv[..., :4], pos, meta)
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    cache.update_and_attend(jnp.int32(0), q, kv[:, :, :1], kv[:, :, :1], pos, meta)
+
+
+def test_bytes_per_block_int8_is_about_half_of_bfloat16():
+  sizes = {dtype: PagedCacheConfig(30, 3, 64, 8, kv_cache_dtype=dtype).bytes_per_block
+           for dtype in ("float32", "bfloat16", "int8")}
+  assert sizes["float32"] == 2 * 30 * 3 * 16 * 64 * 4 == 2 * sizes["bfloat16"]
+  assert sizes["int8"] == 2 * 30 * 3 * 16 * (64 + 4)
+  assert sizes["int8"] / sizes["bfloat16"] < 0.55

@@ -1,0 +1,144 @@
+"""Swapping blocks between the device pool and the pinned-host pool.
+
+Shape legend: k kv heads, l layers, p device blocks, h host blocks, c block size, d head dim.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtier.kvcache import (KVBlocks, PagedCacheConfig, PagedKVCache, bucket_size, swap_in,
+                             swap_out)
+from jaxtier.kvcache import swap as swap_module
+
+L, K, C, D = 2, 2, 4, 8
+DEVICE_BLOCKS, HOST_BLOCKS = 12, 8
+IMPLS = swap_module.SWAP_IMPLS
+
+
+def _random_like(pool: KVBlocks, seed: int) -> KVBlocks:
+  """Random contents (int8 values spread over the full range). `+ 0` makes XLA own the buffers:
+  arrays put straight from numpy alias numpy memory on CPU, and donating them copies."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 60, a.dtype) + 0, pool)
+
+
+def random_cache(dtype: str, seed: int = 0) -> PagedKVCache:
+  config = PagedCacheConfig(L, K, D, DEVICE_BLOCKS, block_size=C, num_host_blocks=HOST_BLOCKS,
+                            kv_cache_dtype=dtype)
+  cache = PagedKVCache.create(config)
+  return cache.replace(device=_random_like(cache.device, seed))
+
+
+def device_blocks(cache) -> list[np.ndarray]:
+  """Each device leaf as numpy, block axis first: [p, k, l, c, ...]."""
+  return [np.moveaxis(np.asarray(a), 2, 0).copy() for a in jax.tree.leaves(cache.device)]
+
+
+def host_blocks(cache) -> list[np.ndarray]:
+  return [np.asarray(a).copy() for a in jax.tree.leaves(cache.host)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_swap_round_trip_is_bit_identical(dtype, impl):
+  cache = random_cache(dtype)
+  before = device_blocks(cache)
+  host_before = host_blocks(cache)
+  cache, out_report = swap_out(cache, [3, 7, 1], [5, 0, 2], impl=impl)
+  for got, want, old in zip(host_blocks(cache), before, host_before):
+    np.testing.assert_array_equal(got[[5, 0, 2]], want[[3, 7, 1]])
+    np.testing.assert_array_equal(np.delete(got, [5, 0, 2], 0), np.delete(old, [5, 0, 2], 0))
+  cache = cache.replace(device=_random_like(cache.device, seed=1))  # slots get reused
+  reused = device_blocks(cache)
+  cache, in_report = swap_in(cache, [0, 5, 2], [9, 4, 3], impl=impl)
+  for got, want, other in zip(device_blocks(cache), before, reused):
+    np.testing.assert_array_equal(got[[9, 4, 3]], want[[7, 3, 1]])
+    np.testing.assert_array_equal(np.delete(got, [9, 4, 3], 0), np.delete(other, [9, 4, 3], 0))
+  block_bytes = cache.config.bytes_per_block
+  assert (out_report.bytes, in_report.bytes) == (3 * block_bytes, 3 * block_bytes)
+  assert (out_report.bucket, out_report.direction, in_report.direction) == (4, "out", "in")
+  assert out_report.seconds > 0 and in_report.seconds > 0
+
+
+def test_impls_agree():
+  caches = {impl: random_cache("int8", seed=3) for impl in IMPLS}
+  for impl in IMPLS:
+    caches[impl], _ = swap_out(caches[impl], [11, 0, 4, 6, 2], [7, 1, 3, 0, 6], impl=impl)
+    caches[impl], _ = swap_in(caches[impl], [3, 6], [6, 0], impl=impl)
+  for a, b in zip(*(jax.tree.leaves(caches[impl]) for impl in IMPLS)):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_host_pool_is_one_allocation_across_many_swaps(impl):
+  cache = random_cache("bfloat16", seed=4)
+  def placement(c):
+    return [(a.unsafe_buffer_pointer(), a.shape, a.dtype, a.sharding.memory_kind)
+            for a in jax.tree.leaves(c)]
+  start = placement(cache)
+  rng = np.random.default_rng(0)
+  buckets = set()
+  for _ in range(25):
+    n = int(rng.integers(1, HOST_BLOCKS + 1))
+    cache, report = swap_out(cache, rng.choice(DEVICE_BLOCKS, n, replace=False),
+                             rng.choice(HOST_BLOCKS, n, replace=False), impl=impl)
+    cache, _ = swap_in(cache, rng.choice(HOST_BLOCKS, n, replace=False),
+                       rng.choice(DEVICE_BLOCKS, n, replace=False), impl=impl)
+    buckets.add(report.bucket)
+  assert placement(cache) == start
+  assert [kind for *_, kind in start] == ["device"] * 2 + ["pinned_host"] * 2
+  assert buckets <= {1, 2, 4, 8}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_swap_programs_work_in_place(dtype, impl):
+  cache = PagedKVCache.create(PagedCacheConfig(L, K, D, 256, block_size=C, num_host_blocks=256,
+                                               kv_cache_dtype=dtype))
+  ids = np.zeros(4, np.int32)
+  for fn in (swap_module.swap_out_padded, swap_module.swap_in_padded):
+    compiled = jax.jit(fn, static_argnames="impl", donate_argnums=0).lower(
+        cache, ids, ids, np.int32(4), impl=impl).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes <= 8 * cache.config.bytes_per_block
+
+
+def test_bucket_sizes():
+  assert [bucket_size(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+
+
+def test_swap_validation_names_the_problem():
+  cache = random_cache("float32")
+  with pytest.raises(ValueError, match=r"host_ids \[8\] are outside \[0, 8\)"):
+    swap_out(cache, [0], [8])
+  with pytest.raises(ValueError, match=r"device_ids \[-1\] are outside \[0, 12\)"):
+    swap_in(cache, [0], [-1])
+  with pytest.raises(ValueError, match="device_ids has 2 ids but host_ids has 1"):
+    swap_out(cache, [0, 1], [2])
+  with pytest.raises(ValueError, match=r"host_ids \[2, 2\] name a destination block twice"):
+    swap_out(cache, [0, 1], [2, 2])
+  with pytest.raises(ValueError, match="non-empty 1-D list of integers"):
+    swap_out(cache, [], [])
+  with pytest.raises(ValueError, match="impl='memcpy' must be one of"):
+    swap_out(cache, [0], [0], impl="memcpy")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cuda_export_moves_only_swapped_blocks(impl):
+  """What a GPU is asked to do: every device<->host transfer carries swapped blocks only."""
+  cache = PagedKVCache.create(PagedCacheConfig(L, K, D, DEVICE_BLOCKS, block_size=C,
+                                               num_host_blocks=HOST_BLOCKS, kv_cache_dtype="int8"))
+  ids = np.zeros(4, np.int32)
+  for fn, to in ((swap_module.swap_out_padded, "pinned_host"),
+                 (swap_module.swap_in_padded, "device")):
+    exported = jax.export.export(jax.jit(fn, static_argnames="impl", donate_argnums=0),
+                                 platforms=["cuda"])(cache, ids, ids, np.int32(4), impl=impl)
+    moves = re.findall(r"annotate_device_placement\(%[\w#]+\).*?_xla_buffer_placement = \"(\w+)\""
+                       r".*?: \(tensor<([\dx]+)x(\w+)>\)", exported.mlir_module())
+    block_moves = {(shape, dtype) for placement, shape, dtype in moves
+                   if placement == to and dtype != "i32"}  # the scatter moves its ids to host too
+    rows = {"loop": 1, "scatter": 4}[impl]
+    assert block_moves == {(f"{rows}x{K}x{L}x{C}x{D}", "i8"), (f"{rows}x{K}x{L}x{C}", "f32")}, moves

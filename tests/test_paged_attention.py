@@ -1,0 +1,164 @@
+"""Paged attention against an independent numpy attention over blocks gathered by hand.
+
+Shape legend: b batch, t query tokens, n query heads, k kv heads, d head dim, f flat pages,
+c block size, m blocks per sequence, s key slots.
+"""
+
+import hypothesis
+import hypothesis.strategies as st
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtier.kvcache import (dequantize_int8, paged_attention, paged_attention_pallas,
+                             paged_attention_reference, quantize_int8)
+
+IMPLS = {"xla": paged_attention, "reference": paged_attention_reference}
+
+
+def numpy_attention(q_btnd, k_bskd, v_bskd, pos_bt):
+  """Causal GQA softmax attention in float64 numpy; padding queries give zeros."""
+  b, t, n, d = q_btnd.shape
+  g = n // k_bskd.shape[2]
+  out = np.zeros(q_btnd.shape, np.float64)
+  for i in range(b):
+    for j in range(t):
+      p = pos_bt[i, j]
+      if p < 0:
+        continue
+      k_snd = np.repeat(k_bskd[i, :p + 1], g, axis=1).astype(np.float64)
+      v_snd = np.repeat(v_bskd[i, :p + 1], g, axis=1).astype(np.float64)
+      scores_ns = np.einsum("nd,snd->ns", q_btnd[i, j].astype(np.float64), k_snd) / np.sqrt(d)
+      w_ns = np.exp(scores_ns - scores_ns.max(axis=1, keepdims=True))
+      out[i, j] = np.einsum("ns,snd->nd", w_ns / w_ns.sum(axis=1, keepdims=True), v_snd)
+  return out
+
+
+def gather_dense(pages_kfcd, table_bm):
+  """Rebuilds [b, m * c, k, ...] from pages by walking each table entry by hand."""
+  c = pages_kfcd.shape[2]
+  b, m = table_bm.shape
+  out = np.zeros((b, m * c) + pages_kfcd.shape[:1] + pages_kfcd.shape[3:], pages_kfcd.dtype)
+  for i in range(b):
+    for j in range(m):
+      if table_bm[i, j] >= 0:
+        out[i, j * c:(j + 1) * c] = np.moveaxis(pages_kfcd[:, table_bm[i, j]], 0, 1)
+  return out
+
+
+def make_case(rng, *, b, t, kv, g, d, c, lengths, num_pages=None):
+  """Random pages and tables; sequence i holds `lengths[i]` tokens, the last t of them new queries.
+
+  Table entries past a sequence's blocks are -1; pages are shuffled so order matters.
+  """
+  m = max(-(-length // c) for length in lengths) + 1
+  num_pages = num_pages or b * m + 3
+  ids = rng.permutation(num_pages)
+  table_bm = np.full((b, m), -1, np.int32)
+  for i, length in enumerate(lengths):
+    used = -(-length // c)
+    table_bm[i, :used] = ids[i * m:i * m + used]
+  pos_bt = np.stack([np.arange(length - t, length) for length in lengths]).astype(np.int32)
+  k_pages = rng.normal(size=(kv, num_pages, c, d)).astype(np.float32)
+  v_pages = rng.normal(size=(kv, num_pages, c, d)).astype(np.float32)
+  q_btnd = rng.normal(size=(b, t, kv * g, d)).astype(np.float32)
+  return q_btnd, k_pages, v_pages, table_bm, pos_bt
+
+
+def expected(q_btnd, k_pages, v_pages, table_bm, pos_bt):
+  return numpy_attention(q_btnd, gather_dense(k_pages, table_bm), gather_dense(v_pages, table_bm),
+                         pos_bt)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("c", [1, 16, 32])
+@pytest.mark.parametrize("g", [1, 3, 8])
+def test_decode_matches_dense(impl, c, g):
+  rng = np.random.default_rng(c * 10 + g)
+  case = make_case(rng, b=3, t=1, kv=2, g=g, d=8, c=c, lengths=[1, 37, 300])  # 3 scan chunks
+  out = IMPLS[impl](*map(jnp.asarray, case))
+  np.testing.assert_allclose(out, expected(*case), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("c", [1, 16, 32])
+def test_prefill_chunk_on_cached_prefix(impl, c):
+  rng = np.random.default_rng(c)
+  case = make_case(rng, b=2, t=5, kv=2, g=3, d=16, c=c, lengths=[23, 170])
+  q, kp, vp, table, pos = case
+  pos[0, :2] = -1  # a padded chunk: only 3 real tokens in sequence 0
+  out = np.asarray(IMPLS[impl](*map(jnp.asarray, (q, kp, vp, table, pos))))
+  np.testing.assert_allclose(out, expected(q, kp, vp, table, pos), atol=1e-5, rtol=1e-5)
+  assert np.all(out[0, :2] == 0)
+
+
+def test_detects_wrong_block_order():
+  """Moving the partly visible last block changes which slots the mask keeps."""
+  rng = np.random.default_rng(0)
+  q, kp, vp, table, pos = make_case(rng, b=1, t=1, kv=1, g=1, d=8, c=4, lengths=[10])
+  swapped = table.copy()
+  swapped[0, [1, 2]] = swapped[0, [2, 1]]
+  out = paged_attention(*map(jnp.asarray, (q, kp, vp, swapped, pos)))
+  assert np.abs(out - expected(q, kp, vp, table, pos)).max() > 1e-3
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_int8_equals_attention_on_dequantized_values(impl):
+  rng = np.random.default_rng(1)
+  q, kp, vp, table, pos = make_case(rng, b=3, t=4, kv=2, g=3, d=16, c=4, lengths=[5, 30, 13])
+  (kq, ks), (vq, vs) = quantize_int8(jnp.asarray(kp)), quantize_int8(jnp.asarray(vp))
+  out = IMPLS[impl](*map(jnp.asarray, (q, kq, vq, table, pos)), ks, vs)
+  k_deq, v_deq = np.asarray(dequantize_int8(kq, ks)), np.asarray(dequantize_int8(vq, vs))
+  np.testing.assert_allclose(out, expected(q, k_deq, v_deq, table, pos), atol=1e-5, rtol=1e-5)
+  assert np.abs(k_deq - kp).max() <= np.abs(kp).max() / 254 + 1e-6  # half an int8 step
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_bfloat16_pages(impl):
+  rng = np.random.default_rng(2)
+  q, kp, vp, table, pos = make_case(rng, b=2, t=3, kv=1, g=8, d=16, c=16, lengths=[9, 40])
+  kb, vb = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
+  out = IMPLS[impl](jnp.asarray(q), kb, vb, jnp.asarray(table), jnp.asarray(pos))
+  want = expected(q, np.asarray(kb, np.float32), np.asarray(vb, np.float32), table, pos)
+  np.testing.assert_allclose(out, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_pallas_kernel_interpret_matches_reference(quantized):
+  rng = np.random.default_rng(3)
+  q, kp, vp, table, pos = map(jnp.asarray, make_case(rng, b=3, t=1, kv=2, g=3, d=16, c=4,
+                                                     lengths=[3, 29, 14]))
+  pos = pos.at[2].set(-1)  # a padding row
+  scales = ()
+  if quantized:
+    (kp, ks), (vp, vs) = quantize_int8(kp), quantize_int8(vp)
+    scales = (ks, vs)
+  want = paged_attention_reference(q, kp, vp, table, pos, *scales)
+  got = paged_attention_pallas(q, kp, vp, table, pos, *scales, interpret=True)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@hypothesis.settings(max_examples=6, deadline=None)
+@hypothesis.given(c=st.sampled_from([1, 2, 5, 16]), g=st.sampled_from([1, 2, 3]),
+                  t=st.integers(1, 4), lengths=st.lists(st.integers(4, 300), min_size=1, max_size=3),
+                  seed=st.integers(0, 2**16))
+def test_random_shapes_match_dense(c, g, t, lengths, seed):
+  case = make_case(np.random.default_rng(seed), b=len(lengths), t=t, kv=2, g=g, d=4, c=c,
+                   lengths=lengths)
+  out = paged_attention(*map(jnp.asarray, case))
+  np.testing.assert_allclose(out, expected(*case), atol=1e-5, rtol=1e-5)
+
+
+def test_validation_names_the_problem():
+  rng = np.random.default_rng(4)
+  q, kp, vp, table, pos = map(jnp.asarray, make_case(rng, b=2, t=1, kv=2, g=2, d=8, c=4,
+                                                     lengths=[3, 9]))
+  with pytest.raises(ValueError, match="pages_bm.dtype"):
+    paged_attention(q, kp, vp, table.astype(jnp.float32), pos)
+  with pytest.raises(ValueError, match="head_dim"):
+    paged_attention(q[..., :4], kp, vp, table, pos)
+  with pytest.raises(ValueError, match="k_scales must be given"):
+    paged_attention(q, kp.astype(jnp.int8), vp.astype(jnp.int8), table, pos)
+  with pytest.raises(ValueError, match="decode steps only"):
+    paged_attention_pallas(jnp.concatenate([q, q], 1), kp, vp, table,
+                           jnp.concatenate([pos, pos], 1))
