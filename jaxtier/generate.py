@@ -3,7 +3,9 @@
 This is the first, simple driver behind `jaxtier.LLM`. Shapes are padded to buckets (batch to a power
 of two, prompt length to a power of two >= 16, cache length to a power of two >= 128) so a handful of
 compiled variants serve every request mix. Rows that finish early keep running as padding (negative
-positions: no cache writes) until the whole batch is done.
+positions: no cache writes) until the whole batch is done. Each decode step is dispatched before the
+previous step's tokens are read on the host, so host work (stop checks, detokenizing) overlaps
+device work; a row that finished is found one step late and its extra token is dropped.
 """
 
 import dataclasses
@@ -46,6 +48,24 @@ def model_step(graphdef: nnx.GraphDef, state: nnx.State, cache, tokens_bt: jax.A
   h_bth, cache = model.hidden_states(tokens_bt, pos_bt, cache)
   h_bh = jnp.take_along_axis(h_bth, last_b[:, None, None], axis=1)[:, 0]
   return sample(model.logits(h_bh), sampling), cache
+
+
+def _step(graphdef: nnx.GraphDef, state: nnx.State, cache, tokens_bt: jax.Array, pos_bt: jax.Array,
+          last_b: jax.Array, sampling: SamplingArrays):
+  model = nnx.merge(graphdef, state)
+  h_bth, cache = model.hidden_states(tokens_bt, pos_bt, cache)
+  h_bh = jnp.take_along_axis(h_bth, last_b[:, None, None], axis=1)[:, 0]
+  return sample(model.logits(h_bh), sampling), cache
+
+
+@functools.lru_cache(maxsize=16)
+def step_fn(graphdef: nnx.GraphDef):
+  """`model_step` with the graph closed over: `(state, cache, tokens, pos, last, sampling)`.
+
+  A static graphdef argument is hashed on every call, which for a model of hundreds of variables
+  costs milliseconds per decode step; the closure is hashed once, when it is made.
+  """
+  return jax.jit(functools.partial(_step, graphdef), donate_argnames=("cache",))
 
 
 def first_stop(text: str, stops: Sequence[str]) -> int | None:
@@ -99,22 +119,25 @@ def generate_batch(graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenize
     pos[i, :len(r.prompt_ids)] = np.arange(len(r.prompt_ids))
   params = [r.params for r in requests] + [SamplingParams(temperature=0)] * (b - n)
   seeds = [r.seed for r in requests] + [0] * (b - n)
-  next_b, cache = model_step(graphdef, state, cache, tokens, pos, np.maximum(lens - 1, 0),
-                             SamplingArrays.from_params(params, seeds, [0] * b))
+  run = step_fn(graphdef)
+  pending, cache = run(state, cache, tokens, pos, np.maximum(lens - 1, 0),
+                       SamplingArrays.from_params(params, seeds, [0] * b))
   step = 0
   while True:
-    next_b = np.asarray(next_b)
+    step += 1
+    active = np.array([row.finish_reason is None for row in rows] + [False] * (b - n))
+    in_flight = None
+    if active.any():  # dispatch the next step before reading this one, to overlap host and device
+      dec_pos = np.where(active, lens + step - 1, -1).astype(np.int32)[:, None]
+      in_flight, cache = run(state, cache, pending.reshape(b, 1), dec_pos, np.zeros(b, np.int32),
+                             SamplingArrays.from_params(params, seeds, [step] * b))
+    tokens_b = np.asarray(pending)
     for i, row in enumerate(rows):
       if row.finish_reason is None:
-        row.append(int(next_b[i]))
-    step += 1
+        row.append(int(tokens_b[i]))
     if on_token is not None:
       on_token(step)
-    active = np.array([row.finish_reason is None for row in rows] + [False] * (b - n))
-    if not active.any():
+    if in_flight is None or all(row.finish_reason is not None for row in rows):
       break
-    dec_pos = np.where(active, lens + step - 1, -1).astype(np.int32)[:, None]
-    next_b, cache = model_step(graphdef, state, cache, next_b[:, None].astype(np.int32), dec_pos,
-                               np.zeros(b, np.int32),
-                               SamplingArrays.from_params(params, seeds, [step] * b))
+    pending = in_flight
   return [row.completion() for row in rows]
