@@ -40,9 +40,8 @@ def bucket_pow2(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def model_step(graphdef: nnx.GraphDef, state: nnx.State, cache, tokens_bt: jax.Array,
-               pos_bt: jax.Array, last_b: jax.Array, sampling: SamplingArrays):
+def _step(graphdef: nnx.GraphDef, state: nnx.State, cache, tokens_bt: jax.Array, pos_bt: jax.Array,
+          last_b: jax.Array, sampling: SamplingArrays):
   """Runs the model on new tokens and samples one token per row from position `last_b`."""
   model = nnx.merge(graphdef, state)
   h_bth, cache = model.hidden_states(tokens_bt, pos_bt, cache)
@@ -50,12 +49,8 @@ def model_step(graphdef: nnx.GraphDef, state: nnx.State, cache, tokens_bt: jax.A
   return sample(model.logits(h_bh), sampling), cache
 
 
-def _step(graphdef: nnx.GraphDef, state: nnx.State, cache, tokens_bt: jax.Array, pos_bt: jax.Array,
-          last_b: jax.Array, sampling: SamplingArrays):
-  model = nnx.merge(graphdef, state)
-  h_bth, cache = model.hidden_states(tokens_bt, pos_bt, cache)
-  h_bh = jnp.take_along_axis(h_bth, last_b[:, None, None], axis=1)[:, 0]
-  return sample(model.logits(h_bh), sampling), cache
+model_step = jax.jit(_step, static_argnames=("graphdef",), donate_argnames=("cache",))
+model_step.__doc__ = "`_step` jitted with the graphdef as a static argument (for lowering and export)."
 
 
 @functools.lru_cache(maxsize=16)

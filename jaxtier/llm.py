@@ -8,9 +8,10 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxtier import checkpoint
-from jaxtier.generate import Request, generate_batch
+from jaxtier import checkpoint, offload
+from jaxtier.generate import Request, bucket_pow2, generate_batch
 from jaxtier.model import GroupedTransformer
+from jaxtier.offload import auto as offload_auto
 from jaxtier.sampling import SamplingParams
 from jaxtier.tokenizer import Message
 
@@ -69,14 +70,26 @@ class LLM:
     seed: seeds the per-request seeds of requests that do not set one.
     layer_execution: "scan" runs the stacked layers with `lax.scan`; "unrolled" keeps each layer in
       its own buffers and runs them one after another (faster on CPU, where XLA copies the slice a
-      scan reads; longer to compile); "auto" picks "unrolled" on CPU and "scan" elsewhere.
+      scan reads; longer to compile); "auto" picks "unrolled" on CPU and "scan" elsewhere. With
+      offloaded layers it applies to the resident head.
+    offload_tail_layers: how many of the last layers live in pinned host memory and stream to the
+      device every step; "auto" asks the offload planner with measured link and compute numbers
+      (offloads nothing when the device memory is unknown, as on CPU without device_memory_gb).
+    prefetch_depth: how many layers ahead the offloaded tail is fetched (1 to 4); "auto" uses
+      ceil(transfer time / compute time) per layer, measured.
+    device_memory_gb: device memory the "auto" planner may use (GB = 1e9 bytes); default: what the
+      device reports.
   """
 
   def __init__(self, model: str, dtype: str = "float32", max_model_len: int | None = None,
                max_num_seqs: int = 16, kv_cache_dtype: str = "auto", seed: int = 0,
-               layer_execution: str = "auto"):
+               layer_execution: str = "auto", offload_tail_layers: int | str = 0,
+               prefetch_depth: int | str = "auto", device_memory_gb: float | None = None):
     if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
       raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+    if device_memory_gb is not None and not (isinstance(device_memory_gb, (int, float))
+                                             and device_memory_gb > 0):
+      raise ValueError(f"device_memory_gb={device_memory_gb!r}: expected a positive number")
     self.loaded = checkpoint.load(model, dtype)
     self.model_name = model
     self.tokenizer = self.loaded.tokenizer
@@ -88,11 +101,58 @@ class LLM:
     self.max_num_seqs = max_num_seqs
     self.cache_dtype = checkpoint.resolve_dtype(dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
     self.layer_execution = resolve_layer_execution(layer_execution)
-    model = self.loaded.model
-    if self.layer_execution == "unrolled":
-      model = GroupedTransformer(model, [(self.config.num_layers, "unrolled")])
+    self.offload = self._resolve_offload(dtype, offload_tail_layers, prefetch_depth,
+                                         device_memory_gb)
+    model = self._arrange_layers(self.loaded.model)
+    self.loaded = dataclasses.replace(self.loaded, model=model)  # frees the stack it came from
     self.graphdef, self.state = nnx.split(model)
     self._rng = np.random.default_rng(seed)
+
+  def _resolve_offload(self, dtype: str, offload_tail_layers, prefetch_depth,
+                       device_memory_gb: float | None) -> offload_auto.Resolved:
+    batch = bucket_pow2(self.max_num_seqs)
+    return offload_auto.resolve(
+        self.loaded.model, dtype, offload_tail_layers, prefetch_depth,
+        memory_bytes=(offload_auto.device_memory_bytes() if device_memory_gb is None
+                      else int(device_memory_gb * 1e9)),
+        kv_reserve_bytes=self._kv_reserve_bytes(),
+        activation_reserve_bytes=offload_auto.activation_reserve_bytes(
+            self.config, batch, self.max_model_len,
+            np.dtype(checkpoint.resolve_dtype(dtype)).itemsize),
+        batch=batch, context=self.max_model_len)
+
+  def _arrange_layers(self, model):
+    """The model as it runs: offloaded tail and/or unrolled layers, else the stacked scan."""
+    if self.offload.offload_tail_layers:
+      return offload.offload_tail(model, self.offload.offload_tail_layers,
+                                  self.offload.prefetch_depth, self.layer_execution)
+    if self.layer_execution == "unrolled":
+      return GroupedTransformer(model, [(self.config.num_layers, "unrolled")])
+    return model
+
+  def _kv_reserve_bytes(self) -> int:
+    """Bytes of the largest KV cache a batch allocates (max_num_seqs rows of max_model_len)."""
+    c = self.config
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * np.dtype(self.cache_dtype).itemsize
+    return bucket_pow2(self.max_num_seqs) * bucket_pow2(self.max_model_len, 128) * per_token
+
+  def memory_report(self) -> dict[str, int]:
+    """Where the weights and the KV cache live, and what crosses the host link every step.
+
+    Weight bytes are counted from the placement of the model state; `device_kv_bytes` is the
+    largest contiguous KV cache a batch allocates (this driver keeps no host KV pool, so
+    `host_kv_bytes` and `kv_swap_bytes_per_step` are 0). Every step streams all host-resident
+    weights once: `weight_transfer_bytes_per_step`.
+    """
+    by_kind = offload.bytes_by_memory_kind(self.state)
+    host = sum(v for k, v in by_kind.items() if k != offload.DEVICE)
+    n, depth = self.offload.offload_tail_layers, self.offload.prefetch_depth
+    layer_bytes = host // n if n else 0
+    return {"device_weight_bytes": by_kind.get(offload.DEVICE, 0), "host_weight_bytes": host,
+            "device_kv_bytes": self._kv_reserve_bytes(), "host_kv_bytes": 0,
+            "weight_transfer_bytes_per_step": host, "kv_swap_bytes_per_step": 0,
+            "prefetch_buffer_bytes": (depth + 1) * layer_bytes if n else 0,
+            "offload_tail_layers": n, "prefetch_depth": depth}
 
   def _prompt_ids(self, index: int, prompt: Prompt) -> list[int]:
     if isinstance(prompt, str):

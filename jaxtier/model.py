@@ -202,8 +202,11 @@ def _single_layer(model: Transformer, index: int) -> DecoderLayer:
 class GroupedTransformer(Transformer):
   """The same model with its layers split into consecutive groups, each scanned or unrolled.
 
-  `groups` is a sequence of (num_layers, "scan" | "unrolled") covering all layers in order. The
-  parameters are copied out of the stacked model; outputs equal the stacked model's.
+  `groups` is a sequence of (num_layers, mode) covering all layers in order; mode is "scan",
+  "unrolled" or a factory `(stacked_layers, first) -> group` for another group kind (for example
+  `jaxtier.offload.tail_group(depth)`), where `stacked_layers` is a DecoderLayer with a leading
+  [num_layers] axis and the group is called like `LayerStack`. The parameters are copied out of the
+  stacked model; outputs equal the stacked model's.
   """
 
   def __init__(self, model: Transformer, groups):
@@ -221,8 +224,11 @@ class GroupedTransformer(Transformer):
         parts.append(LayerStack(_layer_slice(model, first, first + n), first))
       elif mode == "unrolled":
         parts.append(UnrolledLayers([_single_layer(model, i) for i in range(first, first + n)], first))
+      elif callable(mode):
+        parts.append(mode(_layer_slice(model, first, first + n), first))
       else:
-        raise ValueError(f"layer group mode {mode!r} is not supported; expected 'scan' or 'unrolled'")
+        raise ValueError(f"layer group mode {mode!r} is not supported; expected 'scan', 'unrolled' "
+                         "or a group factory")
       first += n
     self.groups = nnx.List(parts)
 

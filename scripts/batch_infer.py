@@ -35,6 +35,12 @@ flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass")
 flags.DEFINE_integer("top_k", -1, "top-k sampling; <= 0 disables it")
 flags.DEFINE_integer("seed", None, "sampling seed; record i uses seed + i")
 flags.DEFINE_multi_string("stop", [], "stop string (repeat the flag for several)")
+flags.DEFINE_string("offload_tail_layers", "0", "last layers kept in pinned host memory and "
+                    "streamed to the device every step: an int or 'auto' (the offload planner)")
+flags.DEFINE_string("prefetch_depth", "auto", "layers the offloaded tail is fetched ahead: 1-4 or "
+                    "'auto'")
+flags.DEFINE_float("device_memory_gb", None, "device memory for offload_tail_layers=auto, GB; "
+                   "default: what the device reports (nothing on CPU: auto offloads nothing)")
 
 
 def read_records(path: str) -> list[dict]:
@@ -88,6 +94,17 @@ def sampling_params(index: int) -> jaxtier.SamplingParams:
                                 top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=seed, stop=FLAGS.stop)
 
 
+def int_or_auto(name: str):
+  """The value of flag `name` as an int or "auto"; UsageError otherwise."""
+  value = FLAGS[name].value
+  if value == "auto" or isinstance(value, int):
+    return value
+  try:
+    return int(value)
+  except ValueError:
+    raise app.UsageError(f"--{name}={value}: expected an integer or 'auto'") from None
+
+
 def generate(llm: jaxtier.LLM, records: list[dict], first_index: int) -> list:
   """Outputs for a chunk of records, in order (prompts and conversations may be mixed)."""
   outputs: dict[int, jaxtier.RequestOutput] = {}
@@ -116,8 +133,16 @@ def main(argv):
         f"{len(todo)} to generate", file=sys.stderr)
   if not todo:
     return
-  llm = jaxtier.LLM(FLAGS.model, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
-                    max_num_seqs=FLAGS.max_num_seqs)
+  try:
+    llm = jaxtier.LLM(FLAGS.model, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
+                      max_num_seqs=FLAGS.max_num_seqs,
+                      offload_tail_layers=int_or_auto("offload_tail_layers"),
+                      prefetch_depth=int_or_auto("prefetch_depth"),
+                      device_memory_gb=FLAGS.device_memory_gb)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  if llm.offload.offload_tail_layers:
+    print(f"memory: {json.dumps(llm.memory_report())}", file=sys.stderr)
   with open(FLAGS.output, "a") as out, tqdm(total=len(todo), unit="record", desc="batch") as bar:
     for start in range(0, len(todo), FLAGS.chunk_size):
       chunk = todo[start:start + FLAGS.chunk_size]

@@ -42,11 +42,17 @@ def test_last_position_logits_match_hugging_face(smollm_llm):
   from jaxtier.kvcache import ContiguousKVCache
   model = nnx.merge(smollm_llm.graphdef, smollm_llm.state)
   c = model.config
-  for case in REF["cases"]:
-    ids = jnp.asarray(case["ids"], jnp.int32)[None]
-    cache = ContiguousKVCache.create(c.num_layers, 1, ids.shape[1], c.num_kv_heads, c.head_dim)
-    logits, _ = nnx.jit(lambda m, t, p, k: m(t, p, k))(model, ids, jnp.arange(ids.shape[1])[None], cache)
-    got = np.asarray(logits[0, -1])
+  cases = REF["cases"]
+  width = max(len(case["ids"]) for case in cases)
+  tokens = np.zeros((len(cases), width), np.int32)
+  pos = np.full((len(cases), width), -1, np.int32)  # right padding, one batch for all prompts
+  for row, case in enumerate(cases):
+    tokens[row, :len(case["ids"])] = case["ids"]
+    pos[row, :len(case["ids"])] = np.arange(len(case["ids"]))
+  cache = ContiguousKVCache.create(c.num_layers, len(cases), width, c.num_kv_heads, c.head_dim)
+  logits, _ = nnx.jit(lambda m, t, p, k: m(t, p, k))(model, tokens, pos, cache)
+  for row, case in enumerate(cases):
+    got = np.asarray(logits[row, len(case["ids"]) - 1])
     assert list(np.argsort(-got)[:5]) == case["top_ids"][:5]
     np.testing.assert_allclose(got[case["top_ids"]], case["top_logits"], atol=2e-3, rtol=0)
 

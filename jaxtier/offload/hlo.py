@@ -1,0 +1,240 @@
+"""What an exported program asks the device to move: memory-kind transfers in StableHLO, counted.
+
+On CPU a transfer between memory kinds lowers to nothing, so a prefetch schedule is checked on the
+program exported for the target platform (DESIGN.md section 5). `placement_report(text)` walks that
+module (through calls and `while` loops) and tracks where each value comes from:
+
+- every `annotate_device_placement` custom call is a `Transfer`: its bytes, the trip counts of the
+  loops around it, the host-kind arguments it reads from, and how far ahead of its first use it is
+  issued ("layers_ahead": how many uses of other transfers from the same host argument happen in
+  between, following the value through the loop carry into later iterations);
+- any op other than slicing, reshaping or a sharding constraint that reads a host-kind value is
+  reported in `host_compute` (the device would compute on host memory).
+"""
+
+import dataclasses
+import math
+import re
+from typing import Callable
+
+import jax
+
+# The MLIR context with JAX's dialects registered (stablehlo, sdy, func); no public entry exists.
+from jax._src.interpreters.mlir import make_ir_context
+from jax._src.lib.mlir import ir
+
+MOVES = frozenset({"stablehlo.dynamic_slice", "stablehlo.slice", "stablehlo.reshape",
+                   "sdy.sharding_constraint"})
+TERMINATORS = frozenset({"stablehlo.return", "func.return"})
+BRANCHES = frozenset({"stablehlo.case", "stablehlo.if"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """One `annotate_device_placement` in the program."""
+  destination: str  # "device", "pinned_host", ...
+  shape: tuple[int, ...]
+  nbytes: int
+  loops: tuple[int, ...]  # trip counts of the enclosing while loops, outermost first
+  sources: tuple[int, ...]  # indices of the host-kind main arguments it reads from
+  layers_ahead: int | None = None  # inside a loop: uses of the same source between issue and use
+
+  @property
+  def bytes_per_call(self) -> int:
+    return self.nbytes * math.prod(self.loops)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementReport:
+  transfers: tuple[Transfer, ...]
+  host_compute: tuple[str, ...]  # "op : type" of ops that read host-kind operands
+  host_arguments: dict[int, int]  # main argument index -> bytes, for host-kind arguments
+
+  def to_device(self, in_loop: bool | None = None) -> tuple[Transfer, ...]:
+    """Transfers to device memory; `in_loop` True/False keeps those inside/outside loops."""
+    return tuple(t for t in self.transfers if t.destination == "device"
+                 and (in_loop is None or bool(t.loops) == in_loop))
+
+  def to_device_bytes_per_call(self) -> int:
+    return sum(t.bytes_per_call for t in self.to_device())
+
+
+def exported_text(fn: Callable, *args, platform: str = "cuda") -> str:
+  """StableHLO text of `fn` (a jitted function) exported for `platform`; args may be abstract."""
+  return jax.export.export(fn, platforms=[platform])(*args).mlir_module()
+
+
+def _nbytes(value) -> tuple[tuple[int, ...], int]:
+  t = ir.RankedTensorType(value.type)
+  bits = int(re.search(r"(\d+)$", str(t.element_type)).group(1))
+  return tuple(t.shape), math.prod(t.shape) * max(bits // 8, 1)
+
+
+def _string_attr(op, name: str, key: str | None = None) -> str | None:
+  if name not in op.attributes:
+    return None
+  attr = op.attributes[name]
+  if key is not None:
+    attr = ir.DictAttr(attr)
+    if key not in attr:
+      return None
+    attr = attr[key]
+  return ir.StringAttr(attr).value
+
+
+def _constant(value) -> int | None:
+  owner = value.owner
+  if isinstance(owner, ir.Block) or owner.operation.name != "stablehlo.constant":
+    return None
+  return ir.DenseIntElementsAttr(owner.attributes["value"]).get_splat_value().value
+
+
+def _trip_count(while_op) -> int | None:
+  """Trip count of a counted loop `while (i < limit)` with constant start and limit, else None."""
+  for op in while_op.regions[0].blocks[0].operations:
+    if op.operation.name == "stablehlo.compare" and isinstance(op.operands[0].owner, ir.Block):
+      slot = ir.BlockArgument(op.operands[0]).arg_number
+      start, limit = _constant(while_op.operands[slot]), _constant(op.operands[1])
+      if start is not None and limit is not None:
+        return limit - start
+  return None
+
+
+class _Walker:
+  """Abstract interpretation: each value maps to a frozenset of tags.
+
+  ("h", arg): derived from host-kind main argument `arg` by data movement only; ("x", id): the
+  result of transfer `id`; ("c", loop, slot): carry slot `slot` of the loop being walked.
+  """
+
+  def __init__(self, module):
+    self.module = module  # owns the ops below
+    self.funcs = {_string_attr(op, "sym_name"): op for op in module.body.operations
+                  if op.operation.name == "func.func"}
+    self.transfers: list[dict] = []
+    self.host_compute: list[str] = []
+    self.used: set = set()
+    self.events: list[tuple] = []  # ("issue", id) and ("use", tag), in program order
+    self.loops: list[int | None] = []
+
+  def run_main(self) -> dict[int, int]:
+    """Walks @main; returns {index: bytes} of its host-kind arguments."""
+    main = self.funcs["main"]
+    arg_attrs = ir.ArrayAttr(main.attributes["arg_attrs"])
+    block = main.regions[0].blocks[0]
+    tags, host = [], {}
+    for i, arg in enumerate(block.arguments):
+      attrs = ir.DictAttr(arg_attrs[i])
+      if "mhlo.memory_kind" in attrs and ir.StringAttr(attrs["mhlo.memory_kind"]).value != "device":
+        host[i] = _nbytes(arg)[1]
+      tags.append(frozenset({("h", i)}) if i in host else frozenset())
+    self.walk_block(block, tags, {})
+    return host
+
+  def walk_block(self, block, arg_tags, env) -> list[frozenset]:
+    for arg, tags in zip(block.arguments, arg_tags):
+      env[arg] = tags
+    for op in block.operations:
+      ins = [env.get(v, frozenset()) for v in op.operands]
+      if op.operation.name in TERMINATORS:
+        return ins
+      outs = self.walk_op(op, ins, env)
+      for value, tags in zip(op.results, outs):
+        env[value] = tags
+    return []
+
+  def walk_op(self, op, ins, env) -> list[frozenset]:
+    name = op.operation.name
+    if name == "func.call":
+      callee = self.funcs[ir.FlatSymbolRefAttr(op.attributes["callee"]).value]
+      return self.walk_block(callee.regions[0].blocks[0], ins, {})
+    if name == "stablehlo.custom_call" and \
+        _string_attr(op, "call_target_name") == "annotate_device_placement":
+      return [self.transfer(op, ins[0])]
+    if name == "stablehlo.while":
+      return self.walk_while(op, ins, env)
+    if name in BRANCHES:
+      outs = [self.walk_block(r.blocks[0], [], env) for r in op.regions]
+      return [frozenset().union(*col) for col in zip(*outs)]
+    if name == "stablehlo.optimization_barrier":
+      return ins
+    if name in MOVES:  # the data operand's tags pass through; index operands are not data
+      return ins[:1]
+    self.use(op, ins)
+    return [frozenset()] * len(op.results)
+
+  def use(self, op, ins):
+    tags = frozenset().union(*ins) if ins else frozenset()
+    if any(t[0] == "h" for t in tags):
+      self.host_compute.append(f"{op.operation.name} : {[str(r.type) for r in op.results]}")
+    for tag in sorted(t for t in tags if t[0] != "h" and t not in self.used):
+      self.used.add(tag)
+      self.events.append(("use", tag))
+
+  def transfer(self, op, tags) -> frozenset:
+    shape, nbytes = _nbytes(op.operands[0])
+    destination = _string_attr(op, "mhlo.frontend_attributes", "_xla_buffer_placement")
+    index = len(self.transfers)
+    self.transfers.append(dict(destination=destination, shape=shape, nbytes=nbytes,
+                               loops=tuple(self.loops),
+                               sources=tuple(sorted(t[1] for t in tags if t[0] == "h"))))
+    self.events.append(("issue", index))
+    host = frozenset() if destination == "device" else frozenset({("h", -1)})
+    return frozenset({("x", index)}) | host
+
+  def walk_while(self, op, ins, env) -> list[frozenset]:
+    loop = id(op)
+    self.loops.append(_trip_count(op))
+    self.walk_block(op.regions[0].blocks[0], ins, env)
+    start = len(self.events)
+    body_tags = [frozenset(t for t in tags if t[0] == "h") | {("c", loop, i)}
+                 for i, tags in enumerate(ins)]
+    returned = self.walk_block(op.regions[1].blocks[0], body_tags, env)
+    self.loops.pop()
+    self.measure_leads(loop, self.events[start:], returned)
+    return [(tags | back) - {("c", loop, i) for i in range(len(ins))}
+            for tags, back in zip(ins, returned)]
+
+  def measure_leads(self, loop, events, returned):
+    """Sets layers_ahead of the transfers issued in this loop body."""
+    slot_of = lambda tag: {i for i, tags in enumerate(returned) if tag in tags}
+    for pos, (kind, index) in enumerate(events):
+      if kind != "issue":
+        continue
+      source = self.transfers[index]["sources"]
+      same = [p for p, e in enumerate(events)
+              if e[0] == "use" and self._source(loop, e[1], returned) == source]
+      tag, iterations = ("x", index), 0
+      while not any(events[p][1] == tag for p in same) and iterations <= len(returned):
+        slots = slot_of(tag)
+        if not slots:
+          break
+        tag, iterations = ("c", loop, min(slots)), iterations + 1
+      use = [p for p in same if events[p][1] == tag]
+      if not use:
+        continue
+      if iterations == 0:
+        ahead = sum(pos < p < use[0] for p in same)
+      else:
+        ahead = (sum(p > pos for p in same) + (iterations - 1) * len(same)
+                 + sum(p < use[0] for p in same))
+      self.transfers[index]["layers_ahead"] = ahead
+
+  def _source(self, loop, tag, returned, depth=0):
+    """The host arguments behind a transfer tag, or behind what this loop's carry slot receives."""
+    if tag[0] == "x":
+      return self.transfers[tag[1]]["sources"]
+    if tag[0] == "c" and tag[1] == loop and depth <= len(returned):
+      for inner in returned[tag[2]]:
+        if inner[0] in "xc" and inner != tag:
+          return self._source(loop, inner, returned, depth + 1)
+    return None
+
+
+def placement_report(mlir_text: str) -> PlacementReport:
+  """Counts the memory-kind transfers of an exported module (see the module docstring)."""
+  with make_ir_context():
+    walker = _Walker(ir.Module.parse(mlir_text))
+    host = walker.run_main()
+  return PlacementReport(tuple(Transfer(**t) for t in walker.transfers),
+                         tuple(walker.host_compute), host)

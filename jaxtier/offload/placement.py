@@ -1,0 +1,66 @@
+"""Which memory kind each array lives in, moving pytrees between kinds, and counting their bytes.
+
+JAX memory kinds: "device" (HBM on an accelerator), "pinned_host" (page-locked host memory the
+device can DMA from), "unpinned_host". On CPU they are one physical memory; placement and numerics
+are still real, transfer speed is not (DESIGN.md section 5).
+"""
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+DEVICE = "device"
+PINNED_HOST = "pinned_host"
+HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def check_memory_kind(kind: str, name: str = "memory_kind") -> str:
+  """Returns `kind` if the default device offers it; raises ValueError naming `name` otherwise."""
+  kinds = tuple(m.kind for m in jax.devices()[0].addressable_memories())
+  if kind not in kinds:
+    raise ValueError(f"{name}={kind!r} is not a memory kind of {jax.devices()[0]}; expected one "
+                     f"of {kinds}")
+  return kind
+
+
+def to_memory_kind(tree: Any, kind: str) -> Any:
+  """Copies every array leaf of `tree` into memory kind `kind`, keeping its sharding otherwise."""
+  return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind(kind)), tree)
+
+
+def memory_kinds(tree: Any) -> set[str]:
+  """The set of memory kinds the array leaves of `tree` live in."""
+  return {a.sharding.memory_kind for a in jax.tree.leaves(tree)}
+
+
+def tree_bytes(tree: Any) -> int:
+  """Bytes of all array leaves of `tree` (global shapes)."""
+  return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
+  """{memory kind: bytes} over the array leaves of `tree`."""
+  out: dict[str, int] = {}
+  for a in jax.tree.leaves(tree):
+    kind = a.sharding.memory_kind
+    out[kind] = out.get(kind, 0) + a.size * a.dtype.itemsize
+  return out
+
+
+def layer_sharding(stacked: Sharding, kind: str) -> Sharding:
+  """The sharding, in memory kind `kind`, of one layer sliced out of a stacked [layers, ...] array.
+
+  A single-device sharding is kept as is; a named sharding drops its leading (layer) axis, which
+  must be unsharded for a layer slice to live on every device that holds the stack.
+  """
+  if isinstance(stacked, SingleDeviceSharding):
+    return stacked.with_memory_kind(kind)
+  if isinstance(stacked, NamedSharding):
+    spec = tuple(stacked.spec)
+    if spec and spec[0] is not None:
+      raise ValueError(f"stacked layer sharding {stacked} shards the layer axis ({spec[0]!r}); "
+                       "expected the leading axis unsharded")
+    return NamedSharding(stacked.mesh, PartitionSpec(*spec[1:]), memory_kind=kind)
+  raise TypeError(f"sharding {stacked!r} is not supported; expected a SingleDeviceSharding or a "
+                  "NamedSharding")

@@ -1,0 +1,181 @@
+"""Offloaded tail layers: stacked parameters in host memory, streamed to the device d layers ahead.
+
+`prefetch_scan_layers` has the contract of `jaxtier.model.scan_layers` (its reference) for a stack
+whose parameters live in `pinned_host` memory. Layer j of the stack computes from a device copy that
+was fetched while layer j - d computed:
+
+    queue = fetch(0), ..., fetch(d - 1)              # prologue
+    sub-step j:  queue += fetch(j + d)  if j + d < n  # transfer issued before layer j computes
+                 x = layer_j(x, queue.pop(0))
+
+A fetch is a `dynamic_slice` of the host stack followed by `device_put` to device memory: only one
+layer's bytes cross the link. The sub-steps run as a `lax.scan` whose body holds d + 1 of them, so
+the d queued layers travel in the scan carry and each carry slot is refilled with a fresh layer at
+the sub-step after the one that read it. A body of exactly d sub-steps would rotate the queue
+(slot i <- slot i + 1) and XLA would copy every slot every iteration. The (n - d) mod (d + 1)
+leftover sub-steps run unrolled before the scan, the last d (nothing left to fetch) after it.
+
+Fetch order: XLA inserts two device copies per slot when it cannot prove that a slot's refill comes
+after the read of its old layer. On CPU (`order="auto"`) the fetch index is therefore tied to the
+hidden state the previous layer produced (plus a zero computed from it), which makes the order a
+data dependency and removes the copies; elsewhere the index stays a function of the loop counter
+only (what XLA's host offloading expects), unless `order="data"` asks for the same tie.
+
+In the text above n is the number of layers and d the prefetch depth. Shape legend of array
+names: b batch, t tokens, h hidden size, d head dim (rotary tables).
+"""
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtier.model import DecoderLayer, GroupedTransformer, Transformer
+from jaxtier.offload import placement
+
+MAX_DEPTH = 4
+ORDERS = ("auto", "data", "none")
+
+
+def check_depth(depth: int, num_layers: int) -> int:
+  """Returns `depth` if it is an int in [1, min(MAX_DEPTH, num_layers)], else raises ValueError."""
+  if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_DEPTH:
+    raise ValueError(f"prefetch_depth={depth!r}: expected an int in [1, {MAX_DEPTH}]")
+  if depth > num_layers:
+    raise ValueError(f"prefetch_depth={depth} is more than the {num_layers} offloaded layer(s); "
+                     f"expected prefetch_depth <= {num_layers}")
+  return depth
+
+
+def _zero_after(x_bth: jax.Array) -> jax.Array:
+  """An int32 zero that XLA cannot compute before `x_bth` exists (NaN-safe)."""
+  return jnp.minimum(jnp.isnan(x_bth.reshape(-1)[0]).astype(jnp.int32), 0)
+
+
+def _order_token(x_bth: jax.Array, order: str) -> jax.Array | int:
+  if order == "none":
+    return 0
+  if order == "data":
+    return _zero_after(x_bth)
+  return jax.lax.platform_dependent(x_bth, cpu=_zero_after, default=lambda x: jnp.int32(0))
+
+
+def _fetcher(host_state: nnx.State, device_shardings: Sequence[Any] | None, order: str):
+  """fetch(j, after) -> the device copy of layer j (an int or a traced index) of `host_state`."""
+  leaves, treedef = jax.tree.flatten(host_state)
+  if device_shardings is None:
+    device_shardings = [placement.layer_sharding(a.sharding, placement.DEVICE) for a in leaves]
+  if len(device_shardings) != len(leaves):
+    raise ValueError(f"{len(device_shardings)} device shardings for {len(leaves)} parameters")
+
+  def fetch(j, after: jax.Array | None):
+    index = j if after is None else j + _order_token(after, order)
+    return treedef.unflatten([
+        jax.device_put(jax.lax.dynamic_index_in_dim(a, index, keepdims=False), s)
+        for a, s in zip(leaves, device_shardings)])
+
+  return fetch
+
+
+def prefetch_scan_layers(graphdef: nnx.GraphDef, host_state: nnx.State, x_bth, cos_btd, sin_btd,
+                         cache, pos_bt, meta, first_layer: int = 0, depth: int = 1, *,
+                         device_shardings: Sequence[Any] | None = None, order: str = "auto"):
+  """Runs a stack of layers whose parameters live in host memory, prefetching `depth` layers ahead.
+
+  Same arguments and results as `jaxtier.model.scan_layers`, plus `depth` (1 to 4, at most the
+  number of layers), `device_shardings` (one per leaf of `host_state`, in `jax.tree.leaves`
+  order: where a fetched layer lands; default: each stack's own sharding in "device" memory; must
+  be given under `jit` when the leaves are traced) and `order` (see the module docstring).
+  """
+  num = jax.tree.leaves(host_state)[0].shape[0]
+  check_depth(depth, num)
+  if order not in ORDERS:
+    raise ValueError(f"order={order!r}: expected one of {ORDERS}")
+  fetch = _fetcher(host_state, device_shardings, order)
+
+  def substep(x, cache, queue, j):
+    if not isinstance(j, int) or j + depth < num:
+      queue = queue + [fetch(j + depth, x)]
+    layer = nnx.merge(graphdef, queue[0])
+    x, cache = layer(x, cos_btd, sin_btd, cache, jnp.int32(first_layer) + j, pos_bt, meta)
+    return x, cache, queue[1:]
+
+  lead = (num - depth) % (depth + 1)
+  groups = (num - depth) // (depth + 1)
+  queue = [fetch(j, None) for j in range(depth)]
+  for j in range(lead):
+    x_bth, cache, queue = substep(x_bth, cache, queue, j)
+
+  def body(carry, group):
+    x, cache, slots = carry
+    queue, start = list(slots), lead + group * (depth + 1)
+    for k in range(depth + 1):
+      x, cache, queue = substep(x, cache, queue, start + k)
+    return (x, cache, tuple(queue)), None
+
+  if groups:
+    (x_bth, cache, slots), _ = jax.lax.scan(body, (x_bth, cache, tuple(queue)),
+                                            jnp.arange(groups, dtype=jnp.int32))
+    queue = list(slots)
+  for j in range(num - depth, num):
+    x_bth, cache, queue = substep(x_bth, cache, queue, j)
+  return x_bth, cache
+
+
+class OffloadedLayers(nnx.Module):
+  """Layers [first, first + n): stacked parameters in host memory, run by `prefetch_scan_layers`.
+
+  A layer group for `jaxtier.model.GroupedTransformer` (see `tail_group`). Construction copies the
+  parameters of `layers` into `memory_kind`; where each fetched layer lands is fixed then too.
+  """
+
+  def __init__(self, layers: DecoderLayer, first: int, depth: int,
+               memory_kind: str = placement.PINNED_HOST, order: str = "auto"):
+    graphdef, state = nnx.split(layers)
+    leaves = jax.tree.leaves(state)
+    check_depth(depth, leaves[0].shape[0])
+    if order not in ORDERS:
+      raise ValueError(f"order={order!r}: expected one of {ORDERS}")
+    placement.check_memory_kind(memory_kind)
+    self.device_shardings = tuple(placement.layer_sharding(a.sharding, placement.DEVICE)
+                                  for a in leaves)
+    self.layers = nnx.merge(graphdef, placement.to_memory_kind(state, memory_kind))
+    self.first, self.depth, self.order = first, depth, order
+
+  @property
+  def num_layers(self) -> int:
+    return jax.tree.leaves(nnx.state(self.layers))[0].shape[0]
+
+  def __call__(self, x_bth, cos_btd, sin_btd, cache, pos_bt, meta):
+    graphdef, stacked = nnx.split(self.layers)
+    return prefetch_scan_layers(graphdef, stacked, x_bth, cos_btd, sin_btd, cache, pos_bt, meta,
+                                self.first, self.depth, device_shardings=self.device_shardings,
+                                order=self.order)
+
+
+def tail_group(depth: int, memory_kind: str = placement.PINNED_HOST, order: str = "auto"):
+  """A group factory for `GroupedTransformer`: `(n, tail_group(d))` offloads those n layers."""
+
+  def make(layers: DecoderLayer, first: int) -> OffloadedLayers:
+    return OffloadedLayers(layers, first, depth, memory_kind, order)
+
+  return make
+
+
+def offload_tail(model: Transformer, num_offloaded: int, depth: int, head: str = "scan",
+                 memory_kind: str = placement.PINNED_HOST,
+                 order: str = "auto") -> GroupedTransformer:
+  """`model` with its last `num_offloaded` layers in `memory_kind`, prefetched `depth` ahead.
+
+  The resident head runs as `head` ("scan" or "unrolled"). The returned model holds copies of the
+  parameters; `model` is left as it was.
+  """
+  total = model.config.num_layers
+  if isinstance(num_offloaded, bool) or not isinstance(num_offloaded, int) \
+      or not 0 <= num_offloaded <= total:
+    raise ValueError(f"offload_tail_layers={num_offloaded!r}: expected an int in [0, {total}]")
+  groups = [(total - num_offloaded, head)] if num_offloaded < total else []
+  if num_offloaded:
+    groups.append((num_offloaded, tail_group(depth, memory_kind, order)))
+  return GroupedTransformer(model, groups)

@@ -1,0 +1,77 @@
+"""The default model with 10 of its 30 layers offloaded: the same greedy tokens and logits as the
+resident model at prefetch depths 1-3, the memory report, the exported decode step's transfers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxtier
+from jaxtier import checkpoint, offload
+from jaxtier.generate import Request, generate_batch
+from jaxtier.kvcache import ContiguousKVCache
+from conftest import DEFAULT_MODEL
+from test_offload import check_decode_step_transfers
+
+pytestmark = pytest.mark.slow
+OFFLOADED = 10
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th"]
+GREEDY = jaxtier.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+  return checkpoint.load_model(DEFAULT_MODEL)
+
+
+@nnx.jit
+def logits_of(model, tokens_bt):
+  b, t = tokens_bt.shape
+  c = model.config
+  cache = ContiguousKVCache.create(c.num_layers, b, t, c.num_kv_heads, c.head_dim)
+  return model(tokens_bt, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), cache)[0]
+
+
+def greedy(model, tokenizer) -> list[tuple[int, ...]]:
+  graphdef, state = nnx.split(model)
+  requests = [Request(tuple(tokenizer.encode(p)), GREEDY, 0) for p in PROMPTS]
+  return [c.token_ids for c in generate_batch(graphdef, state, tokenizer, requests, 256,
+                                              jnp.float32)]
+
+
+@pytest.fixture(scope="module")
+def resident(loaded):
+  model, tokenizer = loaded
+  ids = jnp.asarray(tokenizer.encode(PROMPTS[0]))[None]
+  return greedy(model, tokenizer), np.asarray(logits_of(model, ids)), ids
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_offloaded_greedy_tokens_and_logits_equal_resident(loaded, resident, depth):
+  model, tokenizer = loaded
+  tokens, logits, ids = resident
+  placed = offload.offload_tail(model, OFFLOADED, depth)
+  assert greedy(placed, tokenizer) == tokens
+  got = np.asarray(logits_of(placed, ids))
+  np.testing.assert_allclose(got, logits, atol=1e-5 * np.abs(logits).max(), rtol=0)
+
+
+def test_memory_report_and_placement_after_generate(smollm_llm):
+  llm = jaxtier.LLM(DEFAULT_MODEL, max_model_len=2048, layer_execution="scan",
+                    offload_tail_layers=OFFLOADED, prefetch_depth=2)
+  layer_bytes = llm.config.layer_param_count * 4
+  before, after = smollm_llm.memory_report(), llm.memory_report()
+  assert after["device_weight_bytes"] == before["device_weight_bytes"] - OFFLOADED * layer_bytes
+  assert after["host_weight_bytes"] == after["weight_transfer_bytes_per_step"] \
+      == OFFLOADED * layer_bytes == 141_603_840
+  llm.generate(PROMPTS[0], jaxtier.SamplingParams(max_tokens=2, temperature=0))
+  kinds = [a.sharding.memory_kind for a in jax.tree.leaves(llm.state)]
+  assert kinds.count(offload.PINNED_HOST) == 9  # the 9 stacked tensors of the tail
+  assert llm.memory_report() == after
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_exported_decode_step_streams_exactly_the_offloaded_bytes(loaded, depth):
+  report = check_decode_step_transfers(loaded[0], OFFLOADED, depth)
+  assert report.to_device_bytes_per_call() == 141_603_840
