@@ -92,12 +92,13 @@ def test_orbax_round_trip_is_exact(tiny, tmp_path):
   assert loaded.tokenizer.chat_template == tokenizer.chat_template
 
 
-@pytest.mark.parametrize("groups", [[(1, "unrolled"), (2, "scan")], [(3, "unrolled")],
-                                    [(2, "scan"), (1, "scan")]])
-def test_grouped_layers_equal_the_stacked_scan(groups):
+@pytest.mark.parametrize("name, groups", [
+    ("tiny_llama", [(1, "unrolled"), (2, "scan")]), ("tiny_llama", [(3, "unrolled")]),
+    ("tiny_llama", [(2, "scan"), (1, "scan")]), ("tiny_qwen2", [(1, "scan"), (1, "unrolled")])])
+def test_grouped_layers_equal_the_stacked_scan(name, groups):
   from jaxtier.model import GroupedTransformer
-  model, _ = checkpoint.load_model(fixture_path("tiny_llama"))
-  ref = dict(np.load(fixture_path("tiny_llama", "hf_logits.npz")))
+  model, _ = checkpoint.load_model(fixture_path(name))
+  ref = dict(np.load(fixture_path(name, "hf_logits.npz")))
   ids = jnp.asarray(ref["ids_b"])[None]
   np.testing.assert_allclose(full_logits(GroupedTransformer(model, groups), ids),
                              full_logits(model, ids), atol=1e-6, rtol=0)
