@@ -1,7 +1,22 @@
-"""jaxtier: JAX inference for LLMs that keeps working when device memory runs out."""
+"""jaxtier: JAX inference for LLMs that keeps working when device memory runs out.
 
-from jaxtier.llm import LLM, CompletionOutput, RequestOutput
-from jaxtier.sampling import SamplingParams
+The top-level names load lazily, so `import jaxtier.scheduler` (pure Python) does not import JAX.
+"""
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+import importlib
+
+_EXPORTS = {"LLM": "jaxtier.llm", "RequestOutput": "jaxtier.llm", "CompletionOutput": "jaxtier.llm",
+            "SamplingParams": "jaxtier.sampling"}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+  raise AttributeError(f"module 'jaxtier' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(list(globals()) + list(_EXPORTS))

@@ -3,6 +3,8 @@
 import ast
 import dataclasses
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -408,3 +410,8 @@ def test_scheduler_modules_import_no_jax():
       for name in names:
         assert name.split(".")[0] not in ("jax", "jaxlib", "flax", "numpy"), f"{path.name}: {name}"
         assert not name.startswith("jaxtier.") or name.startswith("jaxtier.scheduler"), path.name
+
+
+def test_importing_the_scheduler_loads_no_jax():
+  code = "import sys, jaxtier.scheduler; sys.exit('jax' in sys.modules or 'numpy' in sys.modules)"
+  assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
