@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxtier import checkpoint
-from jaxtier.checkpoint import gguf_file, hf, registry
+from jaxtier.checkpoint import hf, registry
 from jaxtier.checkpoint.params import model_from_params
 from jaxtier.tokenizer import load_tokenizer_dir
 from conftest import fixture_path

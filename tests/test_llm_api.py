@@ -1,6 +1,5 @@
 """The offline API on the tiny Llama: batching, ordering, limits and bad input."""
 
-import numpy as np
 import pytest
 
 import jaxtier

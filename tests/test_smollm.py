@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-import jax.numpy as jnp
 
 import jaxtier
 from conftest import fixture_path
