@@ -6,6 +6,9 @@ compiled variants serve every request mix. Rows that finish early keep running a
 positions: no cache writes) until the whole batch is done. Each decode step is dispatched before the
 previous step's tokens are read on the host, so host work (stop checks, detokenizing) overlaps
 device work; a row that finished is found one step late and its extra token is dropped.
+
+For serving, `on_step` reports each row's new tokens after every model step (with the row's
+`Completion` on the step it finishes), and `aborted` lets the caller stop a row between steps.
 """
 
 import dataclasses
@@ -33,7 +36,15 @@ class Request:
 class Completion:
   token_ids: tuple[int, ...]
   text: str
-  finish_reason: str  # "stop" or "length"
+  finish_reason: str  # "stop", "length" or "abort"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepUpdate:
+  """What one model step added to one row that was still running."""
+  index: int  # the row's position in the batch's request list
+  new_token_ids: tuple[int, ...]
+  completion: Completion | None  # set on the step the row finishes, else None
 
 
 def bucket_pow2(n: int, minimum: int = 1) -> int:
@@ -96,8 +107,18 @@ class _Row:
 
 def generate_batch(graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenizer,
                    requests: Sequence[Request], max_model_len: int, cache_dtype,
-                   on_token: Callable[[int], None] | None = None) -> list[Completion]:
-  """Generates for a batch of requests together; returns one Completion per request."""
+                   on_token: Callable[[int], None] | None = None,
+                   on_step: Callable[[list[StepUpdate]], None] | None = None,
+                   aborted: Callable[[int], bool] | None = None) -> list[Completion]:
+  """Generates for a batch of requests together; returns one Completion per request.
+
+  Args:
+    on_token: called with the step number after each model step's tokens are read.
+    on_step: called after each model step (the prefill included) with one `StepUpdate` per row
+      that was running before the step.
+    aborted: called with a row's index for every running row before each step; True ends the row
+      with finish_reason "abort" (no further tokens, no further work on the device).
+  """
   config = nnx.merge(graphdef, state).config
   rows = [_Row(r, tokenizer, max_model_len) for r in requests]
   n = len(rows)
@@ -120,6 +141,10 @@ def generate_batch(graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenize
   step = 0
   while True:
     step += 1
+    if aborted is not None:
+      for i, row in enumerate(rows):
+        if row.finish_reason is None and aborted(i):
+          row.finish_reason = "abort"
     active = np.array([row.finish_reason is None for row in rows] + [False] * (b - n))
     in_flight = None
     if active.any():  # dispatch the next step before reading this one, to overlap host and device
@@ -127,11 +152,17 @@ def generate_batch(graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenize
       in_flight, cache = run(state, cache, pending.reshape(b, 1), dec_pos, np.zeros(b, np.int32),
                              SamplingArrays.from_params(params, seeds, [step] * b))
     tokens_b = np.asarray(pending)
+    updates = []
     for i, row in enumerate(rows):
       if row.finish_reason is None:
         row.append(int(tokens_b[i]))
+        if on_step is not None:
+          updates.append(StepUpdate(i, (int(tokens_b[i]),),
+                                    None if row.finish_reason is None else row.completion()))
     if on_token is not None:
       on_token(step)
+    if on_step is not None:
+      on_step(updates)
     if in_flight is None or all(row.finish_reason is not None for row in rows):
       break
     pending = in_flight

@@ -1,7 +1,7 @@
 """The offline API, in the shape vLLM users know: `LLM(model).generate(prompts, SamplingParams(...))`."""
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -9,7 +9,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxtier import checkpoint, offload
-from jaxtier.generate import Request, bucket_pow2, generate_batch
+from jaxtier.generate import Completion, Request, StepUpdate, bucket_pow2, generate_batch
 from jaxtier.model import GroupedTransformer
 from jaxtier.offload import auto as offload_auto
 from jaxtier.sampling import SamplingParams
@@ -154,7 +154,11 @@ class LLM:
             "prefetch_buffer_bytes": (depth + 1) * layer_bytes if n else 0,
             "offload_tail_layers": n, "prefetch_depth": depth}
 
-  def _prompt_ids(self, index: int, prompt: Prompt) -> list[int]:
+  def prompt_token_ids(self, prompt: Prompt, index: int = 0) -> list[int]:
+    """Token ids of one prompt (a string or token ids), checked against vocabulary and context.
+
+    Raises ValueError or TypeError naming the prompt by `index`.
+    """
     if isinstance(prompt, str):
       if not prompt:
         raise ValueError(f"prompt {index} is empty")
@@ -184,17 +188,35 @@ class LLM:
       raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} of them")
     return params
 
+  def chat_token_ids(self, conversation: Sequence[Message], index: int = 0) -> list[int]:
+    """Token ids of a conversation rendered with the chat template, checked like a prompt."""
+    text = self.tokenizer.apply_chat_template(conversation)
+    return self.prompt_token_ids(self.tokenizer.encode(text, add_special_tokens=False), index)
+
+  def make_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+    """A `Request` for `run_batch`; a request without a seed gets one from the engine's seed."""
+    seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+    return Request(tuple(prompt_ids), params, seed)
+
+  def run_batch(self, requests: Sequence[Request],
+                on_step: Callable[[list[StepUpdate]], None] | None = None,
+                aborted: Callable[[int], bool] | None = None) -> list[Completion]:
+    """Generates for up to `max_num_seqs` requests as one batch (see `generate.generate_batch`)."""
+    if not 1 <= len(requests) <= self.max_num_seqs:
+      raise ValueError(f"run_batch takes 1 to max_num_seqs={self.max_num_seqs} requests, got "
+                       f"{len(requests)}")
+    return generate_batch(self.graphdef, self.state, self.tokenizer, requests, self.max_model_len,
+                          self.cache_dtype, on_step=on_step, aborted=aborted)
+
   def _run(self, prompts: list[Any], ids: list[list[int]], params: list[SamplingParams],
            use_tqdm: bool) -> list[RequestOutput]:
-    requests = [Request(tuple(i), p, p.seed if p.seed is not None else int(self._rng.integers(2**32)))
-                for i, p in zip(ids, params)]
+    requests = [self.make_request(i, p) for i, p in zip(ids, params)]
     order = sorted(range(len(requests)), key=lambda i: len(ids[i]))  # similar lengths batch together
     results: dict[int, Any] = {}
     with tqdm(total=len(requests), disable=not use_tqdm, desc="generate", unit="prompt") as bar:
       for start in range(0, len(order), self.max_num_seqs):
         chunk = order[start:start + self.max_num_seqs]
-        done = generate_batch(self.graphdef, self.state, self.tokenizer,
-                              [requests[i] for i in chunk], self.max_model_len, self.cache_dtype)
+        done = self.run_batch([requests[i] for i in chunk])
         results.update(zip(chunk, done))
         bar.update(len(chunk))
     return [RequestOutput(str(i), p if isinstance(p, str) else None, tuple(ids[i]),
@@ -212,7 +234,7 @@ class LLM:
     prompts = list(prompts)
     if not prompts:
       raise ValueError("prompts is empty: pass at least one prompt")
-    ids = [self._prompt_ids(i, p) for i, p in enumerate(prompts)]
+    ids = [self.prompt_token_ids(p, i) for i, p in enumerate(prompts)]
     return self._run(prompts, ids, self._params_list(sampling_params, len(prompts)), use_tqdm)
 
   def chat(self, conversations: Sequence[Message] | Sequence[Sequence[Message]],
@@ -225,6 +247,6 @@ class LLM:
     if not conversations:
       raise ValueError("conversations is empty: pass at least one conversation")
     texts = [self.tokenizer.apply_chat_template(c) for c in conversations]
-    prompts = [self._prompt_ids(i, self.tokenizer.encode(t, add_special_tokens=False))
+    prompts = [self.prompt_token_ids(self.tokenizer.encode(t, add_special_tokens=False), i)
                for i, t in enumerate(texts)]
     return self._run(texts, prompts, self._params_list(sampling_params, len(texts)), use_tqdm)

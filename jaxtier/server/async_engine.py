@@ -1,0 +1,153 @@
+"""An asyncio front over the batch driver: requests queue up and a background thread runs them.
+
+The thread takes up to `max_num_seqs` waiting requests and runs them as one padded batch
+(`LLM.run_batch`) until every row of it has finished; requests that arrive meanwhile wait for the
+next batch. Per-step updates travel back to each request's event loop, so HTTP handlers stream
+tokens as they are generated. Closing a request's stream (a client that disconnected) aborts its
+row between two steps, or drops it from the queue if it has not started.
+
+The HTTP layer needs only `generate` (an async stream of `StepUpdate`s that aborts when closed),
+`stats` and the `llm` that tokenizes prompts; a continuous-batching engine that admits requests
+between steps can take the place of this class behind the same methods.
+"""
+
+import asyncio
+import collections
+import dataclasses
+import threading
+from typing import AsyncIterator, Callable, Protocol, Sequence
+
+from absl import logging
+
+from jaxtier.generate import Completion, Request, StepUpdate
+
+
+class BatchDriver(Protocol):
+  """What the engine needs from `jaxtier.LLM` to run a batch."""
+  max_num_seqs: int
+
+  def run_batch(self, requests: Sequence[Request],
+                on_step: Callable[[list[StepUpdate]], None] | None = None,
+                aborted: Callable[[int], bool] | None = None) -> list[Completion]:
+    ...
+
+
+class EngineError(RuntimeError):
+  """The batch a request ran in failed; the engine itself keeps serving."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+  running: int  # rows of the current batch still generating
+  waiting: int  # requests queued for the next batch
+  steps: int  # model steps run since start (prefills included)
+
+
+class _Entry:
+  """One request's link between the engine thread and the event loop that waits for it."""
+
+  def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
+    self.request, self.loop = request, loop
+    self.updates: asyncio.Queue = asyncio.Queue()
+    self.aborted = False  # set by the event loop, read by the engine thread
+    self.done = False  # set by the engine thread
+
+  def deliver(self, item: StepUpdate | EngineError) -> None:
+    try:
+      self.loop.call_soon_threadsafe(self.updates.put_nowait, item)
+    except RuntimeError:  # the waiting event loop is closed: nobody will read this request
+      self.aborted = True
+
+
+class AsyncEngine:
+  """Runs queued requests in batches on a background thread; see the module docstring.
+
+  Args:
+    llm: the batch driver, normally a `jaxtier.LLM`.
+  """
+
+  def __init__(self, llm: BatchDriver):
+    self.llm = llm
+    self._cond = threading.Condition()
+    self._waiting: collections.deque[_Entry] = collections.deque()
+    self._running: list[_Entry] = []
+    self._steps = 0
+    self._closed = False
+    self._thread = threading.Thread(target=self._loop, name="jaxtier-engine", daemon=True)
+    self._thread.start()
+
+  def stats(self) -> EngineStats:
+    with self._cond:
+      return EngineStats(running=sum(not (e.done or e.aborted) for e in self._running),
+                         waiting=sum(not e.aborted for e in self._waiting), steps=self._steps)
+
+  async def generate(self, request: Request) -> AsyncIterator[StepUpdate]:
+    """Streams the request's updates; the last one carries its `Completion`.
+
+    Waits while the current batch runs. Closing the stream early aborts the request. Raises
+    EngineError if the batch fails.
+    """
+    entry = _Entry(request, asyncio.get_running_loop())
+    with self._cond:
+      if self._closed:
+        raise EngineError("the engine is shut down")
+      self._waiting.append(entry)
+      self._cond.notify()
+    try:
+      while True:
+        item = await entry.updates.get()
+        if isinstance(item, EngineError):
+          raise item
+        yield item
+        if item.completion is not None:
+          return
+    finally:
+      entry.aborted = not entry.done
+
+  def close(self) -> None:
+    """Stops the thread after the batch it is running; queued requests fail with EngineError."""
+    with self._cond:
+      self._closed = True
+      waiting, self._waiting = list(self._waiting), collections.deque()
+      self._cond.notify()
+    for entry in waiting:
+      entry.deliver(EngineError("the engine shut down before this request started"))
+    self._thread.join()
+
+  def _loop(self) -> None:
+    while True:
+      with self._cond:
+        while not self._waiting and not self._closed:
+          self._cond.wait()
+        if self._closed:
+          return
+        batch: list[_Entry] = []
+        while self._waiting and len(batch) < self.llm.max_num_seqs:
+          entry = self._waiting.popleft()
+          if not entry.aborted:
+            batch.append(entry)
+        self._running = batch
+      if batch:
+        self._run(batch)
+      with self._cond:
+        self._running = []
+
+  def _run(self, batch: list[_Entry]) -> None:
+    def on_step(updates: list[StepUpdate]) -> None:
+      with self._cond:
+        self._steps += 1
+      for update in updates:
+        entry = batch[update.index]
+        entry.done = update.completion is not None
+        if not entry.aborted:
+          entry.deliver(update)
+
+    try:
+      self.llm.run_batch([e.request for e in batch], on_step=on_step,
+                         aborted=lambda i: batch[i].aborted)
+    except Exception as e:  # one failing batch must not stop the engine
+      logging.exception("batch of %d requests failed", len(batch))
+      for entry in batch:
+        if not entry.done:
+          entry.done = True
+          entry.deliver(EngineError(f"generation failed: {type(e).__name__}: {e}"))

@@ -1,0 +1,51 @@
+"""Incremental detokenization for streaming: text deltas that are safe to send.
+
+A delta is sent only when it cannot change or be taken back later: text that ends in an incomplete
+UTF-8 character (decoded as U+FFFD) waits for the next token, and so does a tail that could be the
+start of a stop string, since stop strings are never sent. When the request finishes, the rest of
+its final text (already cut at the stop string) is sent.
+"""
+
+from typing import Sequence
+
+from jaxtier.tokenizer import Tokenizer
+
+REPLACEMENT = "\ufffd"
+
+
+def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+  """Length of the longest tail of `text` that is a proper prefix of one of `stops`."""
+  best = 0
+  for stop in stops:
+    for k in range(min(len(stop) - 1, len(text)), best, -1):
+      if text.endswith(stop[:k]):
+        best = k
+        break
+  return best
+
+
+class IncrementalDetokenizer:
+  """Turns one request's generated token ids into streamable text deltas.
+
+  Every push decodes all ids so far, the same way the final text is decoded, so the deltas
+  concatenate to exactly the non-streamed text (decoding cost grows with the output length).
+  """
+
+  def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]):
+    self._tokenizer, self._stops = tokenizer, tuple(stops)
+    self._ids: list[int] = []
+    self._sent = 0  # characters of the decoded text already returned
+
+  def push(self, token_ids: Sequence[int]) -> str:
+    """Adds newly generated ids; returns the text that became safe to send (maybe empty)."""
+    self._ids.extend(token_ids)
+    text = self._tokenizer.decode(self._ids).rstrip(REPLACEMENT)
+    end = len(text) - stop_prefix_len(text, self._stops)
+    if end <= self._sent:
+      return ""
+    delta, self._sent = text[self._sent:end], end
+    return delta
+
+  def finish(self, final_text: str) -> str:
+    """The rest of the request's final text (`Completion.text`), once it has finished."""
+    return final_text[self._sent:]
