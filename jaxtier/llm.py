@@ -76,7 +76,9 @@ class LLM:
       device every step; "auto" asks the offload planner with measured link and compute numbers
       (offloads nothing when the device memory is unknown, as on CPU without device_memory_gb).
     prefetch_depth: how many layers ahead the offloaded tail is fetched (1 to 4); "auto" uses
-      ceil(transfer time / compute time) per layer, measured.
+      ceil(transfer time / compute time) per layer, measured. On CPU, call
+      `jaxtier.cpu_allocator.retain_freed_memory()` first: the d + 1 fetched layers are step
+      temporaries, which glibc maps afresh (page-faulting) every step once they pass 32 MB.
     device_memory_gb: device memory the "auto" planner may use (GB = 1e9 bytes); default: what the
       device reports.
   """

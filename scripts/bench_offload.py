@@ -6,7 +6,11 @@ slice out of the host stack, so the ratio measures the prefetch machinery's own 
 <= 1.05x). Each configuration is timed in alternating rounds with the resident model whose head runs
 the same way ("scan": every layer a scan iteration; "unrolled": per-layer buffers, what
 `layer_execution="auto"` picks on CPU), so drift on a shared machine hits both alike; compilation is
-timed apart. The planner's predictions for the same configurations on the GPU presets close it.
+timed apart. Each row also counts the step's minor page faults: XLA:CPU temporaries above 32 MB
+(d + 1 fetched layers of 14 MB from d = 2 on) page-fault on every step unless freed memory is
+retained (`jaxtier.cpu_allocator`, on by default here as in the batch and serving scripts;
+`--noretain_freed_memory` shows the cost). The planner's predictions for the same configurations
+on the GPU presets close it.
 
 `--mode=device` (run by scripts/bench_offload_gpu.sh on a GPU): pinned host -> device bandwidth by
 `device_put` size, then a Llama-8B-sized synthetic model (random bf16 weights, `--synthetic_*`)
@@ -17,6 +21,7 @@ bound max(N t_c, n L / link) with t_c = resident step / N and the link measured 
 """
 
 import json
+import resource
 import statistics
 import time
 
@@ -25,7 +30,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-from jaxtier import checkpoint, offload
+from jaxtier import checkpoint, cpu_allocator, offload
 from jaxtier.config import ModelConfig
 from jaxtier.generate import step_fn
 from jaxtier.kvcache import ContiguousKVCache
@@ -35,7 +40,9 @@ from jaxtier.sampling import SamplingArrays, SamplingParams
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "cpu", ["cpu", "device"], "see the module docstring")
-flags.DEFINE_string("model", "smollm2-135m-instruct", "cpu mode: registry name or path")
+flags.DEFINE_string("model", "smollm2-135m-instruct",
+                    "cpu mode: registry name or path, or \"synthetic\" (random float32 weights, "
+                    "--synthetic_* sizes)")
 flags.DEFINE_list("offloaded", ["0", "5", "10", "20"], "tail layers offloaded (0: resident)")
 flags.DEFINE_list("depths", ["1", "2", "3"], "prefetch depths")
 flags.DEFINE_list("heads", ["scan", "unrolled"], "cpu mode: how the resident head runs")
@@ -49,6 +56,8 @@ flags.DEFINE_integer("synthetic_hidden", 4096, "device mode: hidden size (Llama-
 flags.DEFINE_integer("synthetic_intermediate", 14336, "device mode: MLP width (Llama-3-8B: 14336)")
 flags.DEFINE_integer("prefill_batch", 4, "device mode: prefill step sequences")
 flags.DEFINE_integer("prefill_tokens", 1024, "device mode: prefill step tokens per sequence")
+flags.DEFINE_bool("retain_freed_memory", True, "keep freed host memory for reuse "
+                  "(jaxtier.cpu_allocator), as the batch and serving scripts do")
 
 
 class Stepper:
@@ -68,6 +77,7 @@ class Stepper:
     start = time.perf_counter()
     self.step()
     self.compile_s = time.perf_counter() - start
+    self.faults: list[int] = []  # minor page faults of each timed step
 
   def step(self):
     token, self.cache = self.run(self.state, self.cache, *self.args)
@@ -76,9 +86,10 @@ class Stepper:
   def time(self, steps: int) -> list[float]:
     out = []
     for _ in range(steps):
-      start = time.perf_counter()
+      faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
       self.step()
       out.append(time.perf_counter() - start)
+      self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
     return out
 
 
@@ -100,7 +111,8 @@ def sweep(model, head: str, offloaded, depths, batch: int, tokens: int) -> list[
                     GroupedTransformer(model, [(model.config.num_layers, "unrolled")]))
   resident = Stepper(resident_model, batch, tokens, FLAGS.context)
   rows = [{"head": head, "offloaded": 0, "depth": 0, "compile_s": resident.compile_s,
-           "step_ms": 1e3 * statistics.median(resident.time(FLAGS.rounds * FLAGS.steps))}]
+           "step_ms": 1e3 * statistics.median(resident.time(FLAGS.rounds * FLAGS.steps)),
+           "page_faults_per_step": statistics.median(resident.faults)}]
   for n in [n for n in offloaded if n]:
     for d in [d for d in depths if d <= n]:
       other = Stepper(offload.offload_tail(model, n, d, head, order=FLAGS.order), batch, tokens,
@@ -109,6 +121,7 @@ def sweep(model, head: str, offloaded, depths, batch: int, tokens: int) -> list[
       rows.append({"head": head, "offloaded": n, "depth": d, "compile_s": other.compile_s,
                    "step_ms": 1e3 * step_s, "resident_step_ms": 1e3 * base_s,
                    "ratio_vs_resident": ratio,
+                   "page_faults_per_step": statistics.median(other.faults),
                    "host_weight_bytes": offload.bytes_by_memory_kind(other.state)["pinned_host"]})
       del other
   return rows
@@ -145,15 +158,21 @@ def against_bound(rows: list[dict], num_layers: int, layer_bytes: int, link: flo
   return rows
 
 
-def device_report(offloaded, depths) -> dict:
-  links = {mb: measure.link_bytes_per_s(mb * 2**20) for mb in (16, 64, 256, 1024)}
-  link = max(links.values())
+def synthetic_model(dtype) -> Transformer:
+  """A Llama-shaped model of random weights, sized by the --synthetic_* flags (head dim 128)."""
   c = ModelConfig(architecture="llama", vocab_size=32000, hidden_size=FLAGS.synthetic_hidden,
                   intermediate_size=FLAGS.synthetic_intermediate,
                   num_layers=FLAGS.synthetic_layers, num_heads=FLAGS.synthetic_hidden // 128,
                   num_kv_heads=min(8, FLAGS.synthetic_hidden // 128), head_dim=128,
                   max_position_embeddings=8192)
-  model = Transformer(c, jnp.bfloat16, rngs=nnx.Rngs(0))
+  return Transformer(c, dtype, rngs=nnx.Rngs(0))
+
+
+def device_report(offloaded, depths) -> dict:
+  links = {mb: measure.link_bytes_per_s(mb * 2**20) for mb in (16, 64, 256, 1024)}
+  link = max(links.values())
+  model = synthetic_model(jnp.bfloat16)
+  c = model.config
   layer_bytes = c.layer_param_count * 2
   steps = {"decode": (FLAGS.batch, 1), "prefill": (FLAGS.prefill_batch, FLAGS.prefill_tokens)}
   return {"link_gbps_by_mib": {mb: bw / 1e9 for mb, bw in links.items()},
@@ -164,14 +183,19 @@ def device_report(offloaded, depths) -> dict:
 
 def main(argv):
   del argv
+  retained = FLAGS.retain_freed_memory and cpu_allocator.retain_freed_memory()
   offloaded, depths = [int(n) for n in FLAGS.offloaded], [int(d) for d in FLAGS.depths]
   common = {"backend": jax.default_backend(), "device": str(jax.devices()[0]),
             "order": FLAGS.order, "rounds": FLAGS.rounds, "steps_per_round": FLAGS.steps,
-            "context": FLAGS.context}
+            "context": FLAGS.context, "retain_freed_memory": retained}
   if FLAGS.mode == "device":
     print(json.dumps(common | device_report(offloaded, depths), indent=1))
     return
-  model, _ = checkpoint.load_model(FLAGS.model)
+  if FLAGS.model == "synthetic":
+    model = synthetic_model(jnp.float32)
+  else:
+    model, _ = checkpoint.load_model(FLAGS.model)
+  layer_bytes = model.config.layer_param_count * 4
   print(json.dumps(common | {
       "what": ("CPU decode step (one token per row, float32) with the last `offloaded` layers in "
                "pinned_host memory prefetched `depth` ahead, against the all-resident model with "
@@ -179,7 +203,8 @@ def main(argv):
                "resident_step_ms are medians over all steps, ratio_vs_resident the median over "
                "rounds of the per-round ratio; compile excluded. gpu_presets_predicted: the "
                "planner's step time for the same configurations (roofline compute, preset link)."),
-      "model": FLAGS.model, "batch": FLAGS.batch,
+      "model": FLAGS.model, "num_layers": model.config.num_layers, "layer_bytes": layer_bytes,
+      "batch": FLAGS.batch,
       "cpu": [row for head in FLAGS.heads
               for row in sweep(model, head, offloaded, depths, FLAGS.batch, 1)],
       "gpu_presets_predicted": gpu_predictions(model.config, offloaded, depths)}, indent=1))
