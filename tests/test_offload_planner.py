@@ -55,6 +55,15 @@ def test_offloaded_layers_follow_w_against_m_minus_k_minus_a():
   assert not tight.fits and "Does not fit" in tight.message()
 
 
+def test_fixed_depth_is_used_for_the_memory_fit_and_the_prediction():
+  derived, fixed = article_plan(0.010), article_plan(0.010, prefetch_depth=1)
+  # 10 GB for the resident weights: d = 3 needs 16 - 0.5 n + 4 x 0.5 <= 10 -> n >= 16; d = 1: 14.
+  assert (derived.prefetch_depth, derived.offload_tail_layers) == (3, 16)
+  assert (fixed.prefetch_depth, fixed.offload_tail_layers) == (1, 14)
+  assert fixed.predicted_step_s > 14 * fixed.transfer_layer_s  # one layer ahead cannot hide 23 ms
+  assert article_plan(0.010, offload_tail_layers=2, prefetch_depth=4).prefetch_depth == 2
+
+
 def test_fixed_offload_only_chooses_depth_and_predicts():
   p = article_plan(0.010, offload_tail_layers=4)
   assert (p.offload_tail_layers, p.prefetch_depth) == (4, 3) and p.hidden

@@ -4,10 +4,10 @@
 decode-step compute time on this machine, device memory from the device (or the engine's
 `device_memory_gb`), the KV reservation and an activation reserve from the engine's limits. When
 the device memory is unknown (the CPU backend reports none) `offload_tail_layers="auto"` offloads
-nothing. On CPU `prefetch_depth="auto"` is 1: there is no copy engine to overlap with, and once the
-d + 1 layer buffers of the prefetch outgrow the last-level cache every fetched layer is read back
-from DRAM (measured with 14 MB layers and a 32 MiB L3: about 1.05x the resident step at d = 1,
-1.3-1.9x at d = 2-3; with 1-4 MB layers depths 1-3 all stay near 1.0-1.1x).
+nothing. On CPU `prefetch_depth="auto"` is 1: there is no copy engine to overlap with, so a deeper
+queue only holds more layer copies (and once the d + 1 copies pass 32 MB of step temporaries, glibc
+maps them afresh every step unless `jaxtier.cpu_allocator.retain_freed_memory()` was called). The
+planner then fits memory with the depth that will run.
 """
 
 import dataclasses
@@ -72,17 +72,18 @@ def resolve(model: Transformer, dtype: str, offload_tail_layers, prefetch_depth,
     depth = 1 if prefetch_depth == "auto" else prefetch_depth
     return Resolved(offload_tail_layers, check_depth(depth, offload_tail_layers))
   bytes_ = ModelBytes.from_config(model.config, dtype)
+  fixed_depth = prefetch_depth if prefetch_depth != "auto" else (1 if cpu else None)
   assumed = bytes_.weight_bytes + kv_reserve_bytes + activation_reserve_bytes
   result = plan(bytes_, device_memory_bytes=memory_bytes or assumed,
                 link_bytes_per_s=measure.link_bytes_per_s(),
                 layer_compute_s=measure.layer_compute_s(model, batch, 1, context),
                 kv_reserve_bytes=kv_reserve_bytes,
                 activation_reserve_bytes=activation_reserve_bytes,
-                offload_tail_layers=None if offload_tail_layers == "auto" else offload_tail_layers)
+                offload_tail_layers=None if offload_tail_layers == "auto" else offload_tail_layers,
+                prefetch_depth=fixed_depth)
   if not result.fits and memory_bytes is not None:
     raise ValueError(f"offload_tail_layers={offload_tail_layers!r}: {result.message()}")
   n = result.offload_tail_layers
   if not n:
     return Resolved(0, 0, result)
-  depth = (1 if cpu else result.prefetch_depth) if prefetch_depth == "auto" else prefetch_depth
-  return Resolved(n, min(depth, n), result)
+  return Resolved(n, result.prefetch_depth, result)

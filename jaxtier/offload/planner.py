@@ -227,11 +227,13 @@ def kv_reservation(model: ModelBytes, concurrency: int, context_len: int) -> int
 
 def plan(model: ModelBytes, *, device_memory_bytes: int, link_bytes_per_s: float,
          layer_compute_s: float, kv_reserve_bytes: int = 0, activation_reserve_bytes: int = 0,
-         kv_swap_bytes_per_step: int = 0, offload_tail_layers: int | None = None) -> OffloadPlan:
+         kv_swap_bytes_per_step: int = 0, offload_tail_layers: int | None = None,
+         prefetch_depth: int | None = None) -> OffloadPlan:
   """Plans the offload of `model` (see the module docstring).
 
   `offload_tail_layers` fixes n instead of deriving it from memory (the plan then only chooses d
-  and predicts the step).
+  and predicts the step); `prefetch_depth` fixes d (at most n) instead of ceil(t_x / t_c), for the
+  memory fit and the prediction alike.
   """
   for name, value in (("device_memory_bytes", device_memory_bytes),
                       ("kv_reserve_bytes", kv_reserve_bytes),
@@ -241,18 +243,24 @@ def plan(model: ModelBytes, *, device_memory_bytes: int, link_bytes_per_s: float
   for name, value in (("link_bytes_per_s", link_bytes_per_s), ("layer_compute_s", layer_compute_s)):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
       raise ValueError(f"{name}={value!r}: expected a positive number")
+  if prefetch_depth is not None:
+    _check_int("prefetch_depth", prefetch_depth, 1)
   t_x, t_c, total = model.layer_bytes / link_bytes_per_s, layer_compute_s, model.num_layers
+
+  def depth_of(n: int) -> int:
+    return depth_for(t_x, t_c, n) if prefetch_depth is None or not n else min(prefetch_depth, n)
+
   budget = device_memory_bytes - kv_reserve_bytes - activation_reserve_bytes
   if offload_tail_layers is None:
-    needed = _fewest_offloaded(model, budget, depth_for(t_x, t_c, total))
+    needed = _fewest_offloaded(model, budget, depth_of(total))
     offload_tail_layers, fits = min(needed, total), needed <= total
   else:
     _check_int("offload_tail_layers", offload_tail_layers, 0)
-    fits = _resident(model, offload_tail_layers, depth_for(t_x, t_c, offload_tail_layers)) <= budget
-  depth = depth_for(t_x, t_c, offload_tail_layers)
+    fits = _resident(model, offload_tail_layers, depth_of(offload_tail_layers)) <= budget
+  depth = depth_of(offload_tail_layers)
   kv_s = kv_swap_bytes_per_step / link_bytes_per_s
   hidden_max = max((n for n in range(total + 1)
-                    if simulate_step(total, n, depth_for(t_x, t_c, n), t_c, t_x, kv_s)
+                    if simulate_step(total, n, depth_of(n), t_c, t_x, kv_s)
                     <= total * t_c * (1 + 1e-9)), default=0)
   return OffloadPlan(model, device_memory_bytes, kv_reserve_bytes, activation_reserve_bytes,
                      link_bytes_per_s, layer_compute_s, kv_swap_bytes_per_step, offload_tail_layers,
