@@ -12,22 +12,15 @@ import os
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 from tqdm import tqdm
 
 import jaxtier
+from jaxtier import cpu_allocator, engine_flags
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "optional ml_collections config file whose fields "
-                                "give defaults for the flags below (flags given explicitly win)")
-flags.DEFINE_string("model", "smollm2-135m-instruct", "registry name, HF directory, .gguf file or "
-                    "Orbax directory")
 flags.DEFINE_string("input", None, "input JSONL file", required=True)
 flags.DEFINE_string("output", None, "output JSONL file (appended to; existing ids are skipped)",
                     required=True)
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter dtype")
-flags.DEFINE_integer("max_model_len", None, "context window; default: the model's")
-flags.DEFINE_integer("max_num_seqs", 16, "prompts generated together in one batch")
 flags.DEFINE_integer("chunk_size", 64, "records generated between two writes of the output file")
 flags.DEFINE_integer("max_tokens", 64, "maximum generated tokens per record")
 flags.DEFINE_float("temperature", 0.0, "sampling temperature; 0 is greedy")
@@ -35,12 +28,6 @@ flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass")
 flags.DEFINE_integer("top_k", -1, "top-k sampling; <= 0 disables it")
 flags.DEFINE_integer("seed", None, "sampling seed; record i uses seed + i")
 flags.DEFINE_multi_string("stop", [], "stop string (repeat the flag for several)")
-flags.DEFINE_string("offload_tail_layers", "0", "last layers kept in pinned host memory and "
-                    "streamed to the device every step: an int or 'auto' (the offload planner)")
-flags.DEFINE_string("prefetch_depth", "auto", "layers the offloaded tail is fetched ahead: 1-4 or "
-                    "'auto'")
-flags.DEFINE_float("device_memory_gb", None, "device memory for offload_tail_layers=auto, GB; "
-                   "default: what the device reports (nothing on CPU: auto offloads nothing)")
 
 
 def read_records(path: str) -> list[dict]:
@@ -78,31 +65,10 @@ def done_ids(path: str) -> set[str]:
     return {str(json.loads(line)["id"]) for line in f if line.strip()}
 
 
-def apply_config_defaults() -> None:
-  if FLAGS.config is None:
-    return
-  for name, value in FLAGS.config.items():
-    if name not in FLAGS:
-      raise app.UsageError(f"--config field {name!r} is not a flag of this script")
-    if not FLAGS[name].present:
-      FLAGS[name].value = value
-
-
 def sampling_params(index: int) -> jaxtier.SamplingParams:
   seed = None if FLAGS.seed is None else (FLAGS.seed + index) % 2**32
   return jaxtier.SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                                 top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=seed, stop=FLAGS.stop)
-
-
-def int_or_auto(name: str):
-  """The value of flag `name` as an int or "auto"; UsageError otherwise."""
-  value = FLAGS[name].value
-  if value == "auto" or isinstance(value, int):
-    return value
-  try:
-    return int(value)
-  except ValueError:
-    raise app.UsageError(f"--{name}={value}: expected an integer or 'auto'") from None
 
 
 def generate(llm: jaxtier.LLM, records: list[dict], first_index: int) -> list:
@@ -121,7 +87,7 @@ def main(argv):
   del argv
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  apply_config_defaults()
+  engine_flags.apply_config_defaults()
   try:
     sampling_params(0)
   except ValueError as e:
@@ -133,12 +99,9 @@ def main(argv):
         f"{len(todo)} to generate", file=sys.stderr)
   if not todo:
     return
+  cpu_allocator.retain_freed_memory()
   try:
-    llm = jaxtier.LLM(FLAGS.model, dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
-                      max_num_seqs=FLAGS.max_num_seqs,
-                      offload_tail_layers=int_or_auto("offload_tail_layers"),
-                      prefetch_depth=int_or_auto("prefetch_depth"),
-                      device_memory_gb=FLAGS.device_memory_gb)
+    llm = jaxtier.LLM(**engine_flags.llm_kwargs())
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   if llm.offload.offload_tail_layers:
