@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtier.detokenize import IncrementalDecoder, find_stop
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.sampling import SamplingArrays, SamplingParams, sample
 from jaxtier.tokenizer import Tokenizer
@@ -74,34 +75,30 @@ def step_fn(graphdef: nnx.GraphDef):
   return jax.jit(functools.partial(_step, graphdef), donate_argnames=("cache",))
 
 
-def first_stop(text: str, stops: Sequence[str]) -> int | None:
-  """Index where the earliest stop string starts in `text`, or None."""
-  hits = [text.find(s) for s in stops if s in text]
-  return min(hits) if hits else None
-
-
 class _Row:
   """Host-side progress of one request: generated ids and stop checks."""
 
   def __init__(self, request: Request, tokenizer: Tokenizer, max_model_len: int):
     self.request, self.tokenizer = request, tokenizer
     self.generated: list[int] = []
+    self.decoder = IncrementalDecoder(tokenizer) if request.params.stop else None
     self.finish_reason: str | None = None
     self.limit = min(request.params.max_tokens, max_model_len - len(request.prompt_ids))
 
   def append(self, token: int) -> None:
     p = self.request.params
     self.generated.append(token)
+    new_text = self.decoder.push([token]) if self.decoder is not None else ""
     if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
       self.finish_reason = "stop"
-    elif p.stop and first_stop(self.tokenizer.decode(self.generated), p.stop) is not None:
+    elif new_text and find_stop(self.decoder.text, p.stop, len(new_text)) is not None:
       self.finish_reason = "stop"
     elif len(self.generated) >= self.limit:
       self.finish_reason = "length"
 
   def completion(self) -> Completion:
     text = self.tokenizer.decode(self.generated)
-    cut = first_stop(text, self.request.params.stop)
+    cut = find_stop(text, self.request.params.stop, len(text))
     return Completion(tuple(self.generated), text if cut is None else text[:cut], self.finish_reason)
 
 

@@ -1,16 +1,15 @@
-"""Incremental detokenization for streaming: text deltas that are safe to send.
+"""Streamed text deltas that are safe to send.
 
 A delta is sent only when it cannot change or be taken back later: text that ends in an incomplete
-UTF-8 character (decoded as U+FFFD) waits for the next token, and so does a tail that could be the
-start of a stop string, since stop strings are never sent. When the request finishes, the rest of
-its final text (already cut at the stop string) is sent.
+UTF-8 character waits for the next token (`jaxtier.detokenize.IncrementalDecoder`), and so does a
+tail that could be the start of a stop string, since stop strings are never sent. When the request
+finishes, the rest of its final text (already cut at the stop string) is sent.
 """
 
 from typing import Sequence
 
+from jaxtier.detokenize import IncrementalDecoder
 from jaxtier.tokenizer import Tokenizer
-
-REPLACEMENT = "\ufffd"
 
 
 def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
@@ -27,20 +26,21 @@ def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
 class IncrementalDetokenizer:
   """Turns one request's generated token ids into streamable text deltas.
 
-  Every push decodes all ids so far, the same way the final text is decoded, so the deltas
-  concatenate to exactly the non-streamed text (decoding cost grows with the output length).
+  Each push decodes only the newest tokens (and the few before them); `finish` sends what is left
+  of the final text, so the deltas concatenate to exactly the non-streamed text.
   """
 
   def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]):
-    self._tokenizer, self._stops = tokenizer, tuple(stops)
-    self._ids: list[int] = []
+    self._decoder, self._stops = IncrementalDecoder(tokenizer), tuple(stops)
+    self._longest_stop = max(map(len, self._stops), default=0)
     self._sent = 0  # characters of the decoded text already returned
 
   def push(self, token_ids: Sequence[int]) -> str:
     """Adds newly generated ids; returns the text that became safe to send (maybe empty)."""
-    self._ids.extend(token_ids)
-    text = self._tokenizer.decode(self._ids).rstrip(REPLACEMENT)
-    end = len(text) - stop_prefix_len(text, self._stops)
+    if not self._decoder.push(token_ids):
+      return ""
+    text = self._decoder.text
+    end = len(text) - stop_prefix_len(text[max(0, len(text) - self._longest_stop):], self._stops)
     if end <= self._sent:
       return ""
     delta, self._sent = text[self._sent:end], end
@@ -48,4 +48,5 @@ class IncrementalDetokenizer:
 
   def finish(self, final_text: str) -> str:
     """The rest of the request's final text (`Completion.text`), once it has finished."""
+    assert final_text.startswith(self._decoder.text[:self._sent]), "streamed text was taken back"
     return final_text[self._sent:]
