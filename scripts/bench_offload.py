@@ -32,10 +32,10 @@ from flax import nnx
 
 from jaxtier import checkpoint, cpu_allocator, offload
 from jaxtier.config import ModelConfig
-from jaxtier.generate import step_fn
+from jaxtier.generate import model_step, step_fn
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.model import GroupedTransformer, Transformer
-from jaxtier.offload import measure
+from jaxtier.offload import hlo, measure
 from jaxtier.sampling import SamplingArrays, SamplingParams
 
 FLAGS = flags.FLAGS
@@ -127,6 +127,33 @@ def sweep(model, head: str, offloaded, depths, batch: int, tokens: int) -> list[
   return rows
 
 
+def cuda_export_check(model, offloaded, depths, batch: int) -> list[dict]:
+  """The decode step of each (n, d) exported for CUDA on this machine: what its StableHLO moves
+  host -> device per step, in how many transfers, how many layers ahead, and any host compute."""
+  c = model.config
+  layer_bytes = c.layer_param_count * jax.tree.leaves(nnx.state(model))[0].dtype.itemsize
+  cache = ContiguousKVCache.create(c.num_layers, batch, FLAGS.context + 1, c.num_kv_heads,
+                                   c.head_dim)
+  args = (jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), FLAGS.context, jnp.int32),
+          jnp.zeros(batch, jnp.int32),
+          SamplingArrays.from_params([SamplingParams(temperature=0)] * batch, [0] * batch,
+                                     [0] * batch))
+  rows = []
+  for n in [n for n in offloaded if n]:
+    for d in [d for d in depths if d <= n]:
+      graphdef, state = nnx.split(offload.offload_tail(model, n, d))
+      report = hlo.placement_report(hlo.exported_text(model_step, graphdef, state, cache, *args))
+      in_loop = report.to_device(in_loop=True)
+      rows.append({"offloaded": n, "depth": d, "offloaded_bytes": n * layer_bytes,
+                   "host_argument_bytes": sum(report.host_arguments.values()),
+                   "to_device_bytes_per_step": report.to_device_bytes_per_call(),
+                   "transfers": len(report.to_device()),
+                   "largest_transfer_bytes": max(t.nbytes for t in report.to_device()),
+                   "layers_ahead_in_loop": sorted({t.layers_ahead for t in in_loop}),
+                   "host_compute_ops": len(report.host_compute)})
+  return rows
+
+
 def gpu_predictions(config, offloaded, depths) -> dict:
   """The planner's step time for the same configurations on every preset (roofline compute)."""
   bytes_ = offload.ModelBytes.from_config(config, "float32")
@@ -201,12 +228,15 @@ def main(argv):
                "pinned_host memory prefetched `depth` ahead, against the all-resident model with "
                "the same head execution timed alternately in the same run; step_ms and "
                "resident_step_ms are medians over all steps, ratio_vs_resident the median over "
-               "rounds of the per-round ratio; compile excluded. gpu_presets_predicted: the "
+               "rounds of the per-round ratio; compile excluded. cuda_export: the same steps "
+               "exported for CUDA here, their host -> device transfers counted in the StableHLO. "
+               "gpu_presets_predicted: the "
                "planner's step time for the same configurations (roofline compute, preset link)."),
       "model": FLAGS.model, "num_layers": model.config.num_layers, "layer_bytes": layer_bytes,
       "batch": FLAGS.batch,
       "cpu": [row for head in FLAGS.heads
               for row in sweep(model, head, offloaded, depths, FLAGS.batch, 1)],
+      "cuda_export": cuda_export_check(model, offloaded, depths, FLAGS.batch),
       "gpu_presets_predicted": gpu_predictions(model.config, offloaded, depths)}, indent=1))
 
 
