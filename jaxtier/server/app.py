@@ -111,6 +111,14 @@ def create_app(engine: AsyncEngine, served_model_name: str) -> fastapi.FastAPI:
   async def serve(body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[list[int]],
                   request: fastapi.Request, chat: bool, max_tokens: int | None):
     arrival = time.monotonic()
+    if max_tokens is not None:
+      longest = max(len(ids) for ids in prompt_ids)
+      if longest + max_tokens > llm.max_model_len:
+        raise OpenAIError(400, f"This model's maximum context length is {llm.max_model_len} "
+                          f"tokens. However, you requested {longest + max_tokens} tokens "
+                          f"({longest} in the prompt, {max_tokens} in the completion). Please "
+                          "reduce the length of the prompt or of the completion.",
+                          param="max_tokens")
     params = _checked(body.sampling_params,
                       llm.max_model_len if max_tokens is None else max_tokens)
     streams = [metrics.track(engine.generate(llm.make_request(ids, p)), len(ids), arrival)
