@@ -23,6 +23,8 @@ flags.DEFINE_string("host", "127.0.0.1", "address to listen on (0.0.0.0 for all 
 flags.DEFINE_integer("port", 8000, "port to listen on", lower_bound=1, upper_bound=65535)
 flags.DEFINE_integer("seed", 0, "seeds the sampling seeds of requests that send none",
                      lower_bound=0)
+flags.DEFINE_float("batch_wait_ms", 5.0, "a batch that is not full starts once no request has "
+                   "arrived for this long (at most 20 such waits)", lower_bound=0)
 
 
 def main(argv):
@@ -41,7 +43,7 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   print(f"memory: {json.dumps(llm.memory_report())}", file=sys.stderr)
-  engine = AsyncEngine(llm)
+  engine = AsyncEngine(llm, batch_wait_s=FLAGS.batch_wait_ms / 1e3)
   try:
     uvicorn.run(create_app(engine, FLAGS.served_model_name or FLAGS.model), host=FLAGS.host,
                 port=FLAGS.port)

@@ -303,6 +303,28 @@ def test_abort_releases_the_row_and_drops_queued_requests(llm):
   assert engine.stats().running == 0
 
 
+def test_requests_sent_together_share_one_batch(llm):
+  driver = RecordingDriver(llm)
+  engine = AsyncEngine(driver, batch_wait_s=30.0)  # a full batch must not wait for it
+  requests = [llm.make_request(llm.prompt_token_ids(f"prompt {i}"), greedy(max_tokens=2))
+              for i in range(llm.max_num_seqs)]
+
+  async def collect(request):
+    return [u async for u in engine.generate(request)][-1].completion
+
+  async def scenario():
+    return await asyncio.gather(*(collect(r) for r in requests))
+
+  start = time.monotonic()
+  try:
+    completions = asyncio.run(scenario())
+  finally:
+    engine.close()
+  assert time.monotonic() - start < 30
+  assert [len(batch) for batch in driver.batches] == [llm.max_num_seqs]
+  assert all(len(c.token_ids) == 2 for c in completions)
+
+
 def test_a_failing_batch_is_an_error_and_the_engine_keeps_serving(llm):
   engine = AsyncEngine(RecordingDriver(llm))
   try:

@@ -2,7 +2,9 @@
 
 The thread takes up to `max_num_seqs` waiting requests and runs them as one padded batch
 (`LLM.run_batch`) until every row of it has finished; requests that arrive meanwhile wait for the
-next batch. Per-step updates travel back to each request's event loop, so HTTP handlers stream
+next batch. A batch that is not full starts once no request has arrived for `batch_wait_s` (at
+most 20 such waits after its first request), so clients that send together share one batch
+instead of the first running alone. Per-step updates travel back to each request's event loop, so HTTP handlers stream
 tokens as they are generated. Closing a request's stream (a client that disconnected) aborts its
 row between two steps, or drops it from the queue if it has not started.
 
@@ -15,6 +17,7 @@ import asyncio
 import collections
 import dataclasses
 import threading
+import time
 from typing import AsyncIterator, Callable, Protocol, Sequence
 
 from absl import logging
@@ -30,6 +33,9 @@ class BatchDriver(Protocol):
                 on_step: Callable[[list[StepUpdate]], None] | None = None,
                 aborted: Callable[[int], bool] | None = None) -> list[Completion]:
     ...
+
+
+MAX_WAITS = 20  # a batch waits at most this many batch_wait_s for arrivals
 
 
 class EngineError(RuntimeError):
@@ -59,15 +65,31 @@ class _Entry:
       self.aborted = True
 
 
+def _deliver_all(loop: asyncio.AbstractEventLoop, items: list[tuple[_Entry, StepUpdate]]) -> None:
+  """Hands each entry its update on `loop` with one call."""
+  def put_all() -> None:
+    for entry, update in items:
+      entry.updates.put_nowait(update)
+
+  try:
+    loop.call_soon_threadsafe(put_all)
+  except RuntimeError:  # the waiting event loop is closed: nobody will read these requests
+    for entry, _ in items:
+      entry.aborted = True
+
+
 class AsyncEngine:
   """Runs queued requests in batches on a background thread; see the module docstring.
 
   Args:
     llm: the batch driver, normally a `jaxtier.LLM`.
+    batch_wait_s: the quiet time after the last arrival that starts a batch that is not full.
   """
 
-  def __init__(self, llm: BatchDriver):
-    self.llm = llm
+  def __init__(self, llm: BatchDriver, batch_wait_s: float = 0.005):
+    if not batch_wait_s >= 0:
+      raise ValueError(f"batch_wait_s={batch_wait_s!r}: expected a number >= 0")
+    self.llm, self.batch_wait_s = llm, batch_wait_s
     self._cond = threading.Condition()
     self._waiting: collections.deque[_Entry] = collections.deque()
     self._running: list[_Entry] = []
@@ -119,6 +141,16 @@ class AsyncEngine:
       with self._cond:
         while not self._waiting and not self._closed:
           self._cond.wait()
+        now = time.monotonic()
+        quiet_until, latest = now + self.batch_wait_s, now + MAX_WAITS * self.batch_wait_s
+        seen = len(self._waiting)
+        while seen < self.llm.max_num_seqs and not self._closed:
+          left = min(quiet_until, latest) - time.monotonic()
+          if left <= 0:
+            break
+          self._cond.wait(left)
+          if len(self._waiting) != seen:  # another arrival: wait for the next one again
+            seen, quiet_until = len(self._waiting), time.monotonic() + self.batch_wait_s
         if self._closed:
           return
         batch: list[_Entry] = []
@@ -136,11 +168,14 @@ class AsyncEngine:
     def on_step(updates: list[StepUpdate]) -> None:
       with self._cond:
         self._steps += 1
+      by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Entry, StepUpdate]]] = {}
       for update in updates:
         entry = batch[update.index]
         entry.done = update.completion is not None
         if not entry.aborted:
-          entry.deliver(update)
+          by_loop.setdefault(entry.loop, []).append((entry, update))
+      for loop, items in by_loop.items():  # one wake-up of each event loop per step
+        _deliver_all(loop, items)
 
     try:
       self.llm.run_batch([e.request for e in batch], on_step=on_step,
