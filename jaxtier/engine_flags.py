@@ -1,15 +1,16 @@
 """`jaxtier.LLM`'s engine arguments as absl flags, with the same names, for the scripts.
 
 Importing this module defines `--config` and the engine flags. A script calls
-`apply_config_defaults()` first thing in `main` and builds the engine with
-`jaxtier.LLM(**llm_kwargs())`. Flag values are checked when the command line is parsed, before any
+`prepare()` first thing in `main` and builds the engine with `jaxtier.LLM(**llm_kwargs())`. Flag values are checked when the command line is parsed, before any
 model is loaded; importing this module does not import JAX.
 """
 
 from typing import Any
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
+
+from jaxtier import cpu_allocator
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "optional ml_collections config file whose fields "
@@ -80,6 +81,16 @@ def apply_config_defaults() -> None:
     FLAGS.validate_all_flags()
   except flags.IllegalFlagValueError as e:
     raise app.UsageError(str(e)) from None
+
+
+def prepare() -> None:
+  """What an engine script does first: warnings-only logging unless --verbosity is given, --config
+  defaults applied and checked, and freed memory retained (`jaxtier.cpu_allocator`, before JAX
+  starts its threads)."""
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  apply_config_defaults()
+  cpu_allocator.retain_freed_memory()
 
 
 def llm_kwargs() -> dict[str, Any]:

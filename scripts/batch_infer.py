@@ -11,11 +11,11 @@ import json
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from tqdm import tqdm
 
 import jaxtier
-from jaxtier import cpu_allocator, engine_flags
+from jaxtier import engine_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", None, "input JSONL file", required=True)
@@ -85,9 +85,7 @@ def generate(llm: jaxtier.LLM, records: list[dict], first_index: int) -> list:
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  engine_flags.apply_config_defaults()
+  engine_flags.prepare()
   try:
     sampling_params(0)
   except ValueError as e:
@@ -99,7 +97,6 @@ def main(argv):
         f"{len(todo)} to generate", file=sys.stderr)
   if not todo:
     return
-  cpu_allocator.retain_freed_memory()
   try:
     llm = jaxtier.LLM(**engine_flags.llm_kwargs())
   except ValueError as e:

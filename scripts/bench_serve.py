@@ -19,9 +19,9 @@ import statistics
 import threading
 import time
 
-from absl import app, flags, logging
+from absl import app, flags
 
-from jaxtier import cpu_allocator, engine_flags
+from jaxtier import engine_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("prompts", "examples/prompts.jsonl", "JSONL with a 'prompt' or 'messages' "
@@ -115,10 +115,7 @@ def warm_up(llm, prompts: list[str]) -> None:
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  engine_flags.apply_config_defaults()
-  cpu_allocator.retain_freed_memory()
+  engine_flags.prepare()
   import uvicorn
 
   import jaxtier

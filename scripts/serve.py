@@ -12,9 +12,9 @@ for the next one. Flag values are checked before the model is loaded.
 import json
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 
-from jaxtier import cpu_allocator, engine_flags
+from jaxtier import engine_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("served_model_name", None, "model name clients send and /v1/models lists; "
@@ -29,10 +29,7 @@ flags.DEFINE_float("batch_wait_ms", 5.0, "a batch that is not full starts once n
 
 def main(argv):
   del argv
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  engine_flags.apply_config_defaults()
-  cpu_allocator.retain_freed_memory()
+  engine_flags.prepare()
   # Imported here so that a bad flag is reported without waiting for JAX to import.
   import uvicorn
 
