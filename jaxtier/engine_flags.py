@@ -34,6 +34,7 @@ flags.DEFINE_float("device_memory_gb", None, "device memory for offload_tail_lay
 
 ENGINE_FLAGS = ("model", "dtype", "max_model_len", "max_num_seqs", "kv_cache_dtype",
                 "layer_execution", "offload_tail_layers", "prefetch_depth", "device_memory_gb")
+# prefetch_depth's bound is jaxtier.offload.prefetch.MAX_DEPTH, written out: that module loads JAX.
 INT_OR_AUTO_RANGES = {"offload_tail_layers": (0, None), "prefetch_depth": (1, 4)}
 
 

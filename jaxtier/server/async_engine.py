@@ -4,8 +4,8 @@ The thread takes up to `max_num_seqs` waiting requests and runs them as one padd
 (`LLM.run_batch`) until every row of it has finished; requests that arrive meanwhile wait for the
 next batch. A batch that is not full starts once no request has arrived for `batch_wait_s` (at
 most 20 such waits after its first request), so clients that send together share one batch
-instead of the first running alone. Per-step updates travel back to each request's event loop, so HTTP handlers stream
-tokens as they are generated. Closing a request's stream (a client that disconnected) aborts its
+instead of the first running alone. Per-step updates travel back to each request's event loop, so
+HTTP handlers stream tokens as they are generated. Closing a request's stream (a client that disconnected) aborts its
 row between two steps, or drops it from the queue if it has not started.
 
 The HTTP layer needs only `generate` (an async stream of `StepUpdate`s that aborts when closed),
@@ -58,24 +58,22 @@ class _Entry:
     self.aborted = False  # set by the event loop, read by the engine thread
     self.done = False  # set by the engine thread
 
-  def deliver(self, item: StepUpdate | EngineError) -> None:
+
+def _deliver(items: list[tuple[_Entry, StepUpdate | EngineError]]) -> None:
+  """Hands each entry its item on the entry's event loop, with one call per event loop."""
+  by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Entry, StepUpdate | EngineError]]] = {}
+  for entry, item in items:
+    by_loop.setdefault(entry.loop, []).append((entry, item))
+  for loop, mine in by_loop.items():
+    def put_all(mine=mine) -> None:
+      for entry, item in mine:
+        entry.updates.put_nowait(item)
+
     try:
-      self.loop.call_soon_threadsafe(self.updates.put_nowait, item)
-    except RuntimeError:  # the waiting event loop is closed: nobody will read this request
-      self.aborted = True
-
-
-def _deliver_all(loop: asyncio.AbstractEventLoop, items: list[tuple[_Entry, StepUpdate]]) -> None:
-  """Hands each entry its update on `loop` with one call."""
-  def put_all() -> None:
-    for entry, update in items:
-      entry.updates.put_nowait(update)
-
-  try:
-    loop.call_soon_threadsafe(put_all)
-  except RuntimeError:  # the waiting event loop is closed: nobody will read these requests
-    for entry, _ in items:
-      entry.aborted = True
+      loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the waiting event loop is closed: nobody will read these requests
+      for entry, _ in mine:
+        entry.aborted = True
 
 
 class AsyncEngine:
@@ -132,8 +130,8 @@ class AsyncEngine:
       self._closed = True
       waiting, self._waiting = list(self._waiting), collections.deque()
       self._cond.notify()
-    for entry in waiting:
-      entry.deliver(EngineError("the engine shut down before this request started"))
+    _deliver([(entry, EngineError("the engine shut down before this request started"))
+              for entry in waiting])
     self._thread.join()
 
   def _loop(self) -> None:
@@ -168,21 +166,21 @@ class AsyncEngine:
     def on_step(updates: list[StepUpdate]) -> None:
       with self._cond:
         self._steps += 1
-      by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Entry, StepUpdate]]] = {}
+      items = []
       for update in updates:
         entry = batch[update.index]
         entry.done = update.completion is not None
         if not entry.aborted:
-          by_loop.setdefault(entry.loop, []).append((entry, update))
-      for loop, items in by_loop.items():  # one wake-up of each event loop per step
-        _deliver_all(loop, items)
+          items.append((entry, update))
+      _deliver(items)  # one wake-up of each event loop per step
 
     try:
       self.llm.run_batch([e.request for e in batch], on_step=on_step,
                          aborted=lambda i: batch[i].aborted)
     except Exception as e:  # one failing batch must not stop the engine
       logging.exception("batch of %d requests failed", len(batch))
-      for entry in batch:
-        if not entry.done:
-          entry.done = True
-          entry.deliver(EngineError(f"generation failed: {type(e).__name__}: {e}"))
+      failed = [entry for entry in batch if not entry.done]
+      for entry in failed:
+        entry.done = True
+      _deliver([(entry, EngineError(f"generation failed: {type(e).__name__}: {e}"))
+                for entry in failed])
