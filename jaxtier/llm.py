@@ -1,7 +1,7 @@
 """The offline API, in the shape vLLM users know: `LLM(model).generate(prompts, SamplingParams(...))`."""
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -252,3 +252,31 @@ class LLM:
     prompts = [self.prompt_token_ids(self.tokenizer.encode(t, add_special_tokens=False), i)
                for i, t in enumerate(texts)]
     return self._run(texts, prompts, self._params_list(sampling_params, len(texts)), use_tqdm)
+
+  def generate_stream(self, items: Iterable[tuple[Hashable, Any, SamplingParams]],
+                      use_tqdm: bool = False) -> Iterator[tuple[Hashable, RequestOutput]]:
+    """Generates for `(key, prompt_or_conversation, params)` items pulled from `items` as room
+    frees up, and yields `(key, output)` as each request finishes (not in input order).
+
+    A prompt is a string or token ids; a conversation is a list of `{"role", "content"}` messages
+    (rendered with the chat template). A bad item raises ValueError naming its key.
+    """
+    iterator = iter(items)
+    while True:
+      chunk = [item for _, item in zip(range(self.max_num_seqs), iterator)]
+      if not chunk:
+        return
+      ids, texts = [], []
+      for key, prompt, _ in chunk:
+        try:
+          if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            texts.append(self.tokenizer.apply_chat_template(prompt))
+            ids.append(self.prompt_token_ids(self.tokenizer.encode(texts[-1],
+                                                                   add_special_tokens=False)))
+          else:
+            texts.append(prompt if isinstance(prompt, str) else None)
+            ids.append(self.prompt_token_ids(prompt))
+        except (ValueError, TypeError) as e:
+          raise ValueError(f"request {key!r}: {e}") from None
+      outputs = self._run(texts, ids, [params for _, _, params in chunk], use_tqdm)
+      yield from zip([key for key, _, _ in chunk], outputs)
