@@ -1,0 +1,6 @@
+"""Shape buckets: the padded sizes that keep the number of compiled program variants small."""
+
+
+def pow2_bucket(n: int, minimum: int = 1) -> int:
+  """The smallest power of two >= max(n, minimum) (minimum itself when it is larger)."""
+  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
