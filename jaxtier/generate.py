@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtier.buckets import pow2_bucket as bucket_pow2
 from jaxtier.detokenize import IncrementalDecoder, find_stop
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.sampling import SamplingArrays, SamplingParams, sample
@@ -46,10 +47,6 @@ class StepUpdate:
   index: int  # the row's position in the batch's request list
   new_token_ids: tuple[int, ...]
   completion: Completion | None  # set on the step the row finishes, else None
-
-
-def bucket_pow2(n: int, minimum: int = 1) -> int:
-  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
 def _step(graphdef: nnx.GraphDef, state: nnx.State, cache, tokens_bt: jax.Array, pos_bt: jax.Array,

@@ -14,22 +14,24 @@ import math
 
 from absl import app, flags
 
-from jaxtier.scheduler import SchedulerConfig, kv_block_bytes
+from jaxtier.kv_bytes import ELEMENT_BYTES, kv_block_bytes
+from jaxtier.scheduler import SchedulerConfig
 from jaxtier.scheduler import simulator
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 
 _GB = 1e9
 
 # The source article's example (DESIGN.md section 4): a 7B model with 28 layers and 32 x 128 KV
-# heads in fp16, 100 concurrent requests averaging 4000 tokens, an 80 GB device, PCIe 4.0 at 22 GB/s.
+# heads in fp16 (bfloat16 here, the same two bytes), 100 concurrent requests averaging 4000 tokens,
+# an 80 GB device, PCIe 4.0 at 22 GB/s.
 # Our assumptions: 14 GB of weights (7e9 x 2 bytes), 8 GB for activations (the article's own split),
 # a 180 GB host pool (its section 4.2), a 5 GB watermark (its section 3.2), 10 ms per decode step and
 # 90 us of compute per token (14 GFLOP at half of a 312 TFLOP/s peak).
 PRESETS = {
     "article": dict(
-        num_layers=28, kv_heads=32, head_dim=128, dtype_bytes=2, device_gb=80.0, weights_gb=14.0,
-        reserve_gb=8.0, host_gb=180.0, watermark_gb=5.0, num_requests=100, arrival_rate=0.0,
-        prompt_len=3000, output_len=1000, length_dist="uniform", step_base_ms=10.0,
+        num_layers=28, kv_heads=32, head_dim=128, kv_cache_dtype="bfloat16", device_gb=80.0,
+        weights_gb=14.0, reserve_gb=8.0, host_gb=180.0, watermark_gb=5.0, num_requests=100,
+        arrival_rate=0.0, prompt_len=3000, output_len=1000, length_dist="uniform", step_base_ms=10.0,
         per_token_us=90.0, link_gb_per_s=22.0, max_tokens_per_step=4096),
 }
 
@@ -46,7 +48,8 @@ flags.DEFINE_integer("seed", 0, "Synthetic workload seed.")
 flags.DEFINE_integer("num_layers", 28, "Model layers.")
 flags.DEFINE_integer("kv_heads", 32, "KV heads per layer.")
 flags.DEFINE_integer("head_dim", 128, "Head dimension.")
-flags.DEFINE_integer("dtype_bytes", 2, "Bytes per KV element.")
+flags.DEFINE_enum("kv_cache_dtype", "bfloat16", sorted(ELEMENT_BYTES),
+                  "KV storage dtype (int8 counts its float32 scales).")
 flags.DEFINE_float("device_gb", 80.0, "Device memory.")
 flags.DEFINE_float("weights_gb", 14.0, "Resident weights.")
 flags.DEFINE_float("reserve_gb", 8.0, "Activations and scratch.")
@@ -88,8 +91,8 @@ def _config(block_bytes: int) -> SchedulerConfig:
 def main(argv):
   del argv
   _apply_preset()
-  block_bytes = kv_block_bytes(FLAGS.num_layers, FLAGS.kv_heads, FLAGS.head_dim, FLAGS.dtype_bytes,
-                               FLAGS.block_size)
+  block_bytes = kv_block_bytes(FLAGS.num_layers, FLAGS.kv_heads, FLAGS.head_dim,
+                               FLAGS.kv_cache_dtype, FLAGS.block_size)
   if FLAGS.trace:
     with open(FLAGS.trace) as f:
       workload = simulator.read_trace(f)

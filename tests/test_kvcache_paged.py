@@ -167,7 +167,7 @@ def test_config_and_metadata_validation():
   with pytest.raises(ValueError, match=r"block ids \[8, 9\] are outside \[-1, 8\)"):
     PagedMetadata.create(np.array([[0, 8], [9, -1]]), 8)
   config = PagedCacheConfig(L, K, D, 8, block_size=C, host_pool_gib=1 / 1024)
-  assert config.host_blocks == (1 << 20) // config.bytes_per_block
+  assert config.host_blocks == (1 << 20) // (2 * L * K * C * D * 4)  # float32 K and V of a block
   cache = PagedKVCache.create(config)
   q = jnp.zeros((2, 1, K * G, D))
   kv = jnp.zeros((2, 1, K, D))

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtier.kvcache import (KVBlocks, PagedCacheConfig, PagedKVCache, bucket_size, swap_in,
+from jaxtier.buckets import pow2_bucket
+from jaxtier.kvcache import (KVBlocks, PagedCacheConfig, PagedKVCache, host_pool_bytes, swap_in,
                              swap_out)
 from jaxtier.kvcache import swap as swap_module
 
@@ -58,7 +59,7 @@ def test_swap_round_trip_is_bit_identical(dtype, impl):
   for got, want, other in zip(device_blocks(cache), before, reused):
     np.testing.assert_array_equal(got[[9, 4, 3]], want[[7, 3, 1]])
     np.testing.assert_array_equal(np.delete(got, [9, 4, 3], 0), np.delete(other, [9, 4, 3], 0))
-  block_bytes = cache.config.bytes_per_block
+  block_bytes = host_pool_bytes(cache) // HOST_BLOCKS  # what one host slot really holds
   assert (out_report.bytes, in_report.bytes) == (3 * block_bytes, 3 * block_bytes)
   assert (out_report.bucket, out_report.direction, in_report.direction) == (4, "out", "in")
   assert out_report.seconds > 0 and in_report.seconds > 0
@@ -107,7 +108,8 @@ def test_swap_programs_work_in_place(dtype, impl):
 
 
 def test_bucket_sizes():
-  assert [bucket_size(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+  assert [pow2_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
+  assert [pow2_bucket(n, 16) for n in (0, 1, 16, 17)] == [16, 16, 16, 32]
 
 
 def test_swap_validation_names_the_problem():

@@ -86,8 +86,13 @@ def test_model_bytes_from_config():
   assert m.layer_bytes == SMOLLM.layer_param_count * 4 == 14_160_384
   assert m.other_bytes == (49152 * 576 + 576) * 4  # tied embeddings: one table
   assert m.kv_bytes_per_token == 2 * 3 * 64 * 4 * 30
+  int8 = offload.ModelBytes.from_config(SMOLLM, "bfloat16", kv_cache_dtype="int8")
+  assert int8.kv_bytes_per_token == 2 * 3 * (64 * 1 + 4) * 30  # int8 values and a float32 scale
+  assert offload.ModelBytes.from_config(SMOLLM, "float16").kv_bytes_per_token == 2 * 3 * 64 * 2 * 30
   with pytest.raises(ValueError, match="dtype='float64'"):
     offload.ModelBytes.from_config(SMOLLM, "float64")
+  with pytest.raises(ValueError, match="kv_cache_dtype='float16'"):
+    offload.ModelBytes.from_config(SMOLLM, "float32", kv_cache_dtype="float16")
 
 
 @pytest.mark.parametrize("kwargs, match", [

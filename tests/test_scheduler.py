@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from jaxtier.scheduler import (Abort, Arrive, Request, SchedulerConfig, Seq, StepFinished,
-                               allocator, apply_event, initial_state, kv_block_bytes, metrics,
-                               schedule, step)
+                               allocator, apply_event, initial_state, metrics, schedule, step)
 from jaxtier.scheduler import policies
 from jaxtier.scheduler.request import (ABORT_CLIENT, ABORT_HOST_FULL, ABORT_TOO_LARGE, ABORTED,
                                        FINISH_LENGTH, FINISHED)
@@ -379,11 +378,6 @@ def test_config_validation_names_the_parameter(overrides, message):
 def test_request_validation_names_the_parameter(kwargs, message):
   with pytest.raises(ValueError, match=message):
     Request(**{**dict(request_id="a", prompt_len=4, max_tokens=4), **kwargs})
-
-
-def test_kv_block_bytes_counts_k_and_v():
-  # DESIGN.md section 4: 28 layers x 2 x 32 x 128 x 2 B x 4096 tokens = 1.88 GB.
-  assert kv_block_bytes(28, 32, 128, 2, 4096) == 1_879_048_192
 
 
 def test_allocator_is_fifo_and_checks_its_input():

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_pallas,
                                               paged_attention_reference)
 from jaxtier.kvcache.quant import (KV_CACHE_DTYPES, SCALE_DTYPE, encode, quantize_int8,
@@ -71,9 +72,8 @@ class PagedCacheConfig:
   @property
   def bytes_per_block(self) -> int:
     """Bytes of K plus V (plus INT8 scales) of one block over all layers: what a swap moves."""
-    per_slot = self.head_dim * np.dtype(KV_CACHE_DTYPES[self.kv_cache_dtype]).itemsize
-    per_slot += np.dtype(SCALE_DTYPE).itemsize if self.quantized else 0
-    return 2 * self.num_layers * self.num_kv_heads * self.block_size * per_slot
+    return kv_block_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_cache_dtype,
+                          self.block_size)
 
   @property
   def host_blocks(self) -> int:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtier.buckets import pow2_bucket
 from jaxtier.kvcache.paged import KVBlocks, PagedKVCache
 
 SWAP_IMPLS = ("scatter", "loop")
@@ -44,11 +45,6 @@ class SwapReport:
   @property
   def gbps(self) -> float:
     return self.bytes / self.seconds / 1e9
-
-
-def bucket_size(num_blocks: int) -> int:
-  """The padded length of a block list: the next power of two."""
-  return 1 << max(num_blocks - 1, 0).bit_length()
 
 
 def _blocks_to_host_major(pool_klx) -> jax.Array:
@@ -155,7 +151,7 @@ def _run(direction: str, cache: PagedKVCache, src, dst, src_size: int, dst_size:
     raise ValueError(f"{names[0]} has {src.size} ids but {names[1]} has {dst.size}")
   if np.unique(dst).size != dst.size:
     raise ValueError(f"{names[1]} {dst.tolist()} name a destination block twice")
-  n, x = src.size, bucket_size(src.size)
+  n, x = src.size, pow2_bucket(src.size)
   args = (cache, np.pad(src, (0, x - n), constant_values=src_size),
           np.pad(dst, (0, x - n), constant_values=dst_size), np.int32(n))
   compiled, compile_seconds = _compiled(direction, impl, args)

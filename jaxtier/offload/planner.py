@@ -15,6 +15,7 @@ t_c = compute time of one layer.
 import dataclasses
 import math
 
+from jaxtier import kv_bytes
 from jaxtier.config import ModelConfig
 from jaxtier.offload.prefetch import MAX_DEPTH
 
@@ -29,7 +30,8 @@ class ModelBytes:
     num_layers: decoder layers N.
     layer_bytes: parameter bytes of one layer, L.
     other_bytes: embedding table, LM head and final norm (always resident).
-    kv_bytes_per_token: K and V of one token over all layers.
+    kv_bytes_per_token: K and V of one token over all layers (int8 scales included), see
+      `jaxtier.kv_bytes.kv_bytes_per_token`.
     layer_flops_per_token: matmul FLOPs of one layer for one token (2 x its parameters).
     attention_width: query heads x head dim (attention FLOPs per cached token are 4 x this).
   """
@@ -52,15 +54,22 @@ class ModelBytes:
 
   @classmethod
   def from_config(cls, config: ModelConfig, dtype: str = "bfloat16",
-                  kv_dtype: str | None = None) -> "ModelBytes":
-    """Bytes and FLOPs of `config`: parameters in `dtype`, KV in `kv_dtype` (default: dtype)."""
+                  kv_cache_dtype: str | None = None) -> "ModelBytes":
+    """Bytes and FLOPs of `config`: parameters in `dtype`, KV in `kv_cache_dtype`.
+
+    `kv_cache_dtype` is a name of `jaxtier.kv_bytes.ELEMENT_BYTES` ("int8" counts its scales);
+    None stores KV in the parameter dtype (float16 parameters count as bfloat16 KV: the cache has
+    no float16 mode, and both take two bytes).
+    """
     size = _itemsize(dtype, "dtype")
-    kv_size = size if kv_dtype is None else _itemsize(kv_dtype, "kv_dtype")
+    if kv_cache_dtype is None:
+      kv_cache_dtype = "bfloat16" if dtype == "float16" else dtype
     c = config
     tables = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     return cls(num_layers=c.num_layers, layer_bytes=c.layer_param_count * size,
                other_bytes=(tables + c.hidden_size) * size,
-               kv_bytes_per_token=2 * c.num_kv_heads * c.head_dim * kv_size * c.num_layers,
+               kv_bytes_per_token=kv_bytes.kv_bytes_per_token(c.num_layers, c.num_kv_heads,
+                                                              c.head_dim, kv_cache_dtype),
                layer_flops_per_token=2 * c.layer_param_count,
                attention_width=c.num_heads * c.head_dim)
 

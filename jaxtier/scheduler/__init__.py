@@ -11,7 +11,7 @@ sequence that computes. See `transitions` for the engine loop and `planning` for
 
 from jaxtier.scheduler import allocator, policies, simulator
 from jaxtier.scheduler.allocator import BlockPool, blocks_for
-from jaxtier.scheduler.config import SchedulerConfig, kv_block_bytes, kv_bytes_per_token
+from jaxtier.scheduler.config import SchedulerConfig
 from jaxtier.scheduler.metrics import Metrics, metrics
 from jaxtier.scheduler.planning import schedule
 from jaxtier.scheduler.policies import VICTIM_POLICIES
@@ -23,6 +23,5 @@ from jaxtier.scheduler.transitions import apply_event, step
 __all__ = [
     "Abort", "Arrive", "BlockPool", "ComputeBatch", "Ended", "Metrics", "Plan", "Request",
     "SchedulerConfig", "SchedulerState", "Seq", "StepFinished", "VICTIM_POLICIES", "apply_event",
-    "blocks_for", "initial_state", "kv_block_bytes", "kv_bytes_per_token", "metrics", "schedule",
-    "step",
+    "blocks_for", "initial_state", "metrics", "schedule", "step",
 ]

@@ -1,7 +1,7 @@
 """Scheduler configuration: pool sizes, budgets, and the policies to run, by name.
 
-Sizes are in blocks of `block_size` tokens. `kv_block_bytes` turns a model's shape into the bytes of
-one block so that byte budgets and simulators can speak in bytes.
+Sizes are in blocks of `block_size` tokens. `jaxtier.kv_bytes.kv_block_bytes` turns a model's shape
+into `block_bytes`, the bytes of one block, so that byte budgets and simulators can speak in bytes.
 """
 
 import dataclasses
@@ -11,23 +11,6 @@ from jaxtier.scheduler import policies
 
 PREEMPTION_MODES = ("swap", "recompute")
 HOST_FULL_FALLBACKS = ("recompute", "abort_oldest")
-
-
-def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
-  """Returns the KV bytes of one token over all layers: 2 (K and V) x kv_heads x head_dim x bytes."""
-  for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                      ("bytes_per_element", bytes_per_element)):
-    if not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name}={value!r}: expected an int >= 1")
-  return 2 * kv_heads * head_dim * bytes_per_element * num_layers
-
-
-def kv_block_bytes(num_layers: int, kv_heads: int, head_dim: int, bytes_per_element: int,
-                   block_size: int) -> int:
-  """Returns the bytes of one KV block of `block_size` tokens over all layers, K and V."""
-  if not isinstance(block_size, int) or block_size < 1:
-    raise ValueError(f"block_size={block_size!r}: expected an int >= 1")
-  return kv_bytes_per_token(num_layers, kv_heads, head_dim, bytes_per_element) * block_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +36,7 @@ class SchedulerConfig:
       "recompute" it, or "abort_oldest" swapped requests (the victim included) until it fits.
     prefetch_swap_in: True: a swap-in is planned one step before the request computes, so the engine
       overlaps the copy with that step's compute; False: it computes in the step that swaps it in.
-    block_bytes: bytes of one block (see kv_block_bytes); needed for byte budgets, 0 if unknown.
+    block_bytes: bytes of one block (see jaxtier.kv_bytes.kv_block_bytes); needed for byte budgets, 0 if unknown.
     link_bytes_per_step: bytes the host link moves per step (None: unlimited).
     kv_link_share: the high-priority part of link_bytes_per_step that KV swaps may use; the rest is
       the low-priority part for weight prefetch. Swap-outs are never deferred, but swap-ins stop once

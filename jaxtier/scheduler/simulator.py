@@ -27,7 +27,7 @@ LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "exponential")
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-  """Seconds per step. `block_bytes` is the size of one KV block (config.kv_block_bytes)."""
+  """Seconds per step. `block_bytes` is the size of one KV block (jaxtier.kv_bytes.kv_block_bytes)."""
   step_base_s: float
   per_token_s: float
   link_bytes_per_s: float
