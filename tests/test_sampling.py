@@ -41,11 +41,46 @@ def test_frequencies_follow_softmax_and_support_is_restricted():
   np.testing.assert_allclose(nucleus, [2 / 3, 1 / 3, 0, 0], atol=0.03)
 
 
-def test_same_seed_and_step_give_the_same_token():
-  logits = jax.random.normal(jax.random.key(2), (1, 1000))
-  a = sample_jit(logits, arrays(1, seed=5, steps=[3]))
-  b = sample_jit(logits, arrays(1, seed=5, steps=[3]))
-  assert int(a[0]) == int(b[0])
+def _flat_logits(n: int, seed: int = 2) -> jax.Array:
+  """n copies of one near-uniform row over 1000 tokens: any two independent draws rarely agree."""
+  row = 0.1 * jax.random.normal(jax.random.key(seed), (1000,))
+  return jnp.broadcast_to(row, (n, 1000))
+
+
+def test_same_seed_and_step_reproduce_the_token():
+  logits = _flat_logits(64)
+  first = np.asarray(sample_jit(logits, arrays(64, seed=5, steps=[3] * 64)))
+  again = np.asarray(sample_jit(logits, arrays(64, seed=5, steps=[3] * 64)))
+  eager = np.asarray(sample(logits[:1], arrays(1, seed=5, steps=[3])))
+  assert len(set(first.tolist())) == 1, "64 rows with one seed and step drew different tokens"
+  np.testing.assert_array_equal(again, first)
+  assert int(eager[0]) == int(first[0])
+
+
+def test_different_seeds_or_steps_change_the_token():
+  logits = _flat_logits(64)
+  p = [SamplingParams()] * 64
+  by_seed = np.asarray(sample_jit(logits, SamplingArrays.from_params(p, range(64), [3] * 64)))
+  by_step = np.asarray(sample_jit(logits, SamplingArrays.from_params(p, [5] * 64, range(64))))
+  # 64 uniform draws from 1000 tokens have about 62 distinct values; a key that ignored the seed or
+  # the step would give one.
+  assert len(set(by_seed.tolist())) > 48
+  assert len(set(by_step.tolist())) > 48
+
+
+def test_a_row_does_not_depend_on_the_rest_of_the_batch():
+  logits = _flat_logits(1)
+  alone = [int(sample_jit(logits, arrays(1, seed=seed, steps=[step]))[0])
+           for seed, step in ((5, 3), (6, 0))]
+  others = jax.random.normal(jax.random.key(9), (4, 1000))
+  for seed, step, want in ((5, 3, alone[0]), (6, 0, alone[1])):
+    mixed = others.at[2].set(logits[0])
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=5), SamplingParams(),
+              SamplingParams(temperature=0.7, top_p=0.9)]
+    got = sample_jit(mixed, SamplingArrays.from_params(params, [1, seed, seed, 7],
+                                                       [step, 4, step, step]))
+    assert int(got[2]) == want
+    assert int(got[0]) == int(jnp.argmax(others[0]))
 
 
 @pytest.mark.parametrize("kwargs, match", [
