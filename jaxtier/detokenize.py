@@ -47,3 +47,38 @@ def find_stop(text: str, stops: Sequence[str], new_chars: int) -> int | None:
     if at >= 0:
       hits.append(at)
   return min(hits) if hits else None
+
+
+class RequestProgress:
+  """Host-side progress of one request: its generated ids, stop checks and final text.
+
+  Stops on an EOS id (unless `ignore_eos`), a `stop_token_ids` id, a `stop` string (checked on the
+  incrementally decoded text, only where the newest characters could complete one), or `limit`
+  tokens (max_tokens, or what is left of the context window). The final text is decoded once from
+  all ids and cut before the earliest stop string.
+  """
+
+  def __init__(self, prompt_ids: Sequence[int], params, tokenizer: Tokenizer, limit: int):
+    self.prompt_ids, self.params, self.tokenizer = tuple(prompt_ids), params, tokenizer
+    self.generated: list[int] = []
+    self.decoder = IncrementalDecoder(tokenizer) if params.stop else None
+    self.finish_reason: str | None = None
+    self.limit = limit
+
+  def append(self, token: int) -> None:
+    """Adds a sampled token and sets `finish_reason` when it ends the request."""
+    p = self.params
+    self.generated.append(token)
+    new_text = self.decoder.push([token]) if self.decoder is not None else ""
+    if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+      self.finish_reason = "stop"
+    elif new_text and find_stop(self.decoder.text, p.stop, len(new_text)) is not None:
+      self.finish_reason = "stop"
+    elif len(self.generated) >= self.limit:
+      self.finish_reason = "length"
+
+  def text(self) -> str:
+    """The generated text, cut before the earliest stop string."""
+    text = self.tokenizer.decode(self.generated)
+    cut = find_stop(text, self.params.stop, len(text))
+    return text if cut is None else text[:cut]

@@ -1,0 +1,19 @@
+"""The engine: continuous batching over the paged KV cache, the pure scheduler, swaps and the
+offloaded tail. `Engine.step()` runs one scheduler plan on the device; `jaxtier.LLM` drives it.
+
+Names load lazily; the engine's arguments (`EngineArgs`) live in `jaxtier.engine_args`, which imports
+no JAX, so that scripts check them when flags are parsed.
+"""
+
+import importlib
+
+_EXPORTS = {"Engine": "jaxtier.engine.engine", "EngineArgs": "jaxtier.engine_args",
+            "RequestUpdate": "jaxtier.engine.engine", "EngineModel": "jaxtier.engine.runner"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+  raise AttributeError(f"module 'jaxtier.engine' has no attribute {name!r}")

@@ -1,0 +1,110 @@
+"""Turning a scheduler plan's compute batches into bucketed numpy arrays for one model call.
+
+Pure: no device, no model. The scheduler hands columns (`ComputeBatch`: request ids, [start, end)
+ranges, block tables, whether to sample); this module pads them into the shapes the jitted step was
+compiled for, so a run compiles few variants:
+- rows: the next power of two of the number of sequences (padding rows compute nothing: position
+  -1, no table entries, greedy sampling);
+- tokens per row: 1 for a decode batch; for prefill chunks the next power of two >= `MIN_TOKENS`
+  of the longest chunk. Prefill chunks are first grouped by that bucket (`split_prefill`), so a
+  short prompt never pads to a long one's length: padding at most doubles the tokens computed;
+- table width: the next power of two >= `MIN_WIDTH` of the longest block table.
+
+Shape legend: b rows, t tokens per row, m blocks per row (table width).
+"""
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+
+from jaxtier.buckets import pow2_bucket
+from jaxtier.sampling import SamplingArrays, SamplingParams
+from jaxtier.scheduler import ComputeBatch
+
+MIN_TOKENS = 16  # prefill chunks pad to at least this many tokens
+MIN_WIDTH = 8  # block tables pad to at least this many entries
+GREEDY = SamplingParams(temperature=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingInfo:
+  """What sampling one request's next token needs: its parameters, seed and tokens so far."""
+  params: SamplingParams
+  seed: int
+  num_generated: int  # folded into the key with the seed: the same token whatever the batch
+
+
+@dataclasses.dataclass(frozen=True)
+class StepArrays:
+  """One model call's inputs; rows past `len(request_ids)` are padding."""
+  request_ids: tuple[Hashable, ...]  # [real rows]
+  samples: tuple[bool, ...]  # [real rows] the row's range ends its sequence: its token is kept
+  tokens_bt: np.ndarray  # int32 [b, t] token ids (0 in padding)
+  pos_bt: np.ndarray  # int32 [b, t] positions, -1 for padding (no cache write, output ignored)
+  tables_bm: np.ndarray  # int32 [b, m] device block ids, -1 for unused entries
+  last_b: np.ndarray  # int32 [b] index in t of each row's last real token (its logits sample)
+  sampling: SamplingArrays  # [b] per-row sampling parameters
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    """(rows, tokens, width): the compiled variant this call needs."""
+    return self.tokens_bt.shape + (self.tables_bm.shape[1],)
+
+  @property
+  def num_tokens(self) -> int:
+    return int((self.pos_bt >= 0).sum())
+
+
+def split_prefill(batch: ComputeBatch) -> list[ComputeBatch]:
+  """Groups prefill chunks by their token bucket, shortest bucket first."""
+  groups: dict[int, list[int]] = {}
+  for i, (start, end) in enumerate(zip(batch.starts, batch.ends)):
+    groups.setdefault(pow2_bucket(end - start, MIN_TOKENS), []).append(i)
+  return [_select(batch, groups[key]) for key in sorted(groups)]
+
+
+def _select(batch: ComputeBatch, rows: list[int]) -> ComputeBatch:
+  pick = lambda column: tuple(column[i] for i in rows)
+  return ComputeBatch(pick(batch.request_ids), pick(batch.starts), pick(batch.ends),
+                      pick(batch.block_tables), pick(batch.samples))
+
+
+def build(batch: ComputeBatch, token_ids: Callable[[Hashable], Sequence[int]],
+          sampling: Callable[[Hashable], SamplingInfo], *, decode: bool) -> StepArrays:
+  """The padded arrays of one compute batch.
+
+  Args:
+    batch: sequences computing ranges [start, end) of their token lists.
+    token_ids: a request's tokens so far (prompt, then generated): the inputs of its range.
+    sampling: a request's sampling parameters, seed and generated count.
+    decode: one token per row (rows pad to 1 token) instead of prefill chunks.
+  """
+  n = len(batch)
+  if n == 0:
+    raise ValueError("batch is empty: expected at least one sequence")
+  lengths = [end - start for start, end in zip(batch.starts, batch.ends)]
+  if min(lengths) < 1 or (decode and max(lengths) != 1):
+    raise ValueError(f"ranges {list(zip(batch.starts, batch.ends))} must hold at least one token"
+                     + (" and exactly one in a decode batch" if decode else ""))
+  b = pow2_bucket(n)
+  t = 1 if decode else pow2_bucket(max(lengths), MIN_TOKENS)
+  m = pow2_bucket(max(len(table) for table in batch.block_tables), MIN_WIDTH)
+  tokens = np.zeros((b, t), np.int32)
+  pos = np.full((b, t), -1, np.int32)
+  tables = np.full((b, m), -1, np.int32)
+  last = np.zeros(b, np.int32)
+  params, seeds, steps = [GREEDY] * b, [0] * b, [0] * b
+  for i, (rid, start, end, table) in enumerate(zip(batch.request_ids, batch.starts, batch.ends,
+                                                   batch.block_tables)):
+    ids = token_ids(rid)
+    if end > len(ids):
+      raise ValueError(f"request {rid!r} computes up to position {end} but has {len(ids)} tokens")
+    tokens[i, :end - start] = ids[start:end]
+    pos[i, :end - start] = np.arange(start, end)
+    tables[i, :len(table)] = table
+    last[i] = end - start - 1
+    info = sampling(rid)
+    params[i], seeds[i], steps[i] = info.params, info.seed, info.num_generated
+  return StepArrays(tuple(batch.request_ids), tuple(batch.samples), tokens, pos, tables, last,
+                    SamplingArrays.from_params(params, seeds, steps))

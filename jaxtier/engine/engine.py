@@ -1,0 +1,318 @@
+"""The engine: an impure shell around `scheduler.step` that applies each plan to the device.
+
+    engine = Engine(model, tokenizer, EngineConfig(...))
+    engine.add_request("a", prompt_ids, SamplingParams(...), seed=0)
+    while engine.has_unfinished():
+      for update in engine.step():   # RequestUpdate: new tokens, and the completion when it ends
+        ...
+
+One `step()`: ask the scheduler for a plan, then apply it in the order the plan documents
+(`jaxtier.scheduler.state`): swap-outs, swap-ins, then the prefetch swap-ins (dispatched before the
+compute, with no host synchronization between them; they fill blocks this step does not touch),
+then the prefill chunks (grouped by token bucket) and the decode batch, each one jitted model call
+that samples one token per sequence. Only then are the sampled tokens read (the step's one host
+synchronization), appended to their requests and checked for stops; the scheduler learns which
+requests stopped at once, so requests join and leave between steps (continuous batching).
+
+Arrivals and aborts are applied to the scheduler state when they happen: an aborted request's
+blocks are free before `abort` returns. A request's sampling key is its seed folded with the number
+of tokens it has generated, so its tokens do not depend on what else shares the batch, or on
+whether it was preempted (a recomputed request prefills its prompt and generated tokens again and
+samples its next token with the same key).
+"""
+
+import dataclasses
+import json
+import time
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+from flax import nnx
+
+from jaxtier import scheduler
+from jaxtier.detokenize import RequestProgress
+from jaxtier.engine import batch as batching
+from jaxtier.engine.runner import Runner
+from jaxtier.generate import Completion
+from jaxtier.kv_bytes import kv_block_bytes
+from jaxtier.kvcache import PagedCacheConfig, PagedKVCache, device_pool_bytes, host_pool_bytes
+from jaxtier.sampling import SamplingParams
+from jaxtier.scheduler.allocator import blocks_for
+from jaxtier.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """The sizes and policies of one engine (`jaxtier.LLM` fills it from `EngineArgs`).
+
+  Attributes:
+    max_model_len: context window; a request stops with "length" when it fills it.
+    max_num_seqs: most requests running at once.
+    max_num_batched_tokens: token budget of one step (decodes plus prefill chunks).
+    block_size, num_device_blocks, num_host_blocks: the KV pools, in blocks of block_size tokens.
+    kv_cache_dtype: "float32", "bfloat16" or "int8".
+    preemption_mode, watermark, victim_policy: the scheduler's policies (see SchedulerConfig).
+    trace_path: a JSONL file that gets one line per step, or None.
+    swap_impl, attention_impl: the swap and attention implementations (see jaxtier.kvcache).
+  """
+  max_model_len: int
+  max_num_seqs: int = 16
+  max_num_batched_tokens: int = 2048
+  block_size: int = 16
+  num_device_blocks: int = 256
+  num_host_blocks: int = 256
+  kv_cache_dtype: str = "float32"
+  preemption_mode: str = "swap"
+  watermark: float = 0.01
+  victim_policy: str = "longest_waiting"
+  trace_path: str | None = None
+  swap_impl: str = "loop"
+  attention_impl: str = "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestUpdate:
+  """What one step added to one request; `completion` is set on the step the request ends."""
+  request_id: Hashable
+  new_token_ids: tuple[int, ...]
+  completion: Completion | None
+
+
+@dataclasses.dataclass
+class _Totals:
+  """Running totals the engine adds to the scheduler's counters."""
+  steps_with_compute: int = 0
+  prompt_tokens: int = 0
+  generated_tokens: int = 0
+  computed_tokens: int = 0
+  decode_steps: int = 0
+  decode_seconds: float = 0.0
+  run_seconds: float = 0.0
+  max_swap_bytes_per_step: int = 0
+
+
+class Engine:
+  """Continuous batching on a paged KV cache; see the module docstring.
+
+  Args:
+    model: an `nnx.Module` with the `EngineModel` calls (its parameters stay where they are, so an
+      offloaded tail stays in pinned host memory).
+    tokenizer: EOS ids and decoding for stop checks and text.
+    config: pool sizes and policies.
+  """
+
+  def __init__(self, model: nnx.Module, tokenizer: Tokenizer, config: EngineConfig):
+    c = model.config
+    self.config, self.tokenizer = config, tokenizer
+    self.cache_config = PagedCacheConfig(
+        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        num_blocks=config.num_device_blocks, block_size=config.block_size,
+        num_host_blocks=config.num_host_blocks, kv_cache_dtype=config.kv_cache_dtype,
+        attention_impl=config.attention_impl)
+    self.block_bytes = kv_block_bytes(c.num_layers, c.num_kv_heads, c.head_dim,
+                                      config.kv_cache_dtype, config.block_size)
+    self.scheduler_config = scheduler.SchedulerConfig(
+        num_device_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
+        block_size=config.block_size, max_running=config.max_num_seqs,
+        max_tokens_per_step=config.max_num_batched_tokens,
+        watermark_fraction=config.watermark,
+        max_blocks_per_request=blocks_for(config.max_model_len, config.block_size),
+        preemption_mode=config.preemption_mode, victim_policy=config.victim_policy,
+        block_bytes=self.block_bytes)
+    self.vocab_size = c.vocab_size
+    graphdef, state = nnx.split(model)
+    self.runner = Runner(graphdef, state, config.swap_impl)
+    self.cache = PagedKVCache.create(self.cache_config)
+    self._state = scheduler.initial_state(self.scheduler_config)
+    self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
+    self._totals = _Totals()
+    self._peak = {"device": 0, "host": 0}
+    self._started = time.perf_counter()
+    self._trace = open(config.trace_path, "a") if config.trace_path else None
+
+  # Requests.
+
+  def add_request(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams,
+                  seed: int, priority: int = 0) -> None:
+    """Queues a request; it starts running when the scheduler admits it.
+
+    Raises ValueError for an id that is live, an empty prompt, ids outside the vocabulary or a
+    prompt that leaves no room to generate within max_model_len.
+    """
+    prompt_ids = tuple(int(t) for t in prompt_ids)
+    if request_id in self._live:
+      raise ValueError(f"request_id={request_id!r} is already running: expected a new id")
+    if not prompt_ids:
+      raise ValueError(f"request {request_id!r} has an empty prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+    if bad:
+      raise ValueError(f"request {request_id!r} has token ids outside [0, {self.vocab_size}): "
+                       f"{bad[:5]}")
+    room = self.config.max_model_len - len(prompt_ids)
+    if room < 1:
+      raise ValueError(f"request {request_id!r} has {len(prompt_ids)} prompt tokens; the context "
+                       f"window max_model_len is {self.config.max_model_len} and at least one "
+                       "token must be generated")
+    limit = min(params.max_tokens, room)
+    request = scheduler.Request(request_id, prompt_len=len(prompt_ids), max_tokens=limit,
+                                arrival_time=time.perf_counter() - self._started,
+                                priority=priority)
+    self._state = scheduler.apply_event(self._state, scheduler.Arrive(request))
+    self._live[request_id] = (RequestProgress(prompt_ids, params, self.tokenizer, limit), seed)
+    self._totals.prompt_tokens += len(prompt_ids)
+
+  def abort(self, request_id: Hashable) -> RequestUpdate | None:
+    """Ends a live request with finish_reason "abort" and frees its blocks at once.
+
+    Returns its final update, or None if the request is not live (already ended, or unknown).
+    """
+    if request_id not in self._live:
+      return None
+    self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
+    return self._finish(request_id, "abort", ())
+
+  def has_unfinished(self) -> bool:
+    return bool(self._live)
+
+  @property
+  def num_unfinished(self) -> int:
+    return len(self._live)
+
+  def _finish(self, request_id: Hashable, reason: str, new: tuple[int, ...]) -> RequestUpdate:
+    progress, _ = self._live.pop(request_id)
+    progress.finish_reason = reason
+    completion = Completion(tuple(progress.generated), progress.text(), reason)
+    return RequestUpdate(request_id, new, completion)
+
+  # Stepping.
+
+  def step(self) -> list[RequestUpdate]:
+    """Plans and runs one step; returns an update for every request that produced a token or
+    ended."""
+    start = time.perf_counter()
+    self._state, plan = scheduler.schedule(self._state)
+    updates = [self._finish(e.request_id, "abort", ()) for e in plan.ended
+               if e.request_id in self._live]
+    cache = self.cache
+    for direction, pairs in (("out", plan.swap_out), ("in", plan.swap_in), ("in", plan.prefetch)):
+      if pairs:
+        cache = self.runner.swap(cache, direction, pairs)
+    calls = [batching.build(group, self._token_ids, self._sampling, decode=False)
+             for group in (batching.split_prefill(plan.prefill) if len(plan.prefill) else ())]
+    if len(plan.decode):
+      calls.append(batching.build(plan.decode, self._token_ids, self._sampling, decode=True))
+    dispatched = []
+    for arrays in calls:
+      tokens_b, cache = self.runner.step(cache, arrays)
+      dispatched.append((arrays, tokens_b))
+    self.cache = cache
+    finished, new_updates = self._collect(dispatched)
+    self._state = scheduler.apply_event(self._state, scheduler.StepFinished(tuple(finished)))
+    self._account(plan, calls, time.perf_counter() - start)
+    return updates + new_updates
+
+  def _token_ids(self, request_id: Hashable) -> tuple[int, ...]:
+    progress, _ = self._live[request_id]
+    return progress.prompt_ids + tuple(progress.generated)
+
+  def _sampling(self, request_id: Hashable) -> batching.SamplingInfo:
+    progress, seed = self._live[request_id]
+    return batching.SamplingInfo(progress.params, seed, len(progress.generated))
+
+  def _collect(self, dispatched) -> tuple[list[tuple[Hashable, str]], list[RequestUpdate]]:
+    """Reads each call's sampled tokens and appends them; returns stops and updates."""
+    finished, updates = [], []
+    for arrays, tokens_b in dispatched:
+      tokens = np.asarray(tokens_b)
+      for i, (request_id, keep) in enumerate(zip(arrays.request_ids, arrays.samples)):
+        if not keep:
+          continue
+        progress, _ = self._live[request_id]
+        token = int(tokens[i])
+        progress.append(token)
+        self._totals.generated_tokens += 1
+        if progress.finish_reason is None:
+          updates.append(RequestUpdate(request_id, (token,), None))
+        else:
+          finished.append((request_id, progress.finish_reason))
+          updates.append(self._finish(request_id, progress.finish_reason, (token,)))
+    return finished, updates
+
+  # Observability.
+
+  def _account(self, plan: scheduler.Plan, calls, seconds: float) -> None:
+    totals = self._totals
+    totals.run_seconds += seconds
+    tokens = sum(a.num_tokens for a in calls)
+    if calls:
+      totals.steps_with_compute += 1
+      totals.computed_tokens += tokens
+    if len(plan.decode) and not len(plan.prefill) and not plan.swap_out and not plan.swap_in:
+      totals.decode_steps += 1
+      totals.decode_seconds += seconds
+    swap_blocks = len(plan.swap_out) + len(plan.swap_in) + len(plan.prefetch)
+    totals.max_swap_bytes_per_step = max(totals.max_swap_bytes_per_step,
+                                         swap_blocks * self.block_bytes)
+    m = scheduler.metrics(self._state)
+    self._peak["device"] = max(self._peak["device"], m.device_blocks_used)
+    self._peak["host"] = max(self._peak["host"], m.host_blocks_used)
+    if self._trace is not None:
+      self._trace.write(json.dumps({
+          "step": plan.step, "time": round(time.perf_counter() - self._started, 6),
+          "step_seconds": round(seconds, 6), "running": m.num_running, "waiting": m.num_waiting,
+          "swapped": m.num_swapped, "device_blocks_used": m.device_blocks_used,
+          "host_blocks_used": m.host_blocks_used, "swap_out_blocks": len(plan.swap_out),
+          "swap_in_blocks": len(plan.swap_in) + len(plan.prefetch),
+          "swap_out_bytes": len(plan.swap_out) * self.block_bytes,
+          "swap_in_bytes": (len(plan.swap_in) + len(plan.prefetch)) * self.block_bytes,
+          "prefill_tokens": plan.prefill.num_tokens, "decode_tokens": plan.decode.num_tokens,
+          "preempted": len(plan.preempted),
+          "finished": sum(1 for e in plan.ended)}) + "\n")
+      self._trace.flush()
+
+  def stats(self) -> dict:
+    """The run's figures (JSON-serializable); waits for outstanding swap timings first."""
+    self.runner.timer.drain()
+    m = scheduler.metrics(self._state)
+    totals = self._totals
+    seconds = self.runner.timer.seconds
+    steps = max(m.steps, 1)
+    return {
+        "steps": m.steps, "run_seconds": totals.run_seconds,
+        "swap_out_count": m.swap_outs, "swap_in_count": m.swap_ins,
+        "swap_out_blocks": m.swap_out_blocks, "swap_in_blocks": m.swap_in_blocks,
+        "swap_out_bytes": m.swap_out_blocks * self.block_bytes,
+        "swap_in_bytes": m.swap_in_blocks * self.block_bytes,
+        "swap_seconds": seconds["out"] + seconds["in"],
+        "swap_out_seconds": seconds["out"], "swap_in_seconds": seconds["in"],
+        "kv_swap_bytes_per_step": (m.swap_out_blocks + m.swap_in_blocks) * self.block_bytes / steps,
+        "kv_swap_bytes_max_step": totals.max_swap_bytes_per_step,
+        "preemptions": {"swap": 0, "recompute": 0, **dict(m.preemptions)},
+        "running": m.num_running, "waiting": m.num_waiting, "swapped": m.num_swapped,
+        "device_blocks_total": m.device_blocks_total,
+        "device_blocks_free": m.device_blocks_total - m.device_blocks_used,
+        "device_blocks_peak_used": self._peak["device"],
+        "host_blocks_total": m.host_blocks_total,
+        "host_blocks_free": m.host_blocks_total - m.host_blocks_used,
+        "host_blocks_peak_used": self._peak["host"],
+        "requests_finished": sum(n for _, n in m.finished),
+        "finished_by_reason": dict(m.finished),
+        "requests_aborted": dict(m.aborted),
+        "prompt_tokens": totals.prompt_tokens, "generated_tokens": totals.generated_tokens,
+        "computed_tokens": totals.computed_tokens,
+        "decode_step_seconds_mean": (totals.decode_seconds / totals.decode_steps
+                                     if totals.decode_steps else None),
+        "compiled_variants": self.runner.compiled_variants,
+        "compile_seconds": self.runner.compile_seconds,
+        "block_size": self.config.block_size, "block_bytes": self.block_bytes,
+        "kv_cache_dtype": self.config.kv_cache_dtype,
+        "preemption_mode": self.config.preemption_mode,
+        "watermark_blocks": self.scheduler_config.watermark,
+        "device_kv_bytes": device_pool_bytes(self.cache),
+        "host_kv_bytes": host_pool_bytes(self.cache),
+    }
+
+  def close(self) -> None:
+    if self._trace is not None:
+      self._trace.close()
+      self._trace = None

@@ -1,0 +1,151 @@
+"""The device side of one engine step: the jitted model call on the paged cache, and block swaps.
+
+The engine reaches the model only through `EngineModel`, so a research model that is not
+`jaxtier.model.Transformer` runs on the engine when it offers the same two calls and config fields.
+Every program is compiled ahead of time per shape and counted (`compiled_variants`,
+`compile_seconds`), and every program that takes the cache donates it (pools updated in place).
+
+Swaps are dispatched without waiting: each swap program also returns a small marker array, and a
+background thread (`SwapTimer`) waits on the markers and records when each program finished. A
+swap's seconds are the time from its dispatch, or from the end of the swap before it, to its
+marker becoming ready: measured off the engine thread, so no synchronization enters the step.
+
+Shape legend: b rows, t tokens, h hidden size, v vocab, m table width, x padded block count.
+"""
+
+import functools
+import queue
+import threading
+import time
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxtier.buckets import pow2_bucket
+from jaxtier.engine.batch import StepArrays
+from jaxtier.kvcache import PagedKVCache, PagedMetadata
+from jaxtier.kvcache.swap import swap_in_padded, swap_out_padded
+from jaxtier.sampling import SamplingArrays, sample
+
+
+class EngineModel(Protocol):
+  """What the engine needs of a model (an `nnx.Module`).
+
+  `config` needs `num_layers`, `num_kv_heads`, `head_dim` and `vocab_size` (and
+  `max_position_embeddings` when `jaxtier.LLM` builds the engine). The cache is a
+  `jaxtier.kvcache.PagedKVCache` and `meta` a `PagedMetadata`; a model's attention calls
+  `cache.update_and_attend(layer, q, k, v, pos_bt, meta)`. Positions below zero are padding: no
+  cache write, output ignored.
+  """
+  config: Any
+
+  def hidden_states(self, tokens_bt: jax.Array, pos_bt: jax.Array, cache: PagedKVCache,
+                    meta: PagedMetadata) -> tuple[jax.Array, PagedKVCache]:
+    """Final hidden states [b, t, h] and the updated cache."""
+
+  def logits(self, h_bh: jax.Array) -> jax.Array:
+    """Vocabulary logits [b, v] of hidden states [b, h]."""
+
+
+def _forward(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, tokens_bt, pos_bt,
+             tables_bm, last_b, sampling: SamplingArrays):
+  """Runs the model on one batch and samples one token per row from its position `last_b`."""
+  model = nnx.merge(graphdef, state)
+  h_bth, cache = model.hidden_states(tokens_bt, pos_bt, cache, PagedMetadata(tables_bm))
+  h_bh = jnp.take_along_axis(h_bth, last_b[:, None, None], axis=1)[:, 0]
+  return sample(model.logits(h_bh), sampling), cache
+
+
+def _marked(core):
+  """A swap core that also returns a marker: an output of the same program, ready when it is."""
+  def run(cache, src_x, dst_x, count, impl):
+    return core(cache, src_x, dst_x, count, impl), count + 1
+  return jax.jit(run, static_argnames="impl", donate_argnums=0)
+
+
+_SWAPS = {"out": _marked(swap_out_padded), "in": _marked(swap_in_padded)}
+
+
+class SwapTimer:
+  """Measures swap programs off the engine thread (see the module docstring)."""
+
+  def __init__(self):
+    self._queue: queue.Queue = queue.Queue()
+    self._lock = threading.Lock()
+    self.seconds = {"out": 0.0, "in": 0.0}
+    self._last_ready = 0.0
+    self._thread = threading.Thread(target=self._wait, name="jaxtier-swap-timer", daemon=True)
+    self._thread.start()
+
+  def submit(self, direction: str, marker: jax.Array, dispatched: float) -> None:
+    self._queue.put((direction, marker, dispatched))
+
+  def drain(self) -> None:
+    """Waits until every submitted swap is measured."""
+    self._queue.join()
+
+  def _wait(self) -> None:
+    while True:
+      direction, marker, dispatched = self._queue.get()
+      try:
+        marker.block_until_ready()
+        ready = time.perf_counter()
+        with self._lock:
+          self.seconds[direction] += ready - max(dispatched, self._last_ready)
+          self._last_ready = ready
+      finally:
+        self._queue.task_done()
+
+
+class Runner:
+  """Compiled model calls and swaps of one engine, with their compile counts and seconds."""
+
+  def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, swap_impl: str = "loop"):
+    self.state = state
+    self._forward = jax.jit(functools.partial(_forward, graphdef), donate_argnames="cache")
+    self._compiled: dict[tuple, Any] = {}
+    self.compile_seconds = 0.0
+    self.swap_impl = swap_impl
+    self.timer = SwapTimer()
+
+  @property
+  def compiled_variants(self) -> int:
+    return len(self._compiled)
+
+  def variants(self) -> list[tuple]:
+    """The compiled programs' keys: ("step", rows, tokens, width) or ("swap", direction, x)."""
+    return sorted(self._compiled, key=str)
+
+  def _program(self, key: tuple, jitted, args, **static):
+    program = self._compiled.get(key)
+    if program is None:
+      start = time.perf_counter()
+      program = self._compiled[key] = jitted.lower(*args, **static).compile()
+      self.compile_seconds += time.perf_counter() - start
+    return program
+
+  def step(self, cache: PagedKVCache, arrays: StepArrays) -> tuple[jax.Array, PagedKVCache]:
+    """Dispatches one model call; returns the sampled tokens [b] (not yet read) and the cache."""
+    args = (self.state, cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm, arrays.last_b,
+            arrays.sampling)
+    return self._program(("step",) + arrays.shape, self._forward, args)(*args)
+
+  def swap(self, cache: PagedKVCache, direction: str, pairs) -> PagedKVCache:
+    """Dispatches copies of (source, destination) block pairs, "out" (device -> host) or "in"."""
+    config = cache.config
+    sizes = ((config.num_blocks, config.host_blocks) if direction == "out"
+             else (config.host_blocks, config.num_blocks))
+    n = len(pairs)
+    x = pow2_bucket(n)
+    src = np.full(x, sizes[0], np.int32)  # padding: out of range, clipped or dropped
+    dst = np.full(x, sizes[1], np.int32)
+    src[:n], dst[:n] = zip(*pairs)
+    args = (cache, src, dst, np.int32(n))
+    program = self._program(("swap", direction, x), _SWAPS[direction], args, impl=self.swap_impl)
+    dispatched = time.perf_counter()
+    cache, marker = program(*args)
+    self.timer.submit(direction, marker, dispatched)
+    return cache

@@ -1,0 +1,176 @@
+"""The engine's arguments: one frozen dataclass, validated once, shared by `jaxtier.LLM` and every
+script's flags (same names). Imports no JAX, so scripts reject bad values while parsing flags,
+before any model loads.
+
+Sizing the KV pools (vLLM's names and meaning):
+- device pool: `num_device_blocks`, or `kv_cache_memory_gb`; default: the device memory left after
+  weights and an activation reserve (times `gpu_memory_utilization`), or on CPU, where the backend
+  reports no memory, the KV of `max_num_seqs` full-length sequences capped at
+  `CPU_DEFAULT_KV_GB` GB.
+- host pool (pinned host memory, for swapped-out blocks): `num_host_blocks`, or `swap_space_gb`;
+  default: as many blocks as the device pool, so every running request can be swapped out once.
+"""
+
+import dataclasses
+from typing import Any
+
+from jaxtier.kv_bytes import ELEMENT_BYTES
+from jaxtier.scheduler.config import PREEMPTION_MODES
+from jaxtier.scheduler.policies import VICTIM_POLICIES
+
+DTYPES = ("float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto",) + tuple(ELEMENT_BYTES)
+LAYER_EXECUTIONS = ("auto", "scan", "unrolled")
+MAX_PREFETCH_DEPTH = 4
+MAX_BLOCK_SIZE = 1024
+CPU_DEFAULT_KV_GB = 1.0
+GB = 1e9
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def check_int(name: str, value, low: int, high: int | None = None, optional: bool = False) -> None:
+  """Raises ValueError naming `name` unless `value` is an int in [low, high] (or None if optional)."""
+  if optional and value is None:
+    return
+  if not _is_int(value) or value < low or (high is not None and value > high):
+    expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ValueError(f"{name}={value!r}: expected an int {expected}"
+                     + (" or None" if optional else ""))
+
+
+def check_positive(name: str, value, optional: bool = True, zero: bool = False) -> None:
+  """Raises ValueError unless `value` is a number > 0 (>= 0 with `zero`), or None if optional."""
+  if optional and value is None:
+    return
+  if not _is_number(value) or value < 0 or (value == 0 and not zero):
+    raise ValueError(f"{name}={value!r}: expected a number {'>= 0' if zero else '> 0'}"
+                     + (" or None" if optional else ""))
+
+
+def check_choice(name: str, value, choices) -> None:
+  if value not in choices:
+    raise ValueError(f"{name}={value!r}: expected one of {tuple(choices)}")
+
+
+def int_or_auto(name: str, value: Any, low: int, high: int | None = None) -> int | str:
+  """`value` (an int, "auto", or a string of digits as flags give it) as an int in range or "auto"."""
+  if value == "auto":
+    return value
+  if isinstance(value, str):
+    try:
+      value = int(value)
+    except ValueError:
+      pass
+  if not _is_int(value) or value < low or (high is not None and value > high):
+    expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ValueError(f"{name}={value!r}: expected 'auto' or an int {expected}")
+  return value
+
+
+def check_offload(offload_tail_layers, prefetch_depth, num_layers: int | None = None) -> None:
+  """The one validation of the offload arguments; with `num_layers`, also their upper bounds."""
+  int_or_auto("offload_tail_layers", offload_tail_layers, 0, num_layers)
+  int_or_auto("prefetch_depth", prefetch_depth, 1, MAX_PREFETCH_DEPTH)
+  if num_layers is not None and _is_int(offload_tail_layers) and _is_int(prefetch_depth) \
+      and offload_tail_layers and prefetch_depth > offload_tail_layers:
+    raise ValueError(f"prefetch_depth={prefetch_depth} is more than the {offload_tail_layers} "
+                     f"offloaded layer(s); expected prefetch_depth <= {offload_tail_layers}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+  """Every engine argument of `jaxtier.LLM` (and flag of the scripts), validated on creation.
+
+  Attributes:
+    model: a registry name, a Hugging Face directory, a .gguf file or a jaxtier Orbax directory.
+    dtype: parameter and activation dtype.
+    max_model_len: context window (prompt plus generated tokens); None: the model's.
+    max_num_seqs: most requests running (holding device KV) at once.
+    max_num_batched_tokens: token budget of one step (decodes plus prefill chunks); None: 2048 or
+      max_num_seqs, whichever is larger. Longer prompts are prefilled in chunks.
+    block_size: tokens per KV block.
+    num_device_blocks, kv_cache_memory_gb: the device KV pool in blocks or GB (at most one).
+    num_host_blocks, swap_space_gb: the pinned-host KV pool in blocks or GB (at most one).
+    gpu_memory_utilization: the share of device memory the default device pool sizing may fill.
+    kv_cache_dtype: "auto" (the model dtype), "float32", "bfloat16" or "int8" (per-token scales).
+    preemption_mode: "swap" (KV moves to the host pool) or "recompute" (prefilled again).
+    watermark: share of device blocks kept free for running requests to grow into, in [0, 1).
+    victim_policy: which running request is preempted first (scheduler.VICTIM_POLICIES).
+    seed: seeds the per-request seeds of requests that do not set one.
+    layer_execution: "scan", "unrolled" (separate per-layer buffers, faster on CPU) or "auto".
+    offload_tail_layers: last layers kept in pinned host memory, an int or "auto" (the planner).
+    prefetch_depth: layers the offloaded tail is fetched ahead, 1 to 4 or "auto".
+    device_memory_gb: device memory for the planner and the default pool sizing; None: reported.
+    trace_path: where to append a per-step JSONL trace (None: no trace).
+  """
+  model: str = "smollm2-135m-instruct"
+  dtype: str = "float32"
+  max_model_len: int | None = None
+  max_num_seqs: int = 16
+  max_num_batched_tokens: int | None = None
+  block_size: int = 16
+  num_device_blocks: int | None = None
+  kv_cache_memory_gb: float | None = None
+  num_host_blocks: int | None = None
+  swap_space_gb: float | None = None
+  gpu_memory_utilization: float = 0.9
+  kv_cache_dtype: str = "auto"
+  preemption_mode: str = "swap"
+  watermark: float = 0.01
+  victim_policy: str = "longest_waiting"
+  seed: int = 0
+  layer_execution: str = "auto"
+  offload_tail_layers: int | str = 0
+  prefetch_depth: int | str = "auto"
+  device_memory_gb: float | None = None
+  trace_path: str | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.model, str) or not self.model:
+      raise ValueError(f"model={self.model!r}: expected a registry name or a path")
+    check_choice("dtype", self.dtype, DTYPES)
+    check_int("max_model_len", self.max_model_len, 2, optional=True)
+    check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
+    check_int("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs,
+              optional=True)
+    check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+    check_int("num_device_blocks", self.num_device_blocks, 2, optional=True)
+    check_positive("kv_cache_memory_gb", self.kv_cache_memory_gb)
+    check_int("num_host_blocks", self.num_host_blocks, 0, optional=True)
+    check_positive("swap_space_gb", self.swap_space_gb, zero=True)
+    for a, b in (("num_device_blocks", "kv_cache_memory_gb"), ("num_host_blocks", "swap_space_gb")):
+      if getattr(self, a) is not None and getattr(self, b) is not None:
+        raise ValueError(f"{a}={getattr(self, a)!r} and {b}={getattr(self, b)!r}: expected at "
+                         "most one of the two")
+    if not _is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
+      raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: expected a "
+                       "number in (0, 1]")
+    check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+    check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+    if not _is_number(self.watermark) or not 0 <= self.watermark < 1:
+      raise ValueError(f"watermark={self.watermark!r}: expected a number in [0, 1)")
+    check_choice("victim_policy", self.victim_policy, tuple(VICTIM_POLICIES))
+    check_int("seed", self.seed, 0, 2**32 - 1)
+    check_choice("layer_execution", self.layer_execution, LAYER_EXECUTIONS)
+    check_offload(self.offload_tail_layers, self.prefetch_depth)
+    check_positive("device_memory_gb", self.device_memory_gb)
+    if self.trace_path is not None and (not isinstance(self.trace_path, str) or not self.trace_path):
+      raise ValueError(f"trace_path={self.trace_path!r}: expected a file path or None")
+
+  @property
+  def token_budget(self) -> int:
+    """Tokens one step may compute (max_num_batched_tokens with its default filled in)."""
+    return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+
+  def resolved_kv_cache_dtype(self) -> str:
+    return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+
+ARG_NAMES = tuple(f.name for f in dataclasses.fields(EngineArgs))
