@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -28,6 +29,27 @@ ENGINE_ARGS = dict(max_model_len=64, max_num_seqs=4, layer_execution="scan")
 
 def greedy(**kwargs) -> jaxtier.SamplingParams:
   return jaxtier.SamplingParams(**{"temperature": 0, "ignore_eos": True, **kwargs})
+
+
+def checkpoint_bytes(prefix: str = "") -> int:
+  """Bytes of the tiny checkpoint's tensors whose names start with `prefix`, read from the
+  safetensors headers on disk: a count that does not go through the engine."""
+  total = 0
+  for name in os.listdir(fixture_path("tiny_llama")):
+    if not name.endswith(".safetensors"):
+      continue
+    with open(fixture_path("tiny_llama", name), "rb") as f:
+      header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    total += sum(entry["data_offsets"][1] - entry["data_offsets"][0]
+                 for key, entry in header.items()
+                 if key != "__metadata__" and key.startswith(prefix))
+  return total
+
+
+def rotary_bytes(llm) -> int:
+  """The model state holds the rotary inverse frequencies (head_dim / 2 float32) beside the
+  checkpoint's tensors."""
+  return llm.config.head_dim // 2 * 4
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +94,12 @@ def metric_values(client) -> dict[str, float]:
           for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_models_and_health(client, llm):
+def test_models_and_health(client):
   assert client.get("/health").status_code == 200
   models = client.get("/v1/models").json()
-  assert [m["id"] for m in models["data"]] == [MODEL]
-  assert models["data"][0]["max_model_len"] == llm.max_model_len
+  assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+  assert models["data"][0]["object"] == "model" and models["data"][0]["owned_by"] == "jaxtier"
+  assert models["data"][0]["max_model_len"] == ENGINE_ARGS["max_model_len"] == 64
 
 
 @pytest.mark.parametrize("prompts", [["A tiny model", "Once upon a time", "Hi"],
@@ -110,9 +133,14 @@ def test_seeded_sampling_with_n_choices_equals_llm_generate(client, llm):
   assert [c["text"] for c in body["choices"]] == [o.text for o in reference]
 
 
-def test_streamed_deltas_equal_the_non_streamed_text(client):
+def test_streamed_and_whole_completions_equal_llm_generate(client, llm):
+  reference = llm.generate("A tiny model", greedy(max_tokens=16))[0]
+  prompt_tokens = len(reference.prompt_token_ids)
+  usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 16,
+           "total_tokens": prompt_tokens + 16}
   request = dict(prompt="A tiny model", max_tokens=16, temperature=0, ignore_eos=True)
   whole = complete(client, **request)
+  assert whole["choices"][0]["text"] == reference.text and whole["usage"] == usage
   with client.stream("POST", "/v1/completions",
                      json={**request, "stream": True,
                            "stream_options": {"include_usage": True}}) as response:
@@ -120,11 +148,11 @@ def test_streamed_deltas_equal_the_non_streamed_text(client):
     chunks = events(response)
   texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
   assert len([t for t in texts if t]) > 1
-  assert "".join(texts) == whole["choices"][0]["text"]
+  assert "".join(texts) == reference.text
   assert all(c["object"] == "text_completion" for c in chunks)
   assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 2) + [
       "length"]
-  assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+  assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage
 
 
 def test_chat_equals_llm_chat_streamed_and_not(client, llm):
@@ -136,6 +164,7 @@ def test_chat_equals_llm_chat_streamed_and_not(client, llm):
   assert body["object"] == "chat.completion"
   assert body["choices"][0]["message"] == {"role": "assistant", "content": reference.text}
   assert body["usage"]["prompt_tokens"] == len(reference.prompt_token_ids)
+  assert body["usage"]["completion_tokens"] == len(reference.token_ids) == 10
   with client.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as response:
     chunks = events(response)
   deltas = [c["choices"][0]["delta"] for c in chunks]
@@ -170,25 +199,30 @@ def test_incremental_detokenizer_waits_for_whole_characters(llm):
   assert stop_prefix_len("abcZ2", ["Z23", "c"]) == 2 and stop_prefix_len("abc", ["Z23"]) == 0
 
 
-def test_offloaded_engine_serves_the_same_tokens(client):
+def test_offloaded_engine_serves_the_llm_tokens_and_counts_streamed_bytes(llm):
   offloaded = jaxtier.LLM(fixture_path("tiny_llama"), offload_tail_layers=1, prefetch_depth=1,
                           **ENGINE_ARGS)
-  assert offloaded.memory_report()["host_weight_bytes"] > 0
+  tail_bytes = checkpoint_bytes(f"model.layers.{offloaded.config.num_layers - 1}.")
   engine = AsyncEngine(offloaded)
   try:
     offload_client = TestClient(create_app(engine, MODEL))
-    request = dict(prompt=["A tiny model", "Once upon a time"], max_tokens=12, temperature=0,
-                   ignore_eos=True)
-    assert complete(offload_client, **request) | {"id": 0, "created": 0} == (
-        complete(client, **request) | {"id": 0, "created": 0})
-    values = metric_values(offload_client)
-    per_step = offloaded.memory_report()["weight_transfer_bytes_per_step"]
-    assert values["jaxtier_model_steps_total"] > 0
-    assert values["jaxtier_weight_transfer_bytes_total"] == (
-        values["jaxtier_model_steps_total"] * per_step)
-    assert values["jaxtier_host_weight_bytes"] == offloaded.memory_report()["host_weight_bytes"]
+    prompts = ["A tiny model", "Once upon a time"]
+    body = complete(offload_client, prompt=prompts, max_tokens=12, temperature=0, ignore_eos=True)
+    reference = llm.generate(prompts, greedy(max_tokens=12))  # the resident engine, offline
+    assert [c["text"] for c in body["choices"]] == [o.text for o in reference]
+    before = metric_values(offload_client)
+    assert before["jaxtier_host_weight_bytes"] == tail_bytes
+    assert before["jaxtier_device_weight_bytes"] == (
+        checkpoint_bytes() - tail_bytes + rotary_bytes(offloaded))
+    one = complete(offload_client, prompt=[1, 2, 3], max_tokens=7, temperature=0, ignore_eos=True)
+    after = metric_values(offload_client)
   finally:
     engine.close()
+  steps = one["usage"]["completion_tokens"]  # one row: one model step per generated token
+  assert steps == 7
+  assert after["jaxtier_model_steps_total"] - before["jaxtier_model_steps_total"] == steps
+  assert (after["jaxtier_weight_transfer_bytes_total"]
+          - before["jaxtier_weight_transfer_bytes_total"]) == steps * tail_bytes
 
 
 @pytest.mark.parametrize("path, body, status, message", [
@@ -296,7 +330,9 @@ def test_abort_releases_the_row_and_drops_queued_requests(llm):
     engine.close()
   aborted, = driver.batches[0]
   assert aborted.finish_reason == "abort" and 1 <= len(aborted.token_ids) < 40
-  assert aborted.token_ids[0] == first.new_token_ids[0]
+  unaborted = llm.generate("A tiny model", greedy(max_tokens=40))[0].token_ids
+  assert aborted.token_ids == unaborted[:len(aborted.token_ids)]
+  assert first.new_token_ids == unaborted[:len(first.new_token_ids)]
   assert len(driver.batches) == 2  # the cancelled queued request never ran
   assert after[-1].completion.token_ids == llm.generate("A tiny model",
                                                         greedy(max_tokens=3))[0].token_ids
@@ -322,7 +358,8 @@ def test_requests_sent_together_share_one_batch(llm):
     engine.close()
   assert time.monotonic() - start < 30
   assert [len(batch) for batch in driver.batches] == [llm.max_num_seqs]
-  assert all(len(c.token_ids) == 2 for c in completions)
+  reference = llm.generate([f"prompt {i}" for i in range(llm.max_num_seqs)], greedy(max_tokens=2))
+  assert [c.token_ids for c in completions] == [o.token_ids for o in reference]
 
 
 def test_a_failing_batch_is_an_error_and_the_engine_keeps_serving(llm):
@@ -351,20 +388,20 @@ def test_metrics_count_requests_and_tokens(client, llm):
                "jaxtier_host_weight_bytes", "jaxtier_time_to_first_token_seconds_count",
                "jaxtier_e2e_request_latency_seconds_count"):
     assert name in before
-  complete(client, prompt=[1, 2, 3], max_tokens=5, temperature=0, ignore_eos=True)
+  body = complete(client, prompt=[1, 2, 3], max_tokens=5, temperature=0, ignore_eos=True)
   after = metric_values(client)
 
   def moved(name):
     return after.get(name, 0) - before.get(name, 0)
 
-  assert moved("jaxtier_generation_tokens_total") == 5
+  assert moved("jaxtier_generation_tokens_total") == 5 == body["usage"]["completion_tokens"]
   assert moved("jaxtier_prompt_tokens_total") == 3
   assert moved("jaxtier_requests_finished_total{finish_reason=length}") == 1
   assert moved("jaxtier_time_to_first_token_seconds_count") == 1
   assert moved("jaxtier_e2e_request_latency_seconds_count") == 1
   assert moved("jaxtier_model_steps_total") == 5
   assert after["jaxtier_weight_transfer_bytes_total"] == 0  # nothing offloaded
-  assert after["jaxtier_device_weight_bytes"] == llm.memory_report()["device_weight_bytes"]
+  assert after["jaxtier_device_weight_bytes"] == checkpoint_bytes() + rotary_bytes(llm)
 
 
 def test_openai_client_against_uvicorn(app, llm):
