@@ -31,8 +31,8 @@ PRESETS = {
     "article": dict(
         num_layers=28, kv_heads=32, head_dim=128, kv_cache_dtype="bfloat16", device_gb=80.0,
         weights_gb=14.0, reserve_gb=8.0, host_gb=180.0, watermark_gb=5.0, num_requests=100,
-        arrival_rate=0.0, prompt_len=3000, output_len=1000, length_dist="uniform", step_base_ms=10.0,
-        per_token_us=90.0, link_gb_per_s=22.0, max_tokens_per_step=4096),
+        arrival_rate=0.0, prompt_len=3000, output_len=1000, length_dist="uniform",
+        step_base_ms=10.0, per_token_us=90.0, link_gb_per_s=22.0, max_tokens_per_step=4096),
 }
 
 FLAGS = flags.FLAGS
