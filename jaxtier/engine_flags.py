@@ -1,72 +1,67 @@
 """`jaxtier.LLM`'s engine arguments as absl flags, with the same names, for the scripts.
 
-Importing this module defines `--config` and the engine flags. A script calls
-`prepare()` first thing in `main` and builds the engine with `jaxtier.LLM(**llm_kwargs())`. Flag values are checked when the command line is parsed, before any
-model is loaded; importing this module does not import JAX.
+Importing this module defines `--config` and the engine flags. A script calls `prepare()` first
+thing in `main` and builds the engine with `jaxtier.LLM(**llm_kwargs())`. Flag values are checked
+together (`jaxtier.engine_args.EngineArgs`) when the command line is parsed, before any model is
+loaded; importing this module does not import JAX.
 """
 
-from typing import Any
+import os
+import sys
+from typing import Any, NoReturn
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
-from jaxtier import cpu_allocator
+from jaxtier import cpu_allocator, engine_args
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "optional ml_collections config file whose fields "
                                 "give defaults for the flags (flags given explicitly win)")
 flags.DEFINE_string("model", "smollm2-135m-instruct", "registry name, HF directory, .gguf file or "
                     "Orbax directory")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter dtype")
-flags.DEFINE_integer("max_model_len", None, "context window; default: the model's", lower_bound=2)
-flags.DEFINE_integer("max_num_seqs", 16, "requests generated together in one batch", lower_bound=1)
-flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "float32", "bfloat16"],
-                  "KV cache dtype; auto: the model dtype")
-flags.DEFINE_enum("layer_execution", "auto", ["auto", "scan", "unrolled"],
+flags.DEFINE_enum("dtype", "float32", list(engine_args.DTYPES), "parameter dtype")
+flags.DEFINE_integer("max_model_len", None, "context window; default: the model's")
+flags.DEFINE_integer("max_num_seqs", 16, "most requests running at once")
+flags.DEFINE_integer("max_num_batched_tokens", None, "token budget of one step (decodes plus "
+                     "prefill chunks); default: max(2048, max_num_seqs)")
+flags.DEFINE_integer("block_size", 16, "tokens per KV block")
+flags.DEFINE_integer("num_device_blocks", None, "device KV pool in blocks (or --kv_cache_memory_gb)")
+flags.DEFINE_float("kv_cache_memory_gb", None, "device KV pool in GB; default: device memory left "
+                   "after weights, or on CPU the KV of max_num_seqs full sequences, at most "
+                   f"{engine_args.CPU_DEFAULT_KV_GB} GB")
+flags.DEFINE_integer("num_host_blocks", None, "pinned-host KV pool in blocks (or --swap_space_gb); "
+                     "default: as many as the device pool")
+flags.DEFINE_float("swap_space_gb", None, "pinned-host KV pool in GB")
+flags.DEFINE_float("gpu_memory_utilization", 0.9, "share of device memory the default KV pool "
+                   "sizing may fill")
+flags.DEFINE_enum("kv_cache_dtype", "auto", list(engine_args.KV_CACHE_DTYPES),
+                  "KV cache dtype; auto: the model dtype; int8 keeps a float32 scale per token")
+flags.DEFINE_enum("preemption_mode", "swap", ["swap", "recompute"], "what happens to a preempted "
+                  "request's KV: moved to the host pool, or dropped and prefilled again")
+flags.DEFINE_float("watermark", 0.01, "share of device KV blocks kept free for running requests")
+flags.DEFINE_string("victim_policy", "longest_waiting", "which running request is preempted first: "
+                    "longest_waiting, closest_to_finish or shortest_predicted_remaining")
+flags.DEFINE_enum("layer_execution", "auto", list(engine_args.LAYER_EXECUTIONS),
                   "how resident layers run; auto: unrolled on CPU, scan elsewhere")
 flags.DEFINE_string("offload_tail_layers", "0", "last layers kept in pinned host memory and "
                     "streamed to the device every step: an int >= 0 or 'auto' (the offload "
                     "planner)")
 flags.DEFINE_string("prefetch_depth", "auto", "layers the offloaded tail is fetched ahead: 1-4 or "
                     "'auto'")
-flags.DEFINE_float("device_memory_gb", None, "device memory for offload_tail_layers=auto, GB; "
-                   "default: what the device reports (nothing on CPU: auto offloads nothing)")
+flags.DEFINE_float("device_memory_gb", None, "device memory for offload_tail_layers=auto and the "
+                   "default KV pool, GB; default: what the device reports (nothing on CPU)")
+flags.DEFINE_string("trace_path", None, "append a per-step JSONL trace of the engine here (read "
+                    "by scripts/doctor.py)")
 
-ENGINE_FLAGS = ("model", "dtype", "max_model_len", "max_num_seqs", "kv_cache_dtype",
-                "layer_execution", "offload_tail_layers", "prefetch_depth", "device_memory_gb")
-# prefetch_depth's bound is jaxtier.offload.prefetch.MAX_DEPTH, written out: that module loads JAX.
-INT_OR_AUTO_RANGES = {"offload_tail_layers": (0, None), "prefetch_depth": (1, 4)}
-
-
-def int_or_auto(name: str, value: Any) -> int | str:
-  """`value` of flag `name` as an int in its range or "auto"; ValueError otherwise."""
-  low, high = INT_OR_AUTO_RANGES[name]
-  if value == "auto":
-    return value
-  try:
-    number = int(value)
-  except (TypeError, ValueError):
-    raise ValueError("expected an integer or 'auto'") from None
-  if number < low or (high is not None and number > high):
-    expected = f">= {low}" if high is None else f"in [{low}, {high}]"
-    raise ValueError(f"expected 'auto' or an integer {expected}")
-  return number
+# `seed` stays with each script: the batch job's --seed seeds its records' sampling.
+ENGINE_FLAGS = tuple(name for name in engine_args.ARG_NAMES if name != "seed")
 
 
-def _checker(name: str):
-  def check(value) -> bool:
-    try:
-      int_or_auto(name, value)
-    except ValueError as e:
-      raise flags.ValidationError(str(e)) from None
-    return True
-  return check
-
-
-for _name in INT_OR_AUTO_RANGES:
-  flags.register_validator(_name, _checker(_name))
-flags.register_validator("device_memory_gb", lambda v: v is None or v > 0,
-                         "--device_memory_gb must be a positive number of GB")
+def usage_error(message: str) -> NoReturn:
+  """Ends the script with one line on stderr, `<script>: error: <message>`, and exit status 2."""
+  print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+  sys.exit(2)
 
 
 def apply_config_defaults() -> None:
@@ -75,28 +70,33 @@ def apply_config_defaults() -> None:
     return
   for name, value in FLAGS.config.items():
     if name not in FLAGS:
-      raise app.UsageError(f"--config field {name!r} is not a flag of this script")
+      usage_error(f"--config field {name!r} is not a flag of this script")
     if not FLAGS[name].present:
       FLAGS[name].value = value
   try:
     FLAGS.validate_all_flags()
   except flags.IllegalFlagValueError as e:
-    raise app.UsageError(str(e)) from None
+    usage_error(str(e))
 
 
 def prepare() -> None:
   """What an engine script does first: warnings-only logging unless --verbosity is given, --config
-  defaults applied and checked, and freed memory retained (`jaxtier.cpu_allocator`, before JAX
-  starts its threads)."""
+  defaults applied, the engine flags checked together (`EngineArgs`; a bad value is one line), and
+  freed memory retained (`jaxtier.cpu_allocator`, before JAX starts its threads)."""
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   apply_config_defaults()
+  try:
+    engine_args.EngineArgs(**llm_kwargs())
+  except ValueError as e:
+    usage_error(str(e))
   cpu_allocator.retain_freed_memory()
 
 
 def llm_kwargs() -> dict[str, Any]:
-  """The engine flags as keyword arguments of `jaxtier.LLM` ("auto" kept where given)."""
+  """The engine flags as keyword arguments of `jaxtier.LLM` (the model included, as `model`)."""
   kwargs = {name: FLAGS[name].value for name in ENGINE_FLAGS}
-  for name in INT_OR_AUTO_RANGES:
-    kwargs[name] = int_or_auto(name, kwargs[name])
+  for name, low, high in (("offload_tail_layers", 0, None),
+                          ("prefetch_depth", 1, engine_args.MAX_PREFETCH_DEPTH)):
+    kwargs[name] = engine_args.int_or_auto(name, kwargs[name], low, high)
   return kwargs

@@ -1,6 +1,7 @@
 """The offline API, in the shape vLLM users know: `LLM(model).generate(prompts, SamplingParams(...))`."""
 
 import dataclasses
+import time
 from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import jax
@@ -9,14 +10,19 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxtier import checkpoint, offload
-from jaxtier.generate import Completion, Request, StepUpdate, bucket_pow2, generate_batch
+from jaxtier.buckets import pow2_bucket
+from jaxtier.engine import doctor
+from jaxtier.engine.engine import Engine, EngineConfig
+from jaxtier.engine_args import CPU_DEFAULT_KV_GB, GB, LAYER_EXECUTIONS, EngineArgs, check_offload
+from jaxtier.generate import Completion, Request, StepUpdate, generate_batch
+from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.model import GroupedTransformer
 from jaxtier.offload import auto as offload_auto
 from jaxtier.sampling import SamplingParams
+from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.tokenizer import Message
 
 Prompt = str | Sequence[int]
-LAYER_EXECUTIONS = ("auto", "scan", "unrolled")
 
 
 def resolve_layer_execution(value: str) -> str:
@@ -58,70 +64,112 @@ class RequestOutput:
 
 
 class LLM:
-  """A model ready to generate.
+  """A model ready to generate, on the engine (continuous batching over a paged KV cache).
 
   Args:
     model: a registry name (see `models/`), a Hugging Face directory, a .gguf file or a jaxtier
       Orbax directory.
-    dtype: parameter and activation dtype, "float32" or "bfloat16".
-    max_model_len: context window (prompt plus generated tokens); defaults to the model's.
-    max_num_seqs: how many prompts run together in one batch.
-    kv_cache_dtype: "auto" (the model dtype), "float32" or "bfloat16".
-    seed: seeds the per-request seeds of requests that do not set one.
-    layer_execution: "scan" runs the stacked layers with `lax.scan`; "unrolled" keeps each layer in
-      its own buffers and runs them one after another (faster on CPU, where XLA copies the slice a
-      scan reads; longer to compile); "auto" picks "unrolled" on CPU and "scan" elsewhere. With
-      offloaded layers it applies to the resident head.
-    offload_tail_layers: how many of the last layers live in pinned host memory and stream to the
-      device every step; "auto" asks the offload planner with measured link and compute numbers
-      (offloads nothing when the device memory is unknown, as on CPU without device_memory_gb).
-    prefetch_depth: how many layers ahead the offloaded tail is fetched (1 to 4); "auto" uses
-      ceil(transfer time / compute time) per layer, measured. On CPU, call
-      `jaxtier.cpu_allocator.retain_freed_memory()` first: the d + 1 fetched layers are step
-      temporaries, which glibc maps afresh (page-faulting) every step once they pass 32 MB.
-    device_memory_gb: device memory the "auto" planner may use (GB = 1e9 bytes); default: what the
-      device reports.
+    **engine_args: the engine arguments, `jaxtier.engine_args.EngineArgs` (same names as the
+      scripts' flags): dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+      num_device_blocks / kv_cache_memory_gb, num_host_blocks / swap_space_gb, kv_cache_dtype
+      ("auto", "float32", "bfloat16", "int8"), preemption_mode, watermark, victim_policy, seed,
+      layer_execution, offload_tail_layers, prefetch_depth, device_memory_gb, trace_path. Bad
+      values raise ValueError before any model loads.
+
+  With offloaded layers on CPU, call `jaxtier.cpu_allocator.retain_freed_memory()` first: the d + 1
+  fetched layers are step temporaries, which glibc maps afresh (page-faulting) every step once they
+  pass 32 MB.
   """
 
-  def __init__(self, model: str, dtype: str = "float32", max_model_len: int | None = None,
-               max_num_seqs: int = 16, kv_cache_dtype: str = "auto", seed: int = 0,
-               layer_execution: str = "auto", offload_tail_layers: int | str = 0,
-               prefetch_depth: int | str = "auto", device_memory_gb: float | None = None):
-    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-      raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-    if device_memory_gb is not None and not (isinstance(device_memory_gb, (int, float))
-                                             and device_memory_gb > 0):
-      raise ValueError(f"device_memory_gb={device_memory_gb!r}: expected a positive number")
-    self.loaded = checkpoint.load(model, dtype)
+  def __init__(self, model: str, **engine_args):
+    self.args = EngineArgs(model=model, **engine_args)
+    args = self.args
+    self.loaded = checkpoint.load(model, args.dtype)
     self.model_name = model
     self.tokenizer = self.loaded.tokenizer
     self.config = self.loaded.model.config
     limit = self.config.max_position_embeddings
-    if max_model_len is not None and not 2 <= max_model_len <= limit:
-      raise ValueError(f"max_model_len must be in [2, {limit}] for this model, got {max_model_len}")
-    self.max_model_len = max_model_len or limit
-    self.max_num_seqs = max_num_seqs
-    self.cache_dtype = checkpoint.resolve_dtype(dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
-    self.layer_execution = resolve_layer_execution(layer_execution)
-    self.offload = self._resolve_offload(dtype, offload_tail_layers, prefetch_depth,
-                                         device_memory_gb)
+    if args.max_model_len is not None and args.max_model_len > limit:
+      raise ValueError(f"max_model_len={args.max_model_len}: expected at most {limit}, the "
+                       "context window of this model")
+    check_offload(args.offload_tail_layers, args.prefetch_depth, self.config.num_layers)
+    self.max_model_len = args.max_model_len or limit
+    self.max_num_seqs = args.max_num_seqs
+    self.kv_cache_dtype = args.resolved_kv_cache_dtype()
+    self.cache_dtype = checkpoint.resolve_dtype(args.dtype)  # the reference driver's KV dtype
+    self.block_bytes = kv_block_bytes(self.config.num_layers, self.config.num_kv_heads,
+                                      self.config.head_dim, self.kv_cache_dtype, args.block_size)
+    self.layer_execution = resolve_layer_execution(args.layer_execution)
+    self.offload = self._resolve_offload()
     model = self._arrange_layers(self.loaded.model)
     self.loaded = dataclasses.replace(self.loaded, model=model)  # frees the stack it came from
     self.graphdef, self.state = nnx.split(model)
-    self._rng = np.random.default_rng(seed)
+    num_device_blocks, num_host_blocks = self._pool_blocks()
+    self.engine = Engine(model, self.tokenizer, EngineConfig(
+        max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.token_budget, block_size=args.block_size,
+        num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
+        kv_cache_dtype=self.kv_cache_dtype, preemption_mode=args.preemption_mode,
+        watermark=args.watermark, victim_policy=args.victim_policy, trace_path=args.trace_path))
+    self._rng = np.random.default_rng(args.seed)
+    self._next_id = 0
 
-  def _resolve_offload(self, dtype: str, offload_tail_layers, prefetch_depth,
-                       device_memory_gb: float | None) -> offload_auto.Resolved:
-    batch = bucket_pow2(self.max_num_seqs)
+  def _device_memory_bytes(self) -> int | None:
+    if self.args.device_memory_gb is not None:
+      return int(self.args.device_memory_gb * GB)
+    return offload_auto.device_memory_bytes()
+
+  def _activation_reserve_bytes(self) -> int:
+    itemsize = np.dtype(checkpoint.resolve_dtype(self.args.dtype)).itemsize
+    return offload_auto.activation_reserve_bytes(
+        self.config, 1, min(self.args.token_budget, self.max_model_len), itemsize)
+
+  def _explicit_pool_bytes(self) -> int | None:
+    if self.args.num_device_blocks is not None:
+      return self.args.num_device_blocks * self.block_bytes
+    if self.args.kv_cache_memory_gb is not None:
+      return int(self.args.kv_cache_memory_gb * GB)
+    return None
+
+  def _resolve_offload(self) -> offload_auto.Resolved:
+    args = self.args
+    full = self.max_num_seqs * blocks_for(self.max_model_len, args.block_size) * self.block_bytes
+    kv_reserve = self._explicit_pool_bytes()
     return offload_auto.resolve(
-        self.loaded.model, dtype, offload_tail_layers, prefetch_depth,
-        memory_bytes=(offload_auto.device_memory_bytes() if device_memory_gb is None
-                      else int(device_memory_gb * 1e9)),
-        kv_reserve_bytes=self._kv_reserve_bytes(),
-        activation_reserve_bytes=offload_auto.activation_reserve_bytes(
-            self.config, batch, self.max_model_len,
-            np.dtype(checkpoint.resolve_dtype(dtype)).itemsize),
-        batch=batch, context=self.max_model_len)
+        self.loaded.model, args.dtype, args.offload_tail_layers, args.prefetch_depth,
+        memory_bytes=self._device_memory_bytes(),
+        kv_reserve_bytes=full if kv_reserve is None else kv_reserve,
+        activation_reserve_bytes=self._activation_reserve_bytes(),
+        batch=pow2_bucket(self.max_num_seqs), context=self.max_model_len)
+
+  def _pool_blocks(self) -> tuple[int, int]:
+    """Device and host KV pool sizes in blocks (see `jaxtier.engine_args` for the defaults)."""
+    args, block_bytes = self.args, self.block_bytes
+    explicit = self._explicit_pool_bytes()
+    memory = self._device_memory_bytes()
+    if explicit is not None:
+      device = explicit // block_bytes
+    elif memory is not None:
+      weights = offload.bytes_by_memory_kind(self.state).get(offload.DEVICE, 0)
+      free = memory * args.gpu_memory_utilization - weights - self._activation_reserve_bytes()
+      device = int(free // block_bytes)
+    else:
+      full = self.max_num_seqs * blocks_for(self.max_model_len, args.block_size)
+      device = min(full, int(CPU_DEFAULT_KV_GB * GB // block_bytes))
+    needed = blocks_for(self.max_model_len, args.block_size)
+    if device < needed:
+      raise ValueError(
+          f"the device KV pool holds {max(device, 0)} blocks of {args.block_size} tokens "
+          f"({max(device, 0) * block_bytes / GB:.3f} GB) but one sequence of max_model_len="
+          f"{self.max_model_len} tokens needs {needed}: raise num_device_blocks / "
+          "kv_cache_memory_gb (or device memory), or lower max_model_len")
+    if args.num_host_blocks is not None:
+      host = args.num_host_blocks
+    elif args.swap_space_gb is not None:
+      host = int(args.swap_space_gb * GB // block_bytes)
+    else:
+      host = device
+    return device, host
 
   def _arrange_layers(self, model):
     """The model as it runs: offloaded tail and/or unrolled layers, else the stacked scan."""
@@ -132,29 +180,48 @@ class LLM:
       return GroupedTransformer(model, [(self.config.num_layers, "unrolled")])
     return model
 
-  def _kv_reserve_bytes(self) -> int:
-    """Bytes of the largest KV cache a batch allocates (max_num_seqs rows of max_model_len)."""
-    c = self.config
-    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * np.dtype(self.cache_dtype).itemsize
-    return bucket_pow2(self.max_num_seqs) * bucket_pow2(self.max_model_len, 128) * per_token
-
   def memory_report(self) -> dict[str, int]:
     """Where the weights and the KV cache live, and what crosses the host link every step.
 
-    Weight bytes are counted from the placement of the model state; `device_kv_bytes` is the
-    largest contiguous KV cache a batch allocates (this driver keeps no host KV pool, so
-    `host_kv_bytes` and `kv_swap_bytes_per_step` are 0). Every step streams all host-resident
-    weights once: `weight_transfer_bytes_per_step`.
+    Weight bytes are counted from the placement of the model state; KV bytes are the engine's
+    device and pinned-host pools as allocated. Every step streams all host-resident weights once
+    (`weight_transfer_bytes_per_step`); `kv_swap_bytes_per_step` is the mean over the steps run so
+    far (`kv_swap_bytes_max_step` the largest).
     """
     by_kind = offload.bytes_by_memory_kind(self.state)
     host = sum(v for k, v in by_kind.items() if k != offload.DEVICE)
     n, depth = self.offload.offload_tail_layers, self.offload.prefetch_depth
     layer_bytes = host // n if n else 0
+    stats = self.engine.stats()
     return {"device_weight_bytes": by_kind.get(offload.DEVICE, 0), "host_weight_bytes": host,
-            "device_kv_bytes": self._kv_reserve_bytes(), "host_kv_bytes": 0,
-            "weight_transfer_bytes_per_step": host, "kv_swap_bytes_per_step": 0,
+            "device_kv_bytes": stats["device_kv_bytes"], "host_kv_bytes": stats["host_kv_bytes"],
+            "kv_block_bytes": self.block_bytes,
+            "device_kv_blocks": stats["device_blocks_total"],
+            "host_kv_blocks": stats["host_blocks_total"],
+            "weight_transfer_bytes_per_step": host,
+            "kv_swap_bytes_per_step": int(stats["kv_swap_bytes_per_step"]),
+            "kv_swap_bytes_max_step": stats["kv_swap_bytes_max_step"],
             "prefetch_buffer_bytes": (depth + 1) * layer_bytes if n else 0,
             "offload_tail_layers": n, "prefetch_depth": depth}
+
+  def stats(self) -> dict:
+    """The engine's figures (swaps, preemptions, pools, requests, compiles; see `Engine.stats`)
+    plus the offload: layers, depth, bytes streamed per step and the planner's step times."""
+    stats = self.engine.stats()
+    plan = self.offload.plan
+    stats.update(
+        offload_tail_layers=self.offload.offload_tail_layers,
+        prefetch_depth=self.offload.prefetch_depth,
+        weight_transfer_bytes_per_step=sum(
+            v for k, v in offload.bytes_by_memory_kind(self.state).items() if k != offload.DEVICE),
+        offload_predicted_step_seconds=plan.predicted_step_s if plan is not None else None,
+        offload_compute_step_seconds=plan.compute_step_s if plan is not None else None)
+    return stats
+
+  def doctor(self) -> str:
+    """The symptom -> remedy rows that this run's figures show (see `jaxtier.engine.doctor`)."""
+    stats = self.stats()
+    return doctor.report(doctor.diagnose(stats), stats)
 
   def prompt_token_ids(self, prompt: Prompt, index: int = 0) -> list[int]:
     """Token ids of one prompt (a string or token ids), checked against vocabulary and context.
@@ -203,28 +270,70 @@ class LLM:
   def run_batch(self, requests: Sequence[Request],
                 on_step: Callable[[list[StepUpdate]], None] | None = None,
                 aborted: Callable[[int], bool] | None = None) -> list[Completion]:
-    """Generates for up to `max_num_seqs` requests as one batch (see `generate.generate_batch`)."""
+    """Generates for up to `max_num_seqs` requests as one padded batch on a contiguous cache
+    (`generate.generate_batch`, the reference driver the engine is tested against)."""
     if not 1 <= len(requests) <= self.max_num_seqs:
       raise ValueError(f"run_batch takes 1 to max_num_seqs={self.max_num_seqs} requests, got "
                        f"{len(requests)}")
     return generate_batch(self.graphdef, self.state, self.tokenizer, requests, self.max_model_len,
                           self.cache_dtype, on_step=on_step, aborted=aborted)
 
+  def _input_ids(self, key: Hashable, prompt: Any) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids) of a prompt or a conversation; ValueError names `key`."""
+    try:
+      if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        text = self.tokenizer.apply_chat_template(prompt)
+        return text, self.prompt_token_ids(self.tokenizer.encode(text, add_special_tokens=False))
+      return (prompt if isinstance(prompt, str) else None), self.prompt_token_ids(prompt)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"request {key!r}: {e}") from None
+
+  def _drive(self, items: Iterator[tuple[Hashable, str | None, list[int], SamplingParams]],
+             bar: tqdm | None = None) -> Iterator[tuple[Hashable, RequestOutput]]:
+    """Feeds items into the engine while it has room (up to 2 x max_num_seqs queued or running),
+    steps it, and yields each request's output as it ends. If anything fails, the requests this
+    call added are aborted (their blocks freed) before the error propagates."""
+    engine, mine = self.engine, {}
+    exhausted, generated, start = False, 0, time.perf_counter()
+    try:
+      while True:
+        while not exhausted and engine.num_unfinished < 2 * self.max_num_seqs:
+          item = next(items, None)
+          if item is None:
+            exhausted = True
+            break
+          key, text, ids, params = item
+          request_id, self._next_id = self._next_id, self._next_id + 1
+          seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+          engine.add_request(request_id, ids, params, seed)
+          mine[request_id] = (key, text, tuple(ids))
+        if not mine:
+          return
+        for update in engine.step():
+          generated += len(update.new_token_ids)
+          if update.completion is None or update.request_id not in mine:
+            continue
+          key, text, ids = mine.pop(update.request_id)
+          c = update.completion
+          if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s",
+                                refresh=False)
+          yield key, RequestOutput(str(key), text, ids, (CompletionOutput(
+              0, c.text, c.token_ids, c.finish_reason),))
+    finally:
+      for request_id in mine:
+        engine.abort(request_id)
+
   def _run(self, prompts: list[Any], ids: list[list[int]], params: list[SamplingParams],
            use_tqdm: bool) -> list[RequestOutput]:
-    requests = [self.make_request(i, p) for i, p in zip(ids, params)]
-    order = sorted(range(len(requests)), key=lambda i: len(ids[i]))  # similar lengths batch together
-    results: dict[int, Any] = {}
-    with tqdm(total=len(requests), disable=not use_tqdm, desc="generate", unit="prompt") as bar:
-      for start in range(0, len(order), self.max_num_seqs):
-        chunk = order[start:start + self.max_num_seqs]
-        done = self.run_batch([requests[i] for i in chunk])
-        results.update(zip(chunk, done))
-        bar.update(len(chunk))
-    return [RequestOutput(str(i), p if isinstance(p, str) else None, tuple(ids[i]),
-                          (CompletionOutput(0, results[i].text, results[i].token_ids,
-                                            results[i].finish_reason),))
-            for i, p in enumerate(prompts)]
+    results: dict[int, RequestOutput] = {}
+    items = ((i, p if isinstance(p, str) else None, ids[i], params[i])
+             for i, p in enumerate(prompts))
+    with tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req") as bar:
+      for i, output in self._drive(items, bar):
+        results[i] = output
+    return [results[i] for i in range(len(prompts))]
 
   def generate(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -261,22 +370,11 @@ class LLM:
     A prompt is a string or token ids; a conversation is a list of `{"role", "content"}` messages
     (rendered with the chat template). A bad item raises ValueError naming its key.
     """
-    iterator = iter(items)
-    while True:
-      chunk = [item for _, item in zip(range(self.max_num_seqs), iterator)]
-      if not chunk:
-        return
-      ids, texts = [], []
-      for key, prompt, _ in chunk:
-        try:
-          if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            texts.append(self.tokenizer.apply_chat_template(prompt))
-            ids.append(self.prompt_token_ids(self.tokenizer.encode(texts[-1],
-                                                                   add_special_tokens=False)))
-          else:
-            texts.append(prompt if isinstance(prompt, str) else None)
-            ids.append(self.prompt_token_ids(prompt))
-        except (ValueError, TypeError) as e:
-          raise ValueError(f"request {key!r}: {e}") from None
-      outputs = self._run(texts, ids, [params for _, _, params in chunk], use_tqdm)
-      yield from zip([key for key, _, _ in chunk], outputs)
+    def prepared():
+      for key, prompt, params in items:
+        text, ids = self._input_ids(key, prompt)
+        yield key, text, ids, params
+
+    total = len(items) if hasattr(items, "__len__") else None
+    with tqdm(total=total, disable=not use_tqdm, desc="generate", unit="req") as bar:
+      yield from self._drive(prepared(), bar)
