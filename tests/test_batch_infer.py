@@ -1,13 +1,19 @@
-"""scripts/batch_infer.py end to end on the tiny Llama: output format, resuming, bad input."""
+"""scripts/batch_infer.py end to end on the tiny Llama: outputs against the offline API, resuming,
+bad records (before the model loads and once the tokenizer is loaded), flag errors, --help; and
+the record rules of `jaxtier.server.records` in process."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import fixture_path
+from jaxtier.server.records import parse_record
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "batch_infer.py")
+VOCAB_SIZE = 300  # tests/fixtures/tiny_llama/config.json
 
 
 def run(tmp_path, lines, *flags):
@@ -15,10 +21,55 @@ def run(tmp_path, lines, *flags):
   src.write_text("".join(line + "\n" for line in lines))
   out = tmp_path / "out.jsonl"
   proc = subprocess.run([sys.executable, SCRIPT, f"--model={fixture_path('tiny_llama')}",
-                         f"--input={src}", f"--output={out}", "--max_tokens=4", *flags],
-                        capture_output=True, text=True, timeout=300)
+                         f"--input={src}", f"--output={out}",
+                         "--max_tokens=4", *flags], capture_output=True, text=True, timeout=300)
   rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
   return proc, rows
+
+
+def summary(stderr: str) -> dict:
+  lines = [line for line in stderr.splitlines() if line.startswith("summary: ")]
+  assert len(lines) == 1, stderr
+  return json.loads(lines[0].removeprefix("summary: "))
+
+
+@pytest.mark.parametrize("record", [
+    {"id": "a", "prompt": "Hello"},
+    {"id": 0, "prompt": [0, 5, VOCAB_SIZE + 10]},  # the vocabulary is checked once it is loaded
+    {"id": 1, "messages": [{"role": "developer", "content": "x"},
+                           {"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+])
+def test_valid_records(record):
+  assert parse_record(json.dumps(record)).id == record["id"]
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"id": 1, "prompt": ""}, "prompt: is an empty string"),
+    ({"id": 1, "prompt": []}, "prompt: is an empty list"),
+    ({"id": 1, "prompt": None}, "prompt: expected a non-empty string or a non-empty list of token "
+     "ids, got null"),
+    ({"id": 1, "prompt": 42}, "got a number"),
+    ({"id": 1, "prompt": True}, "got a boolean"),
+    ({"id": 1, "prompt": ["a"]}, "prompt: token ids must be integers >= 0"),
+    ({"id": 1, "prompt": [1, True, -1, 2.0]},
+     "token ids must be integers >= 0, got [true, -1, 2.0]"),
+    ({"id": 1, "messages": []}, "messages: List should have at least 1 item"),
+    ({"id": 1, "messages": None}, "messages: Input should be a valid list"),
+    ({"id": 1, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role: Input should be"),
+    ({"id": 1, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"id": 1, "messages": [{"role": "user", "content": "x", "name": "n"}]},
+     "messages.0.name is not a supported field"),
+    ({"id": 1, "prompt": "x", "max_tokens": 3}, "max_tokens is not a supported field"),
+    ({"id": 1, "prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "exactly one of"),
+    ({"id": True, "prompt": "x"}, "id: expected a string or an integer, got a boolean"),
+    ({"id": None, "prompt": "x"}, "id: expected a string or an integer, got null"),
+    ({"prompt": "x"}, "expected an object with an 'id'"),
+    ([1], "expected an object with an 'id'"),
+])
+def test_invalid_records(record, message):
+  with pytest.raises(ValueError) as error:
+    parse_record(json.dumps(record))
+  assert message in str(error.value)
 
 
 def test_writes_one_line_per_record_and_resumes(tmp_path):
@@ -33,18 +84,98 @@ def test_writes_one_line_per_record_and_resumes(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert "1 already in" in proc.stderr
   assert [r["id"] for r in rows] == ["a", 2]
+  assert summary(proc.stderr)["requests"] == 1
 
 
-def test_invalid_lines_are_reported_before_any_work(tmp_path):
+def test_outputs_match_the_offline_api_skipping_bad_and_finished_records(tmp_path):
+  import jaxtier
+  good = [{"id": "s", "prompt": "The sea"},
+          {"id": "t", "prompt": [5, 17, 42]},
+          {"id": "done", "prompt": "Hello"},
+          {"id": 7, "messages": [{"role": "user", "content": "hi"}]},
+          {"id": "m", "messages": [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]},
+          {"id": "cut", "prompt": "Once upon"}]
+  bad_before_load = {"id": "empty", "prompt": ""}
+  bad_after_load = {"id": "long", "prompt": [5] * 70}
+  lines = [json.dumps(r) for r in good[:3]] + [json.dumps(bad_before_load)]
+  lines += [json.dumps(r) for r in good[3:5]] + [json.dumps(bad_after_load), json.dumps(good[5])]
+  finished = {"id": "done", "text": "written before", "token_ids": [1], "finish_reason": "stop"}
+  (tmp_path / "out.jsonl").write_text(json.dumps(finished) + "\n" + '{"id": "cut", "te')
+  stats_json = tmp_path / "stats.json"
+  proc, rows = run(tmp_path, lines, "--on_bad_record=skip", "--max_num_seqs=2",
+                   "--max_model_len=64", "--max_tokens=6", f"--stats_json={stats_json}")
+  assert proc.returncode == 0, proc.stderr
+  assert "line 4: prompt: is an empty string" in proc.stderr
+  assert "line 7: prompt has 70 tokens; the context window max_model_len is 64" in proc.stderr
+  assert rows[0] == finished
+  assert sorted(map(str, (r["id"] for r in rows))) == sorted(str(r["id"]) for r in good)
+  generated = [r for r in good if r["id"] != "done"]
+  totals = summary(proc.stderr)
+  assert totals["requests"] == len(generated) and totals["invalid_records"] == 2
+  assert totals["generated_tokens"] == sum(len(r["token_ids"]) for r in rows[1:])
+  engine_stats = hasattr(jaxtier.LLM, "stats")
+  assert ("swap_out_bytes" in totals) == engine_stats == stats_json.exists()
+
+  llm = jaxtier.LLM(fixture_path("tiny_llama"), max_model_len=64)
+  params = jaxtier.SamplingParams(max_tokens=6, temperature=0)
+  by_id = {r["id"]: r for r in rows}
+  for record in generated:
+    if "prompt" in record:
+      reference = llm.generate(record["prompt"], params)[0]
+    else:
+      conversation = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                       else "".join(p["text"] for p in m["content"])} for m in record["messages"]]
+      reference = llm.chat(conversation, params)[0]
+    row = by_id[record["id"]]
+    assert (row["text"], row["token_ids"], row["finish_reason"]) == (
+        reference.text, list(reference.token_ids), reference.finish_reason), record
+
+
+def test_invalid_records_are_reported_before_the_model_loads(tmp_path):
   lines = ["{not json", json.dumps({"prompt": "no id"}), json.dumps({"id": 1}),
-           json.dumps({"id": 3, "prompt": "x"}), json.dumps({"id": 3, "prompt": "y"})]
-  proc, rows = run(tmp_path, lines)
+           json.dumps({"id": 3, "prompt": "x"}), json.dumps({"id": 3, "prompt": "y"}),
+           json.dumps({"id": 4, "prompt": ""}), json.dumps({"id": 5, "messages": []}),
+           json.dumps({"id": 6, "prompt": None}), json.dumps({"id": 7, "prompt": 42}),
+           json.dumps({"id": 8, "prompt": True}),
+           json.dumps({"id": 9, "messages": [{"role": "tool", "content": "x"}]})]
+  proc, rows = run(tmp_path, lines, "--model=/nonexistent/model")
   assert proc.returncode != 0 and rows == []
+  assert not (tmp_path / "out.jsonl").exists()
+  assert "Traceback" not in proc.stderr and "to generate" not in proc.stderr
   for expected in ("line 1: not valid JSON", "line 2: expected an object with an 'id'",
-                   "line 3: expected exactly one of 'prompt' or 'messages'", "line 5: duplicate id 3"):
+                   "line 3: expected exactly one of 'prompt' or 'messages'",
+                   "line 5: duplicate id 3", "line 6: prompt: is an empty string",
+                   "line 7: messages: List should have at least",
+                   "line 8: prompt: expected a non-empty string", "line 9: prompt: expected",
+                   "line 10: prompt: expected", "line 11: messages.0.role: Input should be"):
     assert expected in proc.stderr
+  assert "line 4" not in proc.stderr
 
 
-def test_bad_sampling_flag_is_a_clear_error(tmp_path):
-  proc, rows = run(tmp_path, [json.dumps({"id": 1, "prompt": "x"})], "--top_p=2")
-  assert proc.returncode != 0 and "top_p must be in (0, 1]" in proc.stderr
+def test_token_ids_and_lengths_are_checked_before_generating(tmp_path):
+  lines = [json.dumps({"id": "ok", "prompt": "Hello"}),
+           json.dumps({"id": "oov", "prompt": [3, VOCAB_SIZE]}),
+           json.dumps({"id": "long", "prompt": "Hello " * 20})]
+  proc, rows = run(tmp_path, lines, "--max_model_len=16")
+  assert proc.returncode != 0 and rows == []
+  assert not (tmp_path / "out.jsonl").exists()
+  assert f"line 2: prompt has token ids outside [0, {VOCAB_SIZE}): [{VOCAB_SIZE}]" in proc.stderr
+  assert "line 3: prompt has" in proc.stderr and "max_model_len is 16" in proc.stderr
+
+
+def test_flag_errors_are_one_line(tmp_path):
+  for flag, message in (("--top_p=2", "--top_p=2.0: top_p must be in (0, 1]"),
+                        ("--max_num_seqs=0", "max_num_seqs=0: ")):
+    proc, rows = run(tmp_path, [json.dumps({"id": 1, "prompt": "x"})], flag)
+    assert proc.returncode != 0 and rows == []
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith("batch_infer.py: error: ") and message in proc.stderr, proc.stderr
+
+
+def test_help_lists_the_engine_flags():
+  proc = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True,
+                        timeout=300)
+  for flag in ("--model", "--max_num_seqs", "--on_bad_record", "--max_tokens"):
+    assert flag in proc.stdout, proc.stdout
+  assert "--chunk_size" not in proc.stdout
