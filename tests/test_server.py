@@ -307,8 +307,23 @@ class RecordingDriver:
     return self.batches[-1]
 
 
+class HeldDriver(RecordingDriver):
+  """A `RecordingDriver` whose batches stop after their first step until `release` is set, so a
+  test can queue and abort requests mid-batch however fast the model runs."""
+
+  def __init__(self, llm):
+    super().__init__(llm)
+    self.release = threading.Event()
+
+  def run_batch(self, requests, on_step=None, aborted=None):
+    def held_on_step(updates):
+      on_step(updates)
+      assert self.release.wait(timeout=60), "the test never released the batch"
+    return super().run_batch(requests, on_step=held_on_step, aborted=aborted)
+
+
 def test_abort_releases_the_row_and_drops_queued_requests(llm):
-  driver = RecordingDriver(llm)
+  driver = HeldDriver(llm)
   engine = AsyncEngine(driver)
   ids = llm.prompt_token_ids("A tiny model")
 
@@ -322,11 +337,13 @@ def test_abort_releases_the_row_and_drops_queued_requests(llm):
     await asyncio.gather(waiting, return_exceptions=True)
     assert engine.stats().waiting == 0
     await running.aclose()
+    driver.release.set()
     return first, [u async for u in engine.generate(llm.make_request(ids, greedy(max_tokens=3)))]
 
   try:
     first, after = asyncio.run(scenario())
   finally:
+    driver.release.set()
     engine.close()
   aborted, = driver.batches[0]
   assert aborted.finish_reason == "abort" and 1 <= len(aborted.token_ids) < 40
