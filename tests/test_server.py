@@ -455,8 +455,8 @@ def test_openai_client_against_uvicorn(app, llm):
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("--offload_tail_layers=some", "expected an integer or 'auto'"),
-    ("--prefetch_depth=0", "expected 'auto' or an integer in [1, 4]"),
+    ("--offload_tail_layers=some", "offload_tail_layers='some': expected 'auto' or an int >= 0"),
+    ("--prefetch_depth=0", "prefetch_depth=0: expected 'auto' or an int in [1, 4]"),
 ])
 def test_serve_rejects_bad_flags_before_loading(flag, message):
   proc = subprocess.run([sys.executable, SERVE, "--model=/nonexistent", flag],
