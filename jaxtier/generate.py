@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtier.buckets import pow2_bucket as bucket_pow2
+from jaxtier.buckets import pow2_bucket
 from jaxtier.detokenize import IncrementalDecoder, find_stop
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.sampling import SamplingArrays, SamplingParams, sample
@@ -116,11 +116,11 @@ def generate_batch(graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenize
   config = nnx.merge(graphdef, state).config
   rows = [_Row(r, tokenizer, max_model_len) for r in requests]
   n = len(rows)
-  b = bucket_pow2(n)
+  b = pow2_bucket(n)
   lens = np.array([len(r.prompt_ids) for r in requests] + [1] * (b - n))
-  t = bucket_pow2(int(lens.max()), 16)
+  t = pow2_bucket(int(lens.max()), 16)
   total = max(len(r.request.prompt_ids) + r.limit for r in rows)
-  cache = ContiguousKVCache.create(config.num_layers, b, bucket_pow2(max(total, t), 128),
+  cache = ContiguousKVCache.create(config.num_layers, b, pow2_bucket(max(total, t), 128),
                                    config.num_kv_heads, config.head_dim, cache_dtype)
   tokens = np.zeros((b, t), np.int32)
   pos = np.full((b, t), -1, np.int32)
