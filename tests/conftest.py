@@ -4,6 +4,11 @@ import os
 
 import pytest
 
+# Compiled programs persist across test processes and runs (the scripts' subprocess tests compile
+# the same shapes); set before JAX is imported.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.path.dirname(__file__), "..", ".pytest_cache", "jax-compilation"))
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

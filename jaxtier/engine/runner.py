@@ -2,8 +2,10 @@
 
 The engine reaches the model only through `EngineModel`, so a research model that is not
 `jaxtier.model.Transformer` runs on the engine when it offers the same two calls and config fields.
-Every program is compiled ahead of time per shape and counted (`compiled_variants`,
-`compile_seconds`), and every program that takes the cache donates it (pools updated in place).
+Every program is compiled ahead of time per shape, kept in a process-wide table (engines of the
+same model and cache layout share programs) and counted per engine (`compiled_variants`: programs
+the engine ran; `compile_seconds`: time it spent compiling). Every program that takes the cache
+donates it (pools updated in place).
 
 Swaps are dispatched without waiting: each swap program also returns a small marker array, and a
 background thread (`SwapTimer`) waits on the markers and records when each program finished. A
@@ -28,7 +30,7 @@ from jaxtier.buckets import pow2_bucket
 from jaxtier.engine.batch import StepArrays
 from jaxtier.kvcache import PagedKVCache, PagedMetadata
 from jaxtier.kvcache.swap import swap_in_padded, swap_out_padded
-from jaxtier.sampling import SamplingArrays, sample
+from jaxtier.sampling import sample
 
 
 class EngineModel(Protocol):
@@ -51,12 +53,17 @@ class EngineModel(Protocol):
 
 
 def _forward(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, tokens_bt, pos_bt,
-             tables_bm, last_b, sampling: SamplingArrays):
-  """Runs the model on one batch and samples one token per row from its position `last_b`."""
+             tables_bm, last_b):
+  """Runs the model on one batch; returns the logits [b, v] at each row's position `last_b`."""
   model = nnx.merge(graphdef, state)
   h_bth, cache = model.hidden_states(tokens_bt, pos_bt, cache, PagedMetadata(tables_bm))
   h_bh = jnp.take_along_axis(h_bth, last_b[:, None, None], axis=1)[:, 0]
-  return sample(model.logits(h_bh), sampling), cache
+  return model.logits(h_bh), cache
+
+
+# Sampling is a program of its own: it compiles once per row count instead of once more inside
+# every (rows, tokens, width) variant of the model call; the logits stay on the device between.
+_sample = jax.jit(sample)
 
 
 def _marked(core):
@@ -100,38 +107,61 @@ class SwapTimer:
         self._queue.task_done()
 
 
+_PROGRAMS: dict[tuple, Any] = {}  # compiled programs of this process, by layout id and shape
+_LAYOUT_IDS: dict[tuple, int] = {}  # (graphdef, state, cache, swap impl) -> a small id, hashed once
+
+
+@functools.lru_cache(maxsize=16)
+def _forward_fn(graphdef: nnx.GraphDef):
+  """`_forward` jitted with the graph closed over (hashed once, not on every call)."""
+  return jax.jit(functools.partial(_forward, graphdef), donate_argnames="cache")
+
+
+def _layout(tree) -> tuple:
+  """What a compiled program depends on in a pytree: structure, shapes, dtypes, placements."""
+  return (jax.tree.structure(tree),
+          tuple((a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(tree)))
+
+
 class Runner:
   """Compiled model calls and swaps of one engine, with their compile counts and seconds."""
 
-  def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, swap_impl: str = "loop"):
+  def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache,
+               swap_impl: str = "loop"):
     self.state = state
-    self._forward = jax.jit(functools.partial(_forward, graphdef), donate_argnames="cache")
-    self._compiled: dict[tuple, Any] = {}
+    self._forward = _forward_fn(graphdef)
+    layout = (graphdef, _layout(state), _layout(cache), swap_impl)
+    self._layout_id = _LAYOUT_IDS.setdefault(layout, len(_LAYOUT_IDS))
+    self._used: set[tuple] = set()
     self.compile_seconds = 0.0
     self.swap_impl = swap_impl
     self.timer = SwapTimer()
 
   @property
   def compiled_variants(self) -> int:
-    return len(self._compiled)
+    return len(self._used)
 
   def variants(self) -> list[tuple]:
-    """The compiled programs' keys: ("step", rows, tokens, width) or ("swap", direction, x)."""
-    return sorted(self._compiled, key=str)
+    """The programs this engine ran: ("step", rows, tokens, width), ("sample", rows) or
+    ("swap", direction, x)."""
+    return sorted(self._used, key=str)
 
   def _program(self, key: tuple, jitted, args, **static):
-    program = self._compiled.get(key)
+    self._used.add(key)
+    program = _PROGRAMS.get((self._layout_id,) + key)
     if program is None:
       start = time.perf_counter()
-      program = self._compiled[key] = jitted.lower(*args, **static).compile()
+      program = _PROGRAMS[(self._layout_id,) + key] = jitted.lower(*args, **static).compile()
       self.compile_seconds += time.perf_counter() - start
     return program
 
   def step(self, cache: PagedKVCache, arrays: StepArrays) -> tuple[jax.Array, PagedKVCache]:
-    """Dispatches one model call; returns the sampled tokens [b] (not yet read) and the cache."""
-    args = (self.state, cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm, arrays.last_b,
-            arrays.sampling)
-    return self._program(("step",) + arrays.shape, self._forward, args)(*args)
+    """Dispatches one model call and its sampling; returns the sampled tokens [b] (not yet read)
+    and the cache."""
+    args = (self.state, cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm, arrays.last_b)
+    logits_bv, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
+    sample_args = (logits_bv, arrays.sampling)
+    return self._program(("sample", arrays.shape[0]), _sample, sample_args)(*sample_args), cache
 
   def swap(self, cache: PagedKVCache, direction: str, pairs) -> PagedKVCache:
     """Dispatches copies of (source, destination) block pairs, "out" (device -> host) or "in"."""

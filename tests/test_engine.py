@@ -1,0 +1,291 @@
+"""The engine on the tiny fixtures, against the contiguous-cache reference driver (`generate.py`).
+
+Every engine output is compared with `generate_batch` on the same prompts and seeds: mixed-length
+prompts arriving at different steps, device pools too small for the workload (swap and recompute
+preemption, int8 KV), aborts, random workloads (Hypothesis), a model class written here, and the
+offloaded tail on the paged cache.
+"""
+
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxtier
+from conftest import fixture_path
+from jaxtier import checkpoint
+from jaxtier.engine.engine import Engine, EngineConfig
+from jaxtier.generate import Request, generate_batch
+from jaxtier.sampling import SamplingParams
+
+MAX_LEN = 64
+PROMPT_LENS = (5, 11, 23, 3, 17, 30)
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=10, temperature=0.9, top_k=40, top_p=0.95, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  loaded = checkpoint.load(fixture_path("tiny_llama"), "float32")
+  return loaded.model, loaded.tokenizer
+
+
+def prompts_of(lengths, vocab: int = 300, seed: int = 0) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+def engine_of(model, tokenizer, **overrides) -> Engine:
+  config = dict(max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
+                num_device_blocks=64, num_host_blocks=32)
+  config.update(overrides)
+  return Engine(model, tokenizer, EngineConfig(**config))
+
+
+def run(engine: Engine, prompts, params, seeds=None, arrive_every: int = 1, aborts=None):
+  """Adds request i at step i * arrive_every, aborts request j at step aborts[j]; returns the
+  completions by request index."""
+  params = params if isinstance(params, list) else [params] * len(prompts)
+  seeds = seeds or [0] * len(prompts)
+  aborts = aborts or {}
+  done, step = {}, 0
+  while len(done) < len(prompts):
+    for i in range(len(prompts)):
+      if i * arrive_every == step:
+        engine.add_request(i, prompts[i], params[i], seeds[i])
+    for j, at in aborts.items():
+      if at == step:
+        update = engine.abort(j)
+        if update is not None:
+          done[j] = update.completion
+    for update in engine.step():
+      if update.completion is not None:
+        done[update.request_id] = update.completion
+    step += 1
+    assert step < 2000, "the engine made no progress"
+  return done
+
+
+def reference(model, tokenizer, prompts, params, seeds=None) -> list[tuple[int, ...]]:
+  """Token ids from the contiguous-cache driver, all prompts as one padded batch."""
+  params = params if isinstance(params, list) else [params] * len(prompts)
+  seeds = seeds or [0] * len(prompts)
+  graphdef, state = nnx.split(model)
+  requests = [Request(tuple(p), q, s) for p, q, s in zip(prompts, params, seeds)]
+  return [c.token_ids for c in generate_batch(graphdef, state, tokenizer, requests, MAX_LEN,
+                                              np.float32)]
+
+
+def assert_all_free(engine: Engine):
+  stats = engine.stats()
+  assert stats["device_blocks_free"] == stats["device_blocks_total"]
+  assert stats["host_blocks_free"] == stats["host_blocks_total"]
+  assert stats["running"] == stats["waiting"] == stats["swapped"] == 0
+
+
+def test_staggered_mixed_prompts_equal_the_contiguous_reference(tiny):
+  model, tokenizer = tiny
+  prompts = prompts_of(PROMPT_LENS)
+  engine = engine_of(model, tokenizer)
+  out = run(engine, prompts, GREEDY, arrive_every=2)
+  assert [out[i].token_ids for i in range(len(prompts))] == reference(model, tokenizer, prompts,
+                                                                       GREEDY)
+  assert all(out[i].finish_reason == "length" for i in out)
+  stats = engine.stats()
+  assert stats["requests_finished"] == len(prompts) and stats["compiled_variants"] > 0
+  assert stats["generated_tokens"] == len(prompts) * GREEDY.max_tokens
+  assert_all_free(engine)
+
+
+def test_qwen2_fixture_equals_the_reference():
+  loaded = checkpoint.load(fixture_path("tiny_qwen2"), "float32")
+  prompts = prompts_of((4, 19, 9), vocab=loaded.model.config.vocab_size)
+  out = run(engine_of(loaded.model, loaded.tokenizer), prompts, GREEDY)
+  assert [out[i].token_ids for i in range(3)] == reference(loaded.model, loaded.tokenizer,
+                                                           prompts, GREEDY)
+
+
+WIDE = dict(max_num_seqs=8, max_num_batched_tokens=64)  # every request runs at once when it fits
+
+
+def peak_blocks(model, tokenizer, prompts, params) -> int:
+  engine = engine_of(model, tokenizer, **WIDE)
+  run(engine, prompts, params, arrive_every=0)
+  return engine.stats()["device_blocks_peak_used"]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_quarter_pool_preempts_and_keeps_every_token(tiny, mode):
+  model, tokenizer = tiny
+  prompts = prompts_of(PROMPT_LENS, seed=1)
+  params = [GREEDY if i % 2 else SAMPLED for i in range(len(prompts))]
+  seeds = list(range(100, 100 + len(prompts)))
+  peak = peak_blocks(model, tokenizer, prompts, params)
+  need = max(math.ceil((len(p) + 9) / 4) for p in prompts)  # one request alone must fit
+  pool = max(math.ceil(peak / 4), need)
+  assert pool <= math.ceil(peak / 4)
+  engine = engine_of(model, tokenizer, num_device_blocks=pool, preemption_mode=mode, **WIDE)
+  out = run(engine, prompts, params, seeds, arrive_every=0)
+  assert [out[i].token_ids for i in range(len(prompts))] == reference(model, tokenizer, prompts,
+                                                                       params, seeds)
+  stats = engine.stats()
+  assert stats["preemptions"][mode] > 0
+  if mode == "swap":
+    assert stats["swap_out_count"] > 0 and stats["swap_in_count"] == stats["swap_out_count"]
+    assert stats["swap_out_bytes"] == stats["swap_out_blocks"] * stats["block_bytes"] > 0
+  else:
+    assert stats["swap_out_count"] == 0
+  assert_all_free(engine)
+
+
+def test_int8_kv_under_pressure_equals_int8_unconstrained(tiny):
+  model, tokenizer = tiny
+  prompts = prompts_of(PROMPT_LENS, seed=2)
+  free = run(engine_of(model, tokenizer, kv_cache_dtype="int8"), prompts, GREEDY)
+  engine = engine_of(model, tokenizer, kv_cache_dtype="int8", num_device_blocks=12)
+  tight = run(engine, prompts, GREEDY)
+  assert [tight[i].token_ids for i in tight] == [free[i].token_ids for i in tight]
+  assert engine.stats()["swap_out_count"] > 0
+  assert_all_free(engine)
+
+
+def test_abort_mid_generation_frees_blocks_at_once(tiny):
+  model, tokenizer = tiny
+  engine = engine_of(model, tokenizer)
+  engine.add_request("a", prompts_of((20,))[0], GREEDY, 0)
+  for _ in range(3):
+    engine.step()
+  held = engine.stats()
+  assert held["device_blocks_free"] < held["device_blocks_total"]
+  update = engine.abort("a")
+  assert update.completion.finish_reason == "abort" and len(update.completion.token_ids) >= 1
+  assert_all_free(engine)
+  assert engine.abort("a") is None and not engine.has_unfinished()
+  assert engine.stats()["requests_aborted"] == {"client_abort": 1}
+
+
+def test_seeded_tokens_do_not_depend_on_the_batch(tiny):
+  model, tokenizer = tiny
+  prompts = prompts_of((7, 12, 25, 4))
+  alone = run(engine_of(model, tokenizer), prompts[:1], SAMPLED, seeds=[42])[0].token_ids
+  crowded = run(engine_of(model, tokenizer, num_device_blocks=12), prompts, SAMPLED,
+                seeds=[42, 1, 2, 3], arrive_every=0)
+  assert crowded[0].token_ids == alone
+  other_seed = run(engine_of(model, tokenizer), prompts[:1], SAMPLED, seeds=[43])[0].token_ids
+  assert other_seed != alone
+
+
+def test_bad_requests_are_named(tiny):
+  model, tokenizer = tiny
+  engine = engine_of(model, tokenizer)
+  with pytest.raises(ValueError, match="empty prompt"):
+    engine.add_request("e", [], GREEDY, 0)
+  with pytest.raises(ValueError, match=r"token ids outside \[0, 300\)"):
+    engine.add_request("v", [1, 300], GREEDY, 0)
+  with pytest.raises(ValueError, match="max_model_len is 64"):
+    engine.add_request("l", [1] * 64, GREEDY, 0)
+  engine.add_request("d", [1, 2], GREEDY, 0)
+  with pytest.raises(ValueError, match="already running"):
+    engine.add_request("d", [1, 2], GREEDY, 0)
+  engine.abort("d")
+  assert_all_free(engine)
+
+
+def test_trace_has_one_line_per_step(tiny, tmp_path):
+  model, tokenizer = tiny
+  path = tmp_path / "trace.jsonl"
+  engine = engine_of(model, tokenizer, num_device_blocks=12, trace_path=str(path))
+  run(engine, prompts_of(PROMPT_LENS), GREEDY)
+  engine.close()
+  rows = [json.loads(line) for line in path.read_text().splitlines()]
+  stats = engine.stats()
+  assert len(rows) == stats["steps"]
+  assert sum(r["swap_out_blocks"] for r in rows) == stats["swap_out_blocks"]
+  assert sum(r["decode_tokens"] + r["prefill_tokens"] for r in rows) == stats["computed_tokens"]
+  assert max(r["device_blocks_used"] for r in rows) == stats["device_blocks_peak_used"]
+
+
+class TinyAttentionModel(nnx.Module):
+  """A research model that is not jaxtier's Transformer: embedding, one attention block over the
+  engine's cache (no rotary, no MLP), and a separate head."""
+
+  class Config:
+    num_layers, num_kv_heads, head_dim, vocab_size, num_heads = 1, 1, 8, 300, 2
+    max_position_embeddings = MAX_LEN
+
+  def __init__(self, rngs: nnx.Rngs):
+    c = self.config = self.Config()
+    self.embed = nnx.Embed(c.vocab_size, 16, rngs=rngs)
+    self.q = nnx.Linear(16, c.num_heads * c.head_dim, rngs=rngs)
+    self.kv = nnx.Linear(16, 2 * c.head_dim, rngs=rngs)
+    self.out = nnx.Linear(c.num_heads * c.head_dim, 16, rngs=rngs)
+    self.head = nnx.Linear(16, c.vocab_size, rngs=rngs)
+
+  def hidden_states(self, tokens_bt, pos_bt, cache, meta=None):
+    b, t = tokens_bt.shape
+    x = self.embed(tokens_bt) + 0.01 * pos_bt[..., None]
+    q = self.q(x).reshape(b, t, 2, 8)
+    k, v = jnp.split(self.kv(x).reshape(b, t, 2, 8), 2, axis=2)
+    cache, attn = cache.update_and_attend(np.int32(0), q, k, v, pos_bt, meta)
+    return x + self.out(attn.reshape(b, t, 16)), cache
+
+  def logits(self, h):
+    return self.head(h)
+
+
+def test_a_model_class_of_its_own_runs_on_the_engine(tiny):
+  _, tokenizer = tiny
+  model = TinyAttentionModel(nnx.Rngs(0))
+  prompts = prompts_of((6, 13, 2))
+  out = run(engine_of(model, tokenizer), prompts, GREEDY, arrive_every=3)
+  assert [out[i].token_ids for i in range(3)] == reference(model, tokenizer, prompts, GREEDY)
+
+
+def test_offloaded_tail_on_the_paged_cache_equals_resident():
+  kwargs = dict(max_model_len=MAX_LEN, block_size=4, num_device_blocks=16, max_num_seqs=4,
+                max_num_batched_tokens=32, layer_execution="scan")
+  resident = jaxtier.LLM(fixture_path("tiny_llama"), **kwargs)
+  offloaded = jaxtier.LLM(fixture_path("tiny_llama"), offload_tail_layers=2, prefetch_depth=1,
+                          **kwargs)
+  assert offloaded.memory_report()["host_weight_bytes"] > 0
+  prompts = prompts_of(PROMPT_LENS[:4], seed=3)
+  assert ([o.token_ids for o in offloaded.generate(prompts, GREEDY)]
+          == [o.token_ids for o in resident.generate(prompts, GREEDY)])
+  assert offloaded.stats()["swap_out_count"] > 0
+
+
+_HYPOTHESIS = settings(
+    max_examples=40 if os.environ.get("JAXTIER_HYPOTHESIS_PROFILE") == "ci" else 8,
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                          HealthCheck.too_slow], derandomize=True)
+
+
+@_HYPOTHESIS
+@given(data=st.data())
+def test_random_workloads_equal_the_reference_and_free_every_block(tiny, data):
+  model, tokenizer = tiny
+  n = data.draw(st.integers(1, 6), label="requests")
+  lengths = data.draw(st.lists(st.integers(1, 40), min_size=n, max_size=n), label="prompt lens")
+  prompts = prompts_of(lengths, seed=data.draw(st.integers(0, 3), label="prompt seed"))
+  params = [data.draw(st.sampled_from([GREEDY, SAMPLED]), label="params") for _ in range(n)]
+  seeds = data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n), label="seeds")
+  aborts = data.draw(st.dictionaries(st.integers(0, n - 1), st.integers(0, 12), max_size=2),
+                     label="aborts")
+  engine = engine_of(model, tokenizer, num_device_blocks=data.draw(st.sampled_from([14, 64])),
+                     num_host_blocks=data.draw(st.sampled_from([0, 32])),
+                     preemption_mode=data.draw(st.sampled_from(["swap", "recompute"])))
+  out = run(engine, prompts, params, seeds, arrive_every=data.draw(st.integers(0, 3)),
+            aborts=aborts)
+  expected = reference(model, tokenizer, prompts, params, seeds)
+  for i in range(n):
+    if out[i].finish_reason == "abort":
+      assert expected[i][:len(out[i].token_ids)] == out[i].token_ids
+    else:
+      assert out[i].token_ids == expected[i]
+  assert_all_free(engine)
