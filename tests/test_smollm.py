@@ -77,3 +77,22 @@ def test_seeded_sampling_is_reproducible(smollm_llm):
   a, b, c = smollm_llm.generate(["Once upon a time"] * 3, params)
   assert a.token_ids == b.token_ids
   assert a.token_ids != c.token_ids
+
+
+def test_engine_with_staggered_arrivals_equals_the_contiguous_driver(smollm_llm):
+  """Mixed-length prompts join the running engine at different steps; the reference runs them
+  as one padded batch on a contiguous cache (`LLM.run_batch`)."""
+  params = jaxtier.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+  prompts = [case["ids"] for case in REF["cases"]][:5]
+  reference = smollm_llm.run_batch([smollm_llm.make_request(p, params) for p in prompts])
+  engine, done, step = smollm_llm.engine, {}, 0
+  while len(done) < len(prompts):
+    if step < len(prompts):
+      engine.add_request(("staggered", step), prompts[step], params, 0)
+    for update in engine.step():
+      if update.completion is not None:
+        done[update.request_id[1]] = update.completion.token_ids
+    step += 1
+  assert [done[i] for i in range(len(prompts))] == [r.token_ids for r in reference]
+  stats = smollm_llm.stats()
+  assert stats["device_blocks_free"] == stats["device_blocks_total"]

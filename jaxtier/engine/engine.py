@@ -121,8 +121,8 @@ class Engine:
         block_bytes=self.block_bytes)
     self.vocab_size = c.vocab_size
     graphdef, state = nnx.split(model)
-    self.runner = Runner(graphdef, state, config.swap_impl)
     self.cache = PagedKVCache.create(self.cache_config)
+    self.runner = Runner(graphdef, state, self.cache, config.swap_impl)
     self._state = scheduler.initial_state(self.scheduler_config)
     self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
     self._totals = _Totals()
