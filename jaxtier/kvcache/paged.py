@@ -216,9 +216,18 @@ def write_chunk(cache: PagedKVCache, layer: jax.Array, k_btkd: jax.Array, v_btkd
   keep_bt = (pos_bt >= 0) & (pos_bt < m * c) & (page_bt >= 0)
   page_bt = jnp.where(keep_bt, page_bt, cfg.num_layers * cfg.num_blocks)  # out of range: dropped
   offset_bt = pos_bt % c
+  # XLA rewrites a scatter of a single update into a bounds-checked dynamic-update-slice inside a
+  # conditional, and copies the whole pool around the conditional (every layer, every step of a
+  # batch-1 decode). A second, dropped update keeps it a scatter, which updates in place.
+  single = page_bt.size == 1
+  if single:
+    page_bt = jnp.pad(page_bt, ((0, 0), (0, 1)), constant_values=cfg.num_layers * cfg.num_blocks)
+    offset_bt = jnp.pad(offset_bt, ((0, 0), (0, 1)))
 
   def scatter(pool_klp, new_bt):
     assert new_bt.dtype == pool_klp.dtype, (new_bt.dtype, pool_klp.dtype)
+    if single:
+      new_bt = jnp.pad(new_bt, ((0, 0), (0, 1)) + ((0, 0),) * (new_bt.ndim - 2))
     flat = _flat(pool_klp).at[:, page_bt, offset_bt].set(jnp.moveaxis(new_bt, 2, 0), mode="drop")
     return flat.reshape(pool_klp.shape)
 
