@@ -152,8 +152,8 @@ def test_memory_report_moves_the_tail_bytes_to_host(tiny_llms):
     (dict(offload_tail_layers=1, prefetch_depth=0), r"prefetch_depth=0: expected 'auto' or an int"),
     (dict(offload_tail_layers=2, prefetch_depth=3), "prefetch_depth=3 is more than the 2"),
     (dict(offload_tail_layers="auto", device_memory_gb=0.0003, max_model_len=64),
-     "Does not fit: the KV reservation"),
-    (dict(device_memory_gb=-1), "device_memory_gb=-1: expected a positive number"),
+     "Does not fit"),
+    (dict(device_memory_gb=-1), "device_memory_gb=-1: expected a number > 0"),
 ])
 def test_bad_offload_engine_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -164,7 +164,7 @@ def test_auto_offload_uses_the_planner_only_with_a_device_memory_budget():
   unknown = jaxtier.LLM(fixture_path("tiny_llama"), offload_tail_layers="auto", max_num_seqs=2)
   assert unknown.offload.offload_tail_layers == 0 and unknown.offload.plan is None
   tight = jaxtier.LLM(fixture_path("tiny_llama"), offload_tail_layers="auto", max_num_seqs=2,
-                      max_model_len=64, device_memory_gb=0.0007)
+                      max_model_len=64, device_memory_gb=0.0005)
   assert tight.offload.offload_tail_layers == tight.offload.plan.offload_tail_layers > 0
   assert tight.offload.prefetch_depth == 1  # CPU: see jaxtier.offload.auto
   assert tight.memory_report()["host_weight_bytes"] == tight.offload.plan.host_weight_bytes
@@ -250,4 +250,4 @@ def test_batch_script_offload_flags_give_the_same_outputs(tmp_path):
   proc, offloaded = run("b.jsonl", "--offload_tail_layers=2", "--prefetch_depth=1")
   assert offloaded == resident and '"host_weight_bytes": 166656' in proc.stderr
   proc, _ = run("c.jsonl", "--offload_tail_layers=some")
-  assert proc.returncode != 0 and "--offload_tail_layers=some: expected an integer" in proc.stderr
+  assert proc.returncode != 0 and "offload_tail_layers='some': expected 'auto' or an int" in proc.stderr

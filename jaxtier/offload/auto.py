@@ -18,7 +18,8 @@ from jaxtier.config import ModelConfig
 from jaxtier.model import Transformer
 from jaxtier.offload import measure
 from jaxtier.offload.planner import ModelBytes, OffloadPlan, plan
-from jaxtier.offload.prefetch import MAX_DEPTH, check_depth
+from jaxtier.engine_args import check_offload
+from jaxtier.offload.prefetch import check_depth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,20 +44,6 @@ def activation_reserve_bytes(config: ModelConfig, batch: int, context: int, item
   return scores + mlp + batch * config.vocab_size * 4
 
 
-def check_args(offload_tail_layers, prefetch_depth, num_layers: int) -> None:
-  """Raises ValueError naming the argument when either is neither "auto" nor an int in range."""
-  if offload_tail_layers != "auto" and (
-      isinstance(offload_tail_layers, bool) or not isinstance(offload_tail_layers, int)
-      or not 0 <= offload_tail_layers <= num_layers):
-    raise ValueError(f"offload_tail_layers={offload_tail_layers!r}: expected 'auto' or an int in "
-                     f"[0, {num_layers}]")
-  if prefetch_depth != "auto" and (
-      isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int)
-      or not 1 <= prefetch_depth <= MAX_DEPTH):
-    raise ValueError(f"prefetch_depth={prefetch_depth!r}: expected 'auto' or an int in "
-                     f"[1, {MAX_DEPTH}]")
-
-
 def resolve(model: Transformer, dtype: str, offload_tail_layers, prefetch_depth, *,
             memory_bytes: int | None, kv_reserve_bytes: int, activation_reserve_bytes: int,
             batch: int, context: int) -> Resolved:
@@ -64,7 +51,7 @@ def resolve(model: Transformer, dtype: str, offload_tail_layers, prefetch_depth,
 
   `batch` and `context` give the decode step whose layer time is measured.
   """
-  check_args(offload_tail_layers, prefetch_depth, model.config.num_layers)
+  check_offload(offload_tail_layers, prefetch_depth, model.config.num_layers)
   if offload_tail_layers == 0 or (offload_tail_layers == "auto" and memory_bytes is None):
     return Resolved(0, 0)
   cpu = jax.default_backend() == "cpu"

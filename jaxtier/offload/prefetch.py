@@ -31,17 +31,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtier.engine_args import MAX_PREFETCH_DEPTH, check_int
 from jaxtier.model import DecoderLayer, GroupedTransformer, Transformer
 from jaxtier.offload import placement
 
-MAX_DEPTH = 4
+MAX_DEPTH = MAX_PREFETCH_DEPTH
 ORDERS = ("auto", "data", "none")
 
 
 def check_depth(depth: int, num_layers: int) -> int:
   """Returns `depth` if it is an int in [1, min(MAX_DEPTH, num_layers)], else raises ValueError."""
-  if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_DEPTH:
-    raise ValueError(f"prefetch_depth={depth!r}: expected an int in [1, {MAX_DEPTH}]")
+  check_int("prefetch_depth", depth, 1, MAX_DEPTH)
   if depth > num_layers:
     raise ValueError(f"prefetch_depth={depth} is more than the {num_layers} offloaded layer(s); "
                      f"expected prefetch_depth <= {num_layers}")
@@ -172,9 +172,7 @@ def offload_tail(model: Transformer, num_offloaded: int, depth: int, head: str =
   parameters; `model` is left as it was.
   """
   total = model.config.num_layers
-  if isinstance(num_offloaded, bool) or not isinstance(num_offloaded, int) \
-      or not 0 <= num_offloaded <= total:
-    raise ValueError(f"offload_tail_layers={num_offloaded!r}: expected an int in [0, {total}]")
+  check_int("offload_tail_layers", num_offloaded, 0, total)
   groups = [(total - num_offloaded, head)] if num_offloaded < total else []
   if num_offloaded:
     groups.append((num_offloaded, tail_group(depth, memory_kind, order)))
