@@ -92,6 +92,21 @@ def test_prefill_chunk_on_cached_prefix(impl, c):
   assert np.all(out[0, :2] == 0)
 
 
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_wide_tables_and_all_padding_batches(impl):
+  """Tables padded far past every sequence (the engine buckets their width), and a batch with no
+  real query at all: the fast path stops at the last visible chunk, or runs none."""
+  rng = np.random.default_rng(7)
+  q, kp, vp, table, pos = make_case(rng, b=2, t=1, kv=2, g=2, d=8, c=4, lengths=[3, 9],
+                                    num_pages=64)
+  wide = np.full((2, 64), -1, np.int32)
+  wide[:, :table.shape[1]] = table
+  out = IMPLS[impl](*map(jnp.asarray, (q, kp, vp, wide, pos)))
+  np.testing.assert_allclose(out, expected(q, kp, vp, table, pos), atol=1e-5, rtol=1e-5)
+  padding = IMPLS[impl](*map(jnp.asarray, (q, kp, vp, wide, np.full_like(pos, -1))))
+  assert np.all(np.asarray(padding) == 0)
+
+
 def test_detects_wrong_block_order():
   """Moving the partly visible last block changes which slots the mask keeps."""
   rng = np.random.default_rng(0)
