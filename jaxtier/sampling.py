@@ -78,9 +78,22 @@ def _sample_row(logits_v, temperature, top_k, top_p, key):
   return order_v[choice]
 
 
+def argmax(logits_bv: jax.Array) -> jax.Array:
+  """`jnp.argmax` over the last axis (the first index of the maximum), as a max and a min.
+
+  XLA:CPU runs argmax as a variadic (value, index) reduction that does not vectorize: 1.9 ms for
+  16 rows of a 49k vocabulary, against 0.5 ms for these two plain reductions.
+  """
+  v = logits_bv.shape[-1]
+  top = logits_bv.max(axis=-1, keepdims=True)
+  index_v = jnp.arange(v, dtype=jnp.int32)
+  first = jnp.min(jnp.where(logits_bv == top, index_v, v), axis=-1)
+  return jnp.minimum(first, v - 1)  # a row of NaNs matches nothing
+
+
 def sample(logits_bv: jax.Array, s: SamplingArrays) -> jax.Array:
   """Next token per row [b] int32: argmax where temperature is 0, else top-k/top-p sampling."""
-  greedy_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+  greedy_b = argmax(logits_bv)
 
   def stochastic():
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(

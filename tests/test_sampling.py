@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtier import sampling
 from jaxtier.sampling import SamplingArrays, SamplingParams, sample
 
 sample_jit = jax.jit(sample)
@@ -20,6 +21,12 @@ def test_greedy_is_argmax():
   logits = jax.random.normal(jax.random.key(0), (4, 50))
   got = sample_jit(logits, arrays(4, temperature=0.0))
   np.testing.assert_array_equal(got, np.argmax(logits, -1))
+
+
+def test_argmax_takes_the_first_maximum_like_numpy():
+  logits = np.round(np.random.default_rng(0).normal(size=(64, 300)), 1)  # many ties
+  logits[3] = 0.0
+  np.testing.assert_array_equal(jax.jit(sampling.argmax)(logits), np.argmax(logits, -1))
 
 
 def test_top_k_one_and_tiny_top_p_are_argmax():
