@@ -1,6 +1,6 @@
 """Batched generation on a contiguous KV cache: one prefill, then one jitted decode step per token.
 
-This is the first, simple driver behind `jaxtier.LLM`. Shapes are padded to buckets (batch to a power
+The reference driver the engine is tested against (`LLM.run_batch`). Shapes are padded to buckets (batch to a power
 of two, prompt length to a power of two >= 16, cache length to a power of two >= 128) so a handful of
 compiled variants serve every request mix. Rows that finish early keep running as padding (negative
 positions: no cache writes) until the whole batch is done. Each decode step is dispatched before the
@@ -21,17 +21,11 @@ import numpy as np
 from flax import nnx
 
 from jaxtier.buckets import pow2_bucket
-from jaxtier.detokenize import IncrementalDecoder, find_stop
+from jaxtier.detokenize import RequestProgress
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.sampling import SamplingArrays, SamplingParams, sample
+from jaxtier.scheduler import Request
 from jaxtier.tokenizer import Tokenizer
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-  prompt_ids: tuple[int, ...]
-  params: SamplingParams
-  seed: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +33,11 @@ class Completion:
   token_ids: tuple[int, ...]
   text: str
   finish_reason: str  # "stop", "length" or "abort"
+
+
+def completion(progress: RequestProgress) -> Completion:
+  """The final result of a request's progress."""
+  return Completion(tuple(progress.generated), progress.text(), progress.finish_reason)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,33 +71,6 @@ def step_fn(graphdef: nnx.GraphDef):
   return jax.jit(functools.partial(_step, graphdef), donate_argnames=("cache",))
 
 
-class _Row:
-  """Host-side progress of one request: generated ids and stop checks."""
-
-  def __init__(self, request: Request, tokenizer: Tokenizer, max_model_len: int):
-    self.request, self.tokenizer = request, tokenizer
-    self.generated: list[int] = []
-    self.decoder = IncrementalDecoder(tokenizer) if request.params.stop else None
-    self.finish_reason: str | None = None
-    self.limit = min(request.params.max_tokens, max_model_len - len(request.prompt_ids))
-
-  def append(self, token: int) -> None:
-    p = self.request.params
-    self.generated.append(token)
-    new_text = self.decoder.push([token]) if self.decoder is not None else ""
-    if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-      self.finish_reason = "stop"
-    elif new_text and find_stop(self.decoder.text, p.stop, len(new_text)) is not None:
-      self.finish_reason = "stop"
-    elif len(self.generated) >= self.limit:
-      self.finish_reason = "length"
-
-  def completion(self) -> Completion:
-    text = self.tokenizer.decode(self.generated)
-    cut = find_stop(text, self.request.params.stop, len(text))
-    return Completion(tuple(self.generated), text if cut is None else text[:cut], self.finish_reason)
-
-
 def generate_batch(graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenizer,
                    requests: Sequence[Request], max_model_len: int, cache_dtype,
                    on_token: Callable[[int], None] | None = None,
@@ -114,19 +86,20 @@ def generate_batch(graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenize
       with finish_reason "abort" (no further tokens, no further work on the device).
   """
   config = nnx.merge(graphdef, state).config
-  rows = [_Row(r, tokenizer, max_model_len) for r in requests]
+  rows = [RequestProgress(r.prompt_token_ids, r.params, tokenizer,
+                          min(r.max_tokens, max_model_len - r.prompt_len)) for r in requests]
   n = len(rows)
   b = pow2_bucket(n)
-  lens = np.array([len(r.prompt_ids) for r in requests] + [1] * (b - n))
+  lens = np.array([r.prompt_len for r in requests] + [1] * (b - n))
   t = pow2_bucket(int(lens.max()), 16)
-  total = max(len(r.request.prompt_ids) + r.limit for r in rows)
+  total = max(len(row.prompt_ids) + row.limit for row in rows)
   cache = ContiguousKVCache.create(config.num_layers, b, pow2_bucket(max(total, t), 128),
                                    config.num_kv_heads, config.head_dim, cache_dtype)
   tokens = np.zeros((b, t), np.int32)
   pos = np.full((b, t), -1, np.int32)
   for i, r in enumerate(requests):
-    tokens[i, :len(r.prompt_ids)] = r.prompt_ids
-    pos[i, :len(r.prompt_ids)] = np.arange(len(r.prompt_ids))
+    tokens[i, :r.prompt_len] = r.prompt_token_ids
+    pos[i, :r.prompt_len] = np.arange(r.prompt_len)
   params = [r.params for r in requests] + [SamplingParams(temperature=0)] * (b - n)
   seeds = [r.seed for r in requests] + [0] * (b - n)
   run = step_fn(graphdef)
@@ -152,7 +125,7 @@ def generate_batch(graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenize
         row.append(int(tokens_b[i]))
         if on_step is not None:
           updates.append(StepUpdate(i, (int(tokens_b[i]),),
-                                    None if row.finish_reason is None else row.completion()))
+                                    None if row.finish_reason is None else completion(row)))
     if on_token is not None:
       on_token(step)
     if on_step is not None:
@@ -160,4 +133,4 @@ def generate_batch(graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenize
     if in_flight is None or all(row.finish_reason is not None for row in rows):
       break
     pending = in_flight
-  return [row.completion() for row in rows]
+  return [completion(row) for row in rows]

@@ -14,11 +14,12 @@ from jaxtier.buckets import pow2_bucket
 from jaxtier.engine import doctor
 from jaxtier.engine.engine import Engine, EngineConfig
 from jaxtier.engine_args import CPU_DEFAULT_KV_GB, GB, LAYER_EXECUTIONS, EngineArgs, check_offload
-from jaxtier.generate import Completion, Request, StepUpdate, generate_batch
+from jaxtier.generate import Completion, StepUpdate, generate_batch
 from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.model import GroupedTransformer
 from jaxtier.offload import auto as offload_auto
 from jaxtier.sampling import SamplingParams
+from jaxtier.scheduler import Request
 from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.tokenizer import Message
 
@@ -265,7 +266,8 @@ class LLM:
   def make_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
     """A `Request` for `run_batch`; a request without a seed gets one from the engine's seed."""
     seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
-    return Request(tuple(prompt_ids), params, seed)
+    request_id, self._next_id = self._next_id, self._next_id + 1
+    return Request.of(request_id, prompt_ids, params, seed)
 
   def run_batch(self, requests: Sequence[Request],
                 on_step: Callable[[list[StepUpdate]], None] | None = None,

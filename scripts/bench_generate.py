@@ -19,7 +19,8 @@ from absl import app, flags, logging
 import jaxtier
 from jaxtier import checkpoint
 from jaxtier.checkpoint import registry
-from jaxtier.generate import Request, generate_batch
+from jaxtier.generate import generate_batch
+from jaxtier.scheduler import Request
 from jaxtier.sampling import SamplingParams
 
 FLAGS = flags.FLAGS
@@ -69,7 +70,7 @@ def jaxtier_runner(llm: jaxtier.LLM):
   params = SamplingParams(max_tokens=FLAGS.new_tokens, temperature=0, ignore_eos=True)
 
   def run(ids, on_token):
-    generate_batch(llm.graphdef, llm.state, llm.tokenizer, [Request(tuple(ids), params, 0)],
+    generate_batch(llm.graphdef, llm.state, llm.tokenizer, [Request.of(0, ids, params, 0)],
                    llm.max_model_len, llm.cache_dtype, on_token=on_token)
 
   return run

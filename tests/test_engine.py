@@ -21,8 +21,9 @@ import jaxtier
 from conftest import fixture_path
 from jaxtier import checkpoint
 from jaxtier.engine.engine import Engine, EngineConfig
-from jaxtier.generate import Request, generate_batch
+from jaxtier.generate import generate_batch
 from jaxtier.sampling import SamplingParams
+from jaxtier.scheduler import Request
 
 MAX_LEN = 64
 PROMPT_LENS = (5, 11, 23, 3, 17, 30)
@@ -77,7 +78,7 @@ def reference(model, tokenizer, prompts, params, seeds=None) -> list[tuple[int, 
   params = params if isinstance(params, list) else [params] * len(prompts)
   seeds = seeds or [0] * len(prompts)
   graphdef, state = nnx.split(model)
-  requests = [Request(tuple(p), q, s) for p, q, s in zip(prompts, params, seeds)]
+  requests = [Request.of(i, p, q, s) for i, (p, q, s) in enumerate(zip(prompts, params, seeds))]
   return [c.token_ids for c in generate_batch(graphdef, state, tokenizer, requests, MAX_LEN,
                                               np.float32)]
 

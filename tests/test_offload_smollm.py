@@ -9,8 +9,9 @@ from flax import nnx
 
 import jaxtier
 from jaxtier import checkpoint, offload
-from jaxtier.generate import Request, generate_batch
+from jaxtier.generate import generate_batch
 from jaxtier.kvcache import ContiguousKVCache
+from jaxtier.scheduler import Request
 from conftest import DEFAULT_MODEL
 from test_offload import check_decode_step_transfers
 
@@ -35,7 +36,7 @@ def logits_of(model, tokens_bt):
 
 def greedy(model, tokenizer) -> list[tuple[int, ...]]:
   graphdef, state = nnx.split(model)
-  requests = [Request(tuple(tokenizer.encode(p)), GREEDY, 0) for p in PROMPTS]
+  requests = [Request.of(i, tokenizer.encode(p), GREEDY, 0) for i, p in enumerate(PROMPTS)]
   return [c.token_ids for c in generate_batch(graphdef, state, tokenizer, requests, 256,
                                               jnp.float32)]
 

@@ -301,7 +301,7 @@ class RecordingDriver:
     return getattr(self.llm, name)
 
   def run_batch(self, requests, on_step=None, aborted=None):
-    if any(r.prompt_ids == self.FAIL_PROMPT for r in requests):
+    if any(r.prompt_token_ids == self.FAIL_PROMPT for r in requests):
       raise RuntimeError("injected failure")
     self.batches.append(self.llm.run_batch(requests, on_step=on_step, aborted=aborted))
     return self.batches[-1]

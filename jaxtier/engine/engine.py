@@ -154,9 +154,9 @@ class Engine:
                        f"window max_model_len is {self.config.max_model_len} and at least one "
                        "token must be generated")
     limit = min(params.max_tokens, room)
-    request = scheduler.Request(request_id, prompt_len=len(prompt_ids), max_tokens=limit,
-                                arrival_time=time.perf_counter() - self._started,
-                                priority=priority)
+    request = scheduler.Request.of(request_id, prompt_ids, params, seed, max_tokens=limit,
+                                   arrival_time=time.perf_counter() - self._started,
+                                   priority=priority)
     self._state = scheduler.apply_event(self._state, scheduler.Arrive(request))
     self._live[request_id] = (RequestProgress(prompt_ids, params, self.tokenizer, limit), seed)
     self._totals.prompt_tokens += len(prompt_ids)

@@ -10,7 +10,8 @@ is never fed back, so a request holds the KV of at most prompt_len + max_tokens 
 
 import dataclasses
 import typing
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 RequestId = Hashable
 
@@ -27,6 +28,9 @@ ABORT_TOO_LARGE = "exceeds_kv_capacity"
 class Request:
   """What a client asked for. It never changes once the request has arrived.
 
+  The scheduler reads only the lengths; the engine and the reference driver also read the prompt's
+  token ids, the sampling parameters and the seed (`Request.of` fills them in together).
+
   Attributes:
     request_id: unique among live requests.
     prompt_len: prompt tokens, >= 1.
@@ -35,6 +39,9 @@ class Request:
     priority: lower runs first; 0 by default.
     predicted_output_len: an estimate of the tokens it will generate (for the
       `shortest_predicted_remaining` victim policy); None means max_tokens.
+    prompt_token_ids: the prompt (empty when only its length is known, as in the simulator).
+    params: the sampling parameters (a `jaxtier.SamplingParams`; opaque to the scheduler).
+    seed: the sampling seed.
   """
   request_id: RequestId
   prompt_len: int
@@ -42,6 +49,17 @@ class Request:
   arrival_time: float = 0.0
   priority: int = 0
   predicted_output_len: int | None = None
+  prompt_token_ids: tuple[int, ...] = ()
+  params: Any = None
+  seed: int = 0
+
+  @classmethod
+  def of(cls, request_id: RequestId, prompt_token_ids: Sequence[int], params: Any, seed: int,
+         max_tokens: int | None = None, **kwargs) -> "Request":
+    """A request for a prompt; max_tokens defaults to `params.max_tokens`."""
+    ids = tuple(int(t) for t in prompt_token_ids)
+    return cls(request_id, len(ids), params.max_tokens if max_tokens is None else max_tokens,
+               prompt_token_ids=ids, params=params, seed=seed, **kwargs)
 
   def __post_init__(self):
     if self.request_id is None or not isinstance(self.request_id, Hashable):
@@ -53,6 +71,9 @@ class Request:
       _check_int("predicted_output_len", self.predicted_output_len, 0)
     if not isinstance(self.arrival_time, (int, float)) or self.arrival_time != self.arrival_time:
       raise ValueError(f"arrival_time={self.arrival_time!r}: expected a number")
+    if self.prompt_token_ids and len(self.prompt_token_ids) != self.prompt_len:
+      raise ValueError(f"prompt_len={self.prompt_len} but prompt_token_ids has "
+                       f"{len(self.prompt_token_ids)} ids: expected the same length")
 
   @property
   def max_kv_tokens(self) -> int:

@@ -22,7 +22,8 @@ from typing import AsyncIterator, Callable, Protocol, Sequence
 
 from absl import logging
 
-from jaxtier.generate import Completion, Request, StepUpdate
+from jaxtier.generate import Completion, StepUpdate
+from jaxtier.scheduler import Request
 
 
 class BatchDriver(Protocol):
