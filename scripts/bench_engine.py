@@ -433,38 +433,6 @@ def pressure_section(workload: list[dict]) -> dict:
   return report
 
 
-def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 7) -> float:
-  """Bytes/s of a jitted sum over a large array: the access pattern of a decode step's reads."""
-  import jax
-  import jax.numpy as jnp
-  src = jnp.ones(nbytes // 4, jnp.float32)
-  total = jax.jit(jnp.sum)
-  total(src).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    total(src).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return nbytes / statistics.median(times)
-
-
-def matmul_rate(repeats: int = 5) -> tuple[float, int]:
-  """(FLOP/s, n) of a jitted float32 n x n matmul, n sized to the backend."""
-  import jax
-  import jax.numpy as jnp
-  n = 2048 if jax.default_backend() == "cpu" else 8192
-  a = jnp.ones((n, n), jnp.float32) / n
-  b = jnp.ones((n, n), jnp.float32)
-  product = jax.jit(jnp.matmul)
-  product(a, b).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    product(a, b).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return 2 * n**3 / statistics.median(times), n
-
-
 def filler(tokenizer, length: int, offset: int) -> list[int]:
   """A prompt of exactly `length` tokens; `offset` varies its text."""
   return raw_prompt(tokenizer, np.random.default_rng(FLAGS.seed + 1000 + offset), length)
@@ -542,8 +510,9 @@ def decode_section(tokenizer, hf) -> dict:
   weight_bytes = sum(x.nbytes for x in leaves)
   params = sum(x.size for x in leaves)
   per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, llm.kv_cache_dtype)
-  bandwidth = read_bandwidth()
-  flops_rate, n = matmul_rate()
+  from jaxtier.offload import measure
+  bandwidth = measure.read_bytes_per_s()
+  flops_rate, n = measure.matmul_flops_per_s()
   prompts = {ctx: [filler(tokenizer, ctx, i) for i in range(4)] for ctx in contexts}
   table = []
   for ctx in contexts:

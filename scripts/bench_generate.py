@@ -12,7 +12,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
@@ -20,8 +19,9 @@ import jaxtier
 from jaxtier import checkpoint
 from jaxtier.checkpoint import registry
 from jaxtier.generate import generate_batch
-from jaxtier.scheduler import Request
+from jaxtier.offload import measure
 from jaxtier.sampling import SamplingParams
+from jaxtier.scheduler import Request
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "registry name of a GGUF model")
@@ -37,14 +37,6 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village by 
 def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 7) -> dict[str, float]:
   """Read bandwidth (bytes/s) of a jitted sum over a large array, the access pattern of a decode
   step's weight reads, using every core XLA uses; and a numpy copy's (read + write) for reference."""
-  src = jnp.ones(nbytes // 4, jnp.float32)
-  total = jax.jit(jnp.sum)
-  total(src).block_until_ready()
-  reads = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    total(src).block_until_ready()
-    reads.append(time.perf_counter() - start)
   host = np.ones(nbytes // 4, np.float32)
   dst = np.empty_like(host)
   np.copyto(dst, host)
@@ -53,7 +45,7 @@ def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 7) -> dict[str, flo
     start = time.perf_counter()
     np.copyto(dst, host)
     copies.append(time.perf_counter() - start)
-  return {"xla_read": nbytes / statistics.median(reads),
+  return {"xla_read": measure.read_bytes_per_s(nbytes, repeats),
           "numpy_copy": 2 * nbytes / statistics.median(copies)}
 
 

@@ -1,6 +1,7 @@
-"""Measured inputs of the planner: host -> device link bandwidth and one layer's compute time.
+"""Measured machine figures: host -> device link bandwidth and one layer's compute time (the
+planner's inputs), and the read bandwidth and matmul rate that benchmarks bound a step with.
 
-Both are medians over repeats after a warm-up. On CPU the "link" is a memcpy between two views of
+All are medians over repeats after a warm-up. On CPU the "link" is a memcpy between two views of
 one memory and the layer runs on the CPU: the numbers are real but say nothing about a GPU.
 """
 
@@ -25,6 +26,23 @@ def _median_seconds(fn, repeats: int) -> float:
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def read_bytes_per_s(nbytes: int = 512 << 20, repeats: int = 7) -> float:
+  """Bytes/s of a jitted sum over a large array (every core XLA uses): the access pattern of a
+  decode step's weight and KV reads."""
+  src = jnp.ones(nbytes // 4, jnp.float32)
+  total = jax.jit(jnp.sum)
+  return nbytes / _median_seconds(lambda: total(src), repeats)
+
+
+def matmul_flops_per_s(repeats: int = 5) -> tuple[float, int]:
+  """(FLOP/s, n) of a jitted float32 n x n matmul, n = 2048 on CPU and 8192 elsewhere."""
+  n = 2048 if jax.default_backend() == "cpu" else 8192
+  a = jnp.ones((n, n), jnp.float32) / n
+  b = jnp.ones((n, n), jnp.float32)
+  product = jax.jit(jnp.matmul)
+  return 2 * n**3 / _median_seconds(lambda: product(a, b), repeats), n
 
 
 def link_bytes_per_s(nbytes: int = 64 * 2**20, repeats: int = 5,

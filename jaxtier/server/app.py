@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from jaxtier.server import serving
 from jaxtier.server.async_engine import AsyncEngine, EngineError
 from jaxtier.server.metrics import ServerMetrics
-from jaxtier.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxtier.server.protocol import ChatCompletionRequest, CompletionRequest, error_messages
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the response
@@ -46,18 +46,8 @@ def _checked(fn: Callable[..., T], *args) -> T:
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
   """One readable 400 from pydantic's errors: 'field: problem; ...'."""
-  messages, params = [], []
-  for error in exc.errors():
-    name = ".".join(str(part) for part in error["loc"] if part != "body")
-    if error["type"] == "extra_forbidden":
-      message = f"{name} is not a supported field"
-    else:
-      text = str(error["msg"]).removeprefix("Value error, ")
-      message = f"{name}: {text}" if name else text
-    if message not in messages:
-      messages.append(message)
-      params.append(name or None)
-  return OpenAIError(400, "; ".join(messages), param=params[0] if params else None)
+  found = error_messages(exc.errors(), skip=("body",))
+  return OpenAIError(400, "; ".join(m for m, _ in found), param=found[0][1] if found else None)
 
 
 async def _disconnected(request: fastapi.Request) -> None:

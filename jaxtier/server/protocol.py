@@ -159,3 +159,19 @@ class ChatCompletionRequest(_SamplingRequest):
 
   def conversation(self) -> list[dict[str, str]]:
     return [m.as_dict() for m in self.messages]
+
+
+def error_messages(errors: list[dict], skip: tuple[str, ...] = ()) -> list[tuple[str, str | None]]:
+  """(message, field) per distinct pydantic error, in the wording of the server's 400 responses:
+  'field: problem', or 'field is not a supported field'. Location parts in `skip` are dropped."""
+  out: list[tuple[str, str | None]] = []
+  for error in errors:
+    name = ".".join(str(part) for part in error["loc"] if part not in skip)
+    if error["type"] == "extra_forbidden":
+      message = f"{name} is not a supported field"
+    else:
+      text = str(error["msg"]).removeprefix("Value error, ")
+      message = f"{name}: {text}" if name else text
+    if message not in (m for m, _ in out):
+      out.append((message, name or None))
+  return out

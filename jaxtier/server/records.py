@@ -14,7 +14,7 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxtier.server.protocol import ChatMessage
+from jaxtier.server.protocol import ChatMessage, error_messages
 
 _JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",
                     str: "a string", list: "a list", dict: "an object"}
@@ -88,17 +88,7 @@ class BatchRecord(BaseModel):
 
 def _describe(error: pydantic.ValidationError) -> str:
   """'field: problem; ...' in the wording of the server's 400 responses."""
-  messages = []
-  for item in error.errors():
-    name = ".".join(str(part) for part in item["loc"])
-    if item["type"] == "extra_forbidden":
-      message = f"{name} is not a supported field"
-    else:
-      text = str(item["msg"]).removeprefix("Value error, ")
-      message = f"{name}: {text}" if name else text
-    if message not in messages:
-      messages.append(message)
-  return "; ".join(messages)
+  return "; ".join(message for message, _ in error_messages(error.errors()))
 
 
 def parse_record(line: str) -> BatchRecord:
