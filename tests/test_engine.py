@@ -258,7 +258,12 @@ def test_offloaded_tail_on_the_paged_cache_equals_resident():
   prompts = prompts_of(PROMPT_LENS[:4], seed=3)
   assert ([o.token_ids for o in offloaded.generate(prompts, GREEDY)]
           == [o.token_ids for o in resident.generate(prompts, GREEDY)])
-  assert offloaded.stats()["swap_out_count"] > 0
+  stats = offloaded.stats()
+  assert stats["swap_out_count"] > 0
+  assert f"swap_count={stats['swap_out_count'] + stats['swap_in_count']}" in offloaded.doctor()
+  report = offloaded.memory_report()
+  assert report["device_kv_blocks"] == 16 and report["host_kv_blocks"] == 16
+  assert report["device_kv_bytes"] == 16 * stats["block_bytes"] == report["host_kv_bytes"]
 
 
 _HYPOTHESIS = settings(
