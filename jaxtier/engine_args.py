@@ -36,7 +36,7 @@ def _is_number(value) -> bool:
 
 
 def check_int(name: str, value, low: int, high: int | None = None, optional: bool = False) -> None:
-  """Raises ValueError naming `name` unless `value` is an int in [low, high] (or None if optional)."""
+  """Raises ValueError naming `name` unless `value` is an int in [low, high] (None if optional)."""
   if optional and value is None:
     return
   if not _is_int(value) or value < low or (high is not None and value > high):
@@ -60,7 +60,7 @@ def check_choice(name: str, value, choices) -> None:
 
 
 def int_or_auto(name: str, value: Any, low: int, high: int | None = None) -> int | str:
-  """`value` (an int, "auto", or a string of digits as flags give it) as an int in range or "auto"."""
+  """`value` (an int, "auto", or digits as flags give them) as an int in range, or "auto"."""
   if value == "auto":
     return value
   if isinstance(value, str):
@@ -161,7 +161,7 @@ class EngineArgs:
     check_choice("layer_execution", self.layer_execution, LAYER_EXECUTIONS)
     check_offload(self.offload_tail_layers, self.prefetch_depth)
     check_positive("device_memory_gb", self.device_memory_gb)
-    if self.trace_path is not None and (not isinstance(self.trace_path, str) or not self.trace_path):
+    if self.trace_path is not None and not (isinstance(self.trace_path, str) and self.trace_path):
       raise ValueError(f"trace_path={self.trace_path!r}: expected a file path or None")
 
   @property

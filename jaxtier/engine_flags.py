@@ -26,7 +26,8 @@ flags.DEFINE_integer("max_num_seqs", 16, "most requests running at once")
 flags.DEFINE_integer("max_num_batched_tokens", None, "token budget of one step (decodes plus "
                      "prefill chunks); default: max(2048, max_num_seqs)")
 flags.DEFINE_integer("block_size", 16, "tokens per KV block")
-flags.DEFINE_integer("num_device_blocks", None, "device KV pool in blocks (or --kv_cache_memory_gb)")
+flags.DEFINE_integer("num_device_blocks", None, "device KV pool in blocks (or "
+                     "--kv_cache_memory_gb)")
 flags.DEFINE_float("kv_cache_memory_gb", None, "device KV pool in GB; default: device memory left "
                    "after weights, or on CPU the KV of max_num_seqs full sequences, at most "
                    f"{engine_args.CPU_DEFAULT_KV_GB} GB")

@@ -1,8 +1,8 @@
 """Batched generation on a contiguous KV cache: one prefill, then one jitted decode step per token.
 
-The reference driver the engine is tested against (`LLM.run_batch`). Shapes are padded to buckets (batch to a power
-of two, prompt length to a power of two >= 16, cache length to a power of two >= 128) so a handful of
-compiled variants serve every request mix. Rows that finish early keep running as padding (negative
+The reference driver the engine is tested against (`LLM.run_batch`). Shapes are padded to buckets
+(batch to a power of two, prompt length to a power of two >= 16, cache length to a power of two
+>= 128) so a handful of compiled variants serve every request mix. Rows that finish early keep running as padding (negative
 positions: no cache writes) until the whole batch is done. Each decode step is dispatched before the
 previous step's tokens are read on the host, so host work (stop checks, detokenizing) overlaps
 device work; a row that finished is found one step late and its extra token is dropped.

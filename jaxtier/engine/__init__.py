@@ -1,8 +1,8 @@
 """The engine: continuous batching over the paged KV cache, the pure scheduler, swaps and the
 offloaded tail. `Engine.step()` runs one scheduler plan on the device; `jaxtier.LLM` drives it.
 
-Names load lazily; the engine's arguments (`EngineArgs`) live in `jaxtier.engine_args`, which imports
-no JAX, so that scripts check them when flags are parsed.
+Names load lazily; the engine's arguments (`EngineArgs`) live in `jaxtier.engine_args`, which
+imports no JAX, so that scripts check them when flags are parsed.
 """
 
 import importlib

@@ -8,7 +8,8 @@ or int8 values with float32 scales per token and kv head. Three implementations,
   block tables with an online softmax, up to the last chunk a query can see. Each step gathers
   whole blocks (contiguous block_size x head_dim runs per kv head) of ~128 slots, so no dense copy
   of the context is materialized, and INT8 scales are folded into scores and probabilities
-  instead of dequantizing K and V. On CPU it runs 2-4x faster than one big gather (and than `dense_attention`) at long contexts.
+  instead of dequantizing K and V. On CPU it runs 2-4x faster than one big gather (and than
+  `dense_attention`) at long contexts.
 - `paged_attention_pallas`: the Pallas GPU kernel shipped with JAX
   (`jax.experimental.pallas.ops.gpu.paged_attention`) for decode steps (one query per sequence);
   `interpret=True` runs it on CPU.
