@@ -105,6 +105,7 @@ def enable_compilation_cache() -> None:
   import jax  # pylint: disable=g-import-not-at-top  (JAX loads only once a script runs)
   from jaxtier.checkpoint import registry  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_compilation_cache_dir", os.path.join(registry.cache_dir(), "xla"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 
 def llm_kwargs() -> dict[str, Any]:
