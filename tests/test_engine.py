@@ -10,6 +10,7 @@ import json
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -169,6 +170,30 @@ def test_abort_mid_generation_frees_blocks_at_once(tiny):
   assert_all_free(engine)
   assert engine.abort("a") is None and not engine.has_unfinished()
   assert engine.stats()["requests_aborted"] == {"client_abort": 1}
+
+
+def test_a_failing_step_ends_its_requests_and_the_engine_keeps_serving(tiny, monkeypatch):
+  model, tokenizer = tiny
+  engine = engine_of(model, tokenizer, num_device_blocks=12)
+  prompts = prompts_of(PROMPT_LENS)
+  for i, prompt in enumerate(prompts):
+    engine.add_request(i, prompt, GREEDY, 0)
+  for _ in range(6):
+    engine.step()
+  real_step = engine.runner.step
+
+  def failing(cache, arrays):
+    jax.tree.map(lambda a: a.delete(), cache)  # as if the program had consumed the pools
+    raise RuntimeError("injected failure")
+
+  monkeypatch.setattr(engine.runner, "step", failing)
+  with pytest.raises(RuntimeError, match="injected failure"):
+    engine.step()
+  assert not engine.has_unfinished()
+  assert_all_free(engine)
+  monkeypatch.setattr(engine.runner, "step", real_step)
+  out = run(engine, prompts[:2], GREEDY)
+  assert [out[i].token_ids for i in range(2)] == reference(model, tokenizer, prompts[:2], GREEDY)
 
 
 def test_seeded_tokens_do_not_depend_on_the_batch(tiny):

@@ -26,6 +26,7 @@ import json
 import time
 from collections.abc import Hashable, Sequence
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -38,6 +39,7 @@ from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.kvcache import PagedCacheConfig, PagedKVCache, device_pool_bytes, host_pool_bytes
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler.allocator import blocks_for
+from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED
 from jaxtier.tokenizer import Tokenizer
 
 
@@ -188,28 +190,55 @@ class Engine:
 
   def step(self) -> list[RequestUpdate]:
     """Plans and runs one step; returns an update for every request that produced a token or
-    ended."""
+    ended.
+
+    If running the plan fails, every live request is aborted (its blocks freed, the pools
+    recreated if the failed program had consumed them) before the error propagates: the engine
+    itself stays usable.
+    """
     start = time.perf_counter()
     self._state, plan = scheduler.schedule(self._state)
+    try:
+      updates = self._run(plan)
+    except Exception:
+      self._abandon()
+      raise
+    self._account(plan, updates[1], time.perf_counter() - start)
+    return updates[0]
+
+  def _run(self, plan: scheduler.Plan):
+    """Applies `plan` (see the module docstring); returns the updates and the model calls."""
+    # The scheduler ends requests on its own only when it aborts them (host pool full, over the
+    # KV cap); the engine ended the others itself, and their ids may be live again by now.
     updates = [self._finish(e.request_id, "abort", ()) for e in plan.ended
-               if e.request_id in self._live]
+               if e.status == ABORTED and e.reason != ABORT_CLIENT and e.request_id in self._live]
     cache = self.cache
     for direction, pairs in (("out", plan.swap_out), ("in", plan.swap_in), ("in", plan.prefetch)):
       if pairs:
         cache = self.runner.swap(cache, direction, pairs)
+    self.cache = cache
     calls = [batching.build(group, self._token_ids, self._sampling, decode=False)
              for group in (batching.split_prefill(plan.prefill) if len(plan.prefill) else ())]
     if len(plan.decode):
       calls.append(batching.build(plan.decode, self._token_ids, self._sampling, decode=True))
     dispatched = []
     for arrays in calls:
-      tokens_b, cache = self.runner.step(cache, arrays)
+      tokens_b, self.cache = self.runner.step(self.cache, arrays)
       dispatched.append((arrays, tokens_b))
-    self.cache = cache
     finished, new_updates = self._collect(dispatched)
     self._state = scheduler.apply_event(self._state, scheduler.StepFinished(tuple(finished)))
-    self._account(plan, calls, time.perf_counter() - start)
-    return updates + new_updates
+    return updates + new_updates, calls
+
+  def _abandon(self) -> None:
+    """After a failed step: ends the plan in flight and every live request, and replaces pools
+    that a failed program consumed (donated) with fresh ones."""
+    if self._state.in_flight is not None:
+      self._state = scheduler.apply_event(self._state, scheduler.StepFinished(()))
+    for request_id in list(self._live):
+      self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
+      self._finish(request_id, "abort", ())
+    if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
+      self.cache = PagedKVCache.create(self.cache_config)
 
   def _token_ids(self, request_id: Hashable) -> tuple[int, ...]:
     progress, _ = self._live[request_id]

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from jaxtier.buckets import pow2_bucket
@@ -103,6 +104,8 @@ class SwapTimer:
         with self._lock:
           self.seconds[direction] += ready - max(dispatched, self._last_ready)
           self._last_ready = ready
+      except Exception:  # pylint: disable=broad-except  (a failed swap fails its step instead)
+        logging.exception("could not time a swap")
       finally:
         self._queue.task_done()
 
