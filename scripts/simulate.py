@@ -21,7 +21,7 @@ from jaxtier.scheduler.policies import VICTIM_POLICIES
 
 _GB = 1e9
 
-# The source article's example (DESIGN.md section 4): a 7B model with 28 layers and 32 x 128 KV
+# The source article's example: a 7B model with 28 layers and 32 x 128 KV
 # heads in fp16 (bfloat16 here, the same two bytes), 100 concurrent requests averaging 4000 tokens,
 # an 80 GB device, PCIe 4.0 at 22 GB/s.
 # Our assumptions: 14 GB of weights (7e9 x 2 bytes), 8 GB for activations (the article's own split),

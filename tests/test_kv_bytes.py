@@ -40,7 +40,7 @@ def test_int8_counts_its_scales_everywhere():
 
 
 def test_design_example_and_validation():
-  # DESIGN.md section 4: 28 layers x 2 x 32 x 128 x 2 B x 4096 tokens = 1.88 GB.
+  # A 7B model's 4096 tokens: 28 layers x 2 x 32 x 128 x 2 B x 4096 tokens = 1.88 GB.
   assert kv_block_bytes(28, 32, 128, "bfloat16", 4096) == 1_879_048_192
   assert set(kv_bytes.ELEMENT_BYTES) == set(KV_CACHE_DTYPES) == set(DTYPES)
   with pytest.raises(ValueError, match="kv_cache_dtype='float16'"):

@@ -9,7 +9,7 @@ wait for it, and return the new cache with a `SwapReport` of bytes and wall time
 A swapped block is read from the device layout ([k, l, block, c, d]: k * l strided runs), moved as
 one contiguous [1, k, l, c, d] unit and stored block-major on the host; swap-in is the mirror image.
 Two implementations, because the host-side indexing is where GPU compilers have had trouble
-(DESIGN.md section 5):
+(scatter with dynamic indices into a pinned_host array has crashed XLA's GPU compiler):
 - "loop" (default): a loop over the real blocks only; per block one dynamic-slice, one transfer and
   one dynamic-update-slice, the pattern XLA's host offloading handles for activations inside scans.
 - "scatter": one gather, one transfer of the whole padded bucket, one scatter with dynamic indices

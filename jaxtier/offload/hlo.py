@@ -1,7 +1,7 @@
 """What an exported program asks the device to move: memory-kind transfers in StableHLO, counted.
 
 On CPU a transfer between memory kinds lowers to nothing, so a prefetch schedule is checked on the
-program exported for the target platform (DESIGN.md section 5). `placement_report(text)` walks that
+program exported for the target platform (`jax.export` with `platforms=["cuda"]`). `placement_report(text)` walks that
 module (through calls and `while` loops) and tracks where each value comes from:
 
 - every `annotate_device_placement` custom call is a `Transfer`: its bytes, the trip counts of the

@@ -2,7 +2,7 @@
 
 JAX memory kinds: "device" (HBM on an accelerator), "pinned_host" (page-locked host memory the
 device can DMA from), "unpinned_host". On CPU they are one physical memory; placement and numerics
-are still real, transfer speed is not (DESIGN.md section 5).
+are still real, transfer speed is not (a transfer between kinds compiles to nothing there).
 """
 
 from typing import Any

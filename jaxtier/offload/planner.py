@@ -1,4 +1,4 @@
-"""How many tail layers to offload and how deep to prefetch (DESIGN.md section 4), as a frozen plan.
+"""How many tail layers to offload and how deep to prefetch, as a frozen plan.
 
 Symbols: M device memory, K KV reservation, A activation reserve, W bytes of all weights, L bytes
 of one layer, N layers, n offloaded tail layers, d prefetch depth, t_x = L / link bandwidth,
