@@ -106,14 +106,24 @@ class LLM:
     self.loaded = dataclasses.replace(self.loaded, model=model)  # frees the stack it came from
     self.graphdef, self.state = nnx.split(model)
     num_device_blocks, num_host_blocks = self._pool_blocks()
-    self.engine = Engine(model, self.tokenizer, EngineConfig(
+    self.engine_config = EngineConfig(
         max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.token_budget, block_size=args.block_size,
         num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
         kv_cache_dtype=self.kv_cache_dtype, preemption_mode=args.preemption_mode,
-        watermark=args.watermark, victim_policy=args.victim_policy, trace_path=args.trace_path))
+        watermark=args.watermark, victim_policy=args.victim_policy, trace_path=args.trace_path)
+    self._engine: Engine | None = None
     self._rng = np.random.default_rng(args.seed)
     self._next_id = 0
+
+  @property
+  def engine(self) -> Engine:
+    """The engine. Its KV pools are allocated on first use, so a process that only runs the
+    padded reference driver (`run_batch`, as the server still does) holds no pools beside it."""
+    if self._engine is None:
+      self._engine = Engine(nnx.merge(self.graphdef, self.state), self.tokenizer,
+                            self.engine_config)
+    return self._engine
 
   def _device_memory_bytes(self) -> int | None:
     if self.args.device_memory_gb is not None:
@@ -185,23 +195,25 @@ class LLM:
     """Where the weights and the KV cache live, and what crosses the host link every step.
 
     Weight bytes are counted from the placement of the model state; KV bytes are the engine's
-    device and pinned-host pools as allocated. Every step streams all host-resident weights once
-    (`weight_transfer_bytes_per_step`); `kv_swap_bytes_per_step` is the mean over the steps run so
-    far (`kv_swap_bytes_max_step` the largest).
+    device and pinned-host pools (blocks x `kv_block_bytes`, allocated on the engine's first use).
+    Every step streams all host-resident weights once (`weight_transfer_bytes_per_step`);
+    `kv_swap_bytes_per_step` is the mean over the steps run so far (`kv_swap_bytes_max_step` the
+    largest).
     """
     by_kind = offload.bytes_by_memory_kind(self.state)
     host = sum(v for k, v in by_kind.items() if k != offload.DEVICE)
     n, depth = self.offload.offload_tail_layers, self.offload.prefetch_depth
     layer_bytes = host // n if n else 0
-    stats = self.engine.stats()
+    c = self.engine_config
+    stats = self._engine.stats() if self._engine is not None else {}
     return {"device_weight_bytes": by_kind.get(offload.DEVICE, 0), "host_weight_bytes": host,
-            "device_kv_bytes": stats["device_kv_bytes"], "host_kv_bytes": stats["host_kv_bytes"],
+            "device_kv_bytes": c.num_device_blocks * self.block_bytes,
+            "host_kv_bytes": c.num_host_blocks * self.block_bytes,
             "kv_block_bytes": self.block_bytes,
-            "device_kv_blocks": stats["device_blocks_total"],
-            "host_kv_blocks": stats["host_blocks_total"],
+            "device_kv_blocks": c.num_device_blocks, "host_kv_blocks": c.num_host_blocks,
             "weight_transfer_bytes_per_step": host,
-            "kv_swap_bytes_per_step": int(stats["kv_swap_bytes_per_step"]),
-            "kv_swap_bytes_max_step": stats["kv_swap_bytes_max_step"],
+            "kv_swap_bytes_per_step": int(stats.get("kv_swap_bytes_per_step", 0)),
+            "kv_swap_bytes_max_step": stats.get("kv_swap_bytes_max_step", 0),
             "prefetch_buffer_bytes": (depth + 1) * layer_bytes if n else 0,
             "offload_tail_layers": n, "prefetch_depth": depth}
 
