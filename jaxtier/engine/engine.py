@@ -83,7 +83,6 @@ class RequestUpdate:
 @dataclasses.dataclass
 class _Totals:
   """Running totals the engine adds to the scheduler's counters."""
-  steps_with_compute: int = 0
   prompt_tokens: int = 0
   generated_tokens: int = 0
   computed_tokens: int = 0
@@ -199,12 +198,12 @@ class Engine:
     start = time.perf_counter()
     self._state, plan = scheduler.schedule(self._state)
     try:
-      updates = self._run(plan)
+      updates, calls = self._run(plan)
     except Exception:
       self._abandon()
       raise
-    self._account(plan, updates[1], time.perf_counter() - start)
-    return updates[0]
+    self._account(plan, calls, time.perf_counter() - start)
+    return updates
 
   def _run(self, plan: scheduler.Plan):
     """Applies `plan` (see the module docstring); returns the updates and the model calls."""
@@ -272,10 +271,7 @@ class Engine:
   def _account(self, plan: scheduler.Plan, calls, seconds: float) -> None:
     totals = self._totals
     totals.run_seconds += seconds
-    tokens = sum(a.num_tokens for a in calls)
-    if calls:
-      totals.steps_with_compute += 1
-      totals.computed_tokens += tokens
+    totals.computed_tokens += sum(a.num_tokens for a in calls)
     if len(plan.decode) and not len(plan.prefill) and not plan.swap_out and not plan.swap_in:
       totals.decode_steps += 1
       totals.decode_seconds += seconds
