@@ -6,7 +6,7 @@ The top-level names load lazily, so `import jaxtier.scheduler` (pure Python) doe
 import importlib
 
 _EXPORTS = {"LLM": "jaxtier.llm", "RequestOutput": "jaxtier.llm", "CompletionOutput": "jaxtier.llm",
-            "SamplingParams": "jaxtier.sampling"}
+            "SamplingParams": "jaxtier.sampling", "Logprob": "jaxtier.logprobs"}
 
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

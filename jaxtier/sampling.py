@@ -10,10 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtier.logprobs import MAX_LOGPROBS
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """How to pick tokens for one request. temperature=0 is greedy; top_k <= 0 means no top-k."""
+  """How to pick tokens for one request. temperature=0 is greedy; top_k <= 0 means no top-k.
+
+  `logprobs` (0 to MAX_LOGPROBS) returns, for every generated token, its log-probability and
+  those of the `logprobs` most likely tokens; `prompt_logprobs` does the same for every prompt
+  token after the first (given the tokens before it). Both are log_softmax of the raw logits
+  (before temperature, top-k, top-p) and never change which tokens are sampled.
+  """
   max_tokens: int = 16
   temperature: float = 1.0
   top_p: float = 1.0
@@ -22,6 +30,8 @@ class SamplingParams:
   stop: Sequence[str] = ()
   stop_token_ids: Sequence[int] = ()
   ignore_eos: bool = False
+  logprobs: int | None = None
+  prompt_logprobs: int | None = None
 
   def __post_init__(self):
     if isinstance(self.stop, str):
@@ -42,6 +52,12 @@ class SamplingParams:
       raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
     if any(not isinstance(t, (int, np.integer)) or t < 0 for t in self.stop_token_ids):
       raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                or not 0 <= value <= MAX_LOGPROBS):
+        raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got "
+                         f"{value!r}")
 
   @property
   def greedy(self) -> bool:
