@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 import jaxtier
 from conftest import fixture_path
 from jaxtier import checkpoint
+from jaxtier.buckets import pow2_buckets_up_to
+from jaxtier.engine import batch
 from jaxtier.engine.engine import Engine, EngineConfig
 from jaxtier.generate import generate_batch
 from jaxtier.sampling import SamplingParams
@@ -84,6 +86,18 @@ def reference(model, tokenizer, prompts, params, seeds=None) -> list[tuple[int, 
                                               np.float32)]
 
 
+def assert_variants_are_warmed(engine: Engine):
+  """Every program the engine ran is one `Engine.warmup` compiles: the shapes `step_shapes`
+  lists for its configuration, their sampling, and swaps of a padded count within the pools."""
+  c = engine.config
+  shapes = set(batch.step_shapes(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
+                                 engine.table_width))
+  swaps = pow2_buckets_up_to(min(c.num_device_blocks, c.num_host_blocks)) if c.num_host_blocks else []
+  warmed = ({("step",) + shape for shape in shapes} | {("sample", b) for b, _, _ in shapes}
+            | {("swap", d, x) for d in ("out", "in") for x in swaps})
+  assert set(engine.runner.variants()) <= warmed
+
+
 def assert_all_free(engine: Engine):
   stats = engine.stats()
   assert stats["device_blocks_free"] == stats["device_blocks_total"]
@@ -144,6 +158,7 @@ def test_quarter_pool_preempts_and_keeps_every_token(tiny, mode):
   else:
     assert stats["swap_out_count"] == 0
   assert_all_free(engine)
+  assert_variants_are_warmed(engine)
 
 
 def test_int8_kv_under_pressure_equals_int8_unconstrained(tiny):
@@ -320,3 +335,4 @@ def test_random_workloads_equal_the_reference_and_free_every_block(tiny, data):
     else:
       assert out[i].token_ids == expected[i]
   assert_all_free(engine)
+  assert_variants_are_warmed(engine)

@@ -81,3 +81,20 @@ def test_bad_columns_are_named():
   with pytest.raises(ValueError, match="computes up to position 9 but has 3 tokens"):
     batch.build(ComputeBatch(("b",), (0,), (9,), ((1,),), (True,)), TOKENS.__getitem__, info,
                 decode=False)
+
+
+def test_step_shapes_lists_decode_rows_and_prefill_buckets_the_budget_allows():
+  # 4 sequences, 32 tokens a step, a 64-token window: chunks of 17-32 tokens fit one per step.
+  assert batch.step_shapes(4, 32, 64, width=8) == [
+      (1, 1, 8), (2, 1, 8), (4, 1, 8), (1, 16, 8), (2, 16, 8), (4, 16, 8), (1, 32, 8)]
+  # A 20-token window caps chunks at 19 tokens (bucket 32) whatever the budget.
+  assert batch.step_shapes(2, 2048, 20, width=8)[-1] == (2, 32, 8)
+  assert batch.table_width(64, 16) == 8 and batch.table_width(1000, 16) == 64
+
+
+def test_a_fixed_width_pads_every_table_to_it():
+  plan = ComputeBatch(("a",), (39,), (40,), ((5, 6, 7),), (True,))
+  arrays = batch.build(plan, TOKENS.__getitem__, info, decode=True, width=32)
+  assert arrays.shape == (1, 1, 32) and (arrays.tables_bm[0, 3:] == -1).all()
+  with pytest.raises(ValueError, match="does not fit width=2"):
+    batch.build(plan, TOKENS.__getitem__, info, decode=True, width=2)

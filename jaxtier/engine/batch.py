@@ -8,7 +8,10 @@ compiled for, so a run compiles few variants:
 - tokens per row: 1 for a decode batch; for prefill chunks the next power of two >= `MIN_TOKENS`
   of the longest chunk. Prefill chunks are first grouped by that bucket (`split_prefill`), so a
   short prompt never pads to a long one's length: padding at most doubles the tokens computed;
-- table width: the next power of two >= `MIN_WIDTH` of the longest block table.
+- table width: one width for every call of an engine, the power of two >= `MIN_WIDTH` that holds a
+  max_model_len sequence (`table_width`). The paged attention loop stops at the last chunk any
+  query sees, so the unused width costs nothing at run time, and the variants are (rows, tokens)
+  only: `step_shapes` lists every one a configuration can produce, for compiling ahead.
 
 Shape legend: b rows, t tokens per row, m blocks per row (table width).
 """
@@ -18,9 +21,10 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from jaxtier.buckets import pow2_bucket
+from jaxtier.buckets import pow2_bucket, pow2_buckets_up_to
 from jaxtier.sampling import SamplingArrays, SamplingParams
 from jaxtier.scheduler import ComputeBatch
+from jaxtier.scheduler.allocator import blocks_for
 
 MIN_TOKENS = 16  # prefill chunks pad to at least this many tokens
 MIN_WIDTH = 8  # block tables pad to at least this many entries
@@ -70,8 +74,34 @@ def _select(batch: ComputeBatch, rows: list[int]) -> ComputeBatch:
                       pick(batch.block_tables), pick(batch.samples))
 
 
+def table_width(max_model_len: int, block_size: int) -> int:
+  """The block-table width of every call: a power of two >= MIN_WIDTH holding max_model_len."""
+  return pow2_bucket(blocks_for(max_model_len, block_size), MIN_WIDTH)
+
+
+def step_shapes(max_num_seqs: int, token_budget: int, max_model_len: int,
+                width: int) -> list[tuple[int, int, int]]:
+  """Every (rows, tokens, width) that `build` can produce for plans of this configuration.
+
+  Decode calls have up to max_num_seqs rows of one token. A prefill chunk holds at most
+  min(token_budget, max_model_len - 1) tokens; the chunks of one call share a token bucket t, and
+  in a bucket above MIN_TOKENS each chunk holds more than t / 2 tokens, so the step's budget bounds
+  the rows of a call as well as max_num_seqs does.
+  """
+  shapes = [(b, 1, width) for b in pow2_buckets_up_to(max_num_seqs)]
+  longest = min(token_budget, max_model_len - 1)
+  t = MIN_TOKENS
+  while True:
+    most = max_num_seqs if t == MIN_TOKENS else min(max_num_seqs, token_budget // (t // 2 + 1))
+    shapes += [(b, t, width) for b in pow2_buckets_up_to(max(most, 1))]
+    if t >= longest:
+      return shapes
+    t *= 2
+
+
 def build(batch: ComputeBatch, token_ids: Callable[[Hashable], Sequence[int]],
-          sampling: Callable[[Hashable], SamplingInfo], *, decode: bool) -> StepArrays:
+          sampling: Callable[[Hashable], SamplingInfo], *, decode: bool,
+          width: int | None = None) -> StepArrays:
   """The padded arrays of one compute batch.
 
   Args:
@@ -79,6 +109,8 @@ def build(batch: ComputeBatch, token_ids: Callable[[Hashable], Sequence[int]],
     token_ids: a request's tokens so far (prompt, then generated): the inputs of its range.
     sampling: a request's sampling parameters, seed and generated count.
     decode: one token per row (rows pad to 1 token) instead of prefill chunks.
+    width: the table width (`table_width`); None: the power of two >= MIN_WIDTH of the longest
+      table.
   """
   n = len(batch)
   if n == 0:
@@ -89,7 +121,10 @@ def build(batch: ComputeBatch, token_ids: Callable[[Hashable], Sequence[int]],
                      + (" and exactly one in a decode batch" if decode else ""))
   b = pow2_bucket(n)
   t = 1 if decode else pow2_bucket(max(lengths), MIN_TOKENS)
-  m = pow2_bucket(max(len(table) for table in batch.block_tables), MIN_WIDTH)
+  longest_table = max(len(table) for table in batch.block_tables)
+  m = pow2_bucket(longest_table, MIN_WIDTH) if width is None else width
+  if longest_table > m:
+    raise ValueError(f"a block table of {longest_table} blocks does not fit width={m}")
   tokens = np.zeros((b, t), np.int32)
   pos = np.full((b, t), -1, np.int32)
   tables = np.full((b, m), -1, np.int32)

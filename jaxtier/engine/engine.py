@@ -31,12 +31,15 @@ import numpy as np
 from flax import nnx
 
 from jaxtier import scheduler
+from jaxtier.buckets import pow2_buckets_up_to
 from jaxtier.detokenize import RequestProgress
 from jaxtier.engine import batch as batching
+from jaxtier.engine import logprobs as lp
 from jaxtier.engine.runner import Runner
 from jaxtier.generate import Completion
 from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.kvcache import PagedCacheConfig, PagedKVCache, device_pool_bytes, host_pool_bytes
+from jaxtier.logprobs import LogprobDict
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED
@@ -74,10 +77,19 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RequestUpdate:
-  """What one step added to one request; `completion` is set on the step the request ends."""
+  """What one step added to one request; `completion` is set on the step the request ends.
+
+  Log-probabilities (None unless the request's `SamplingParams` ask for them): `new_logprobs`
+  holds one dict per token of `new_token_ids` (`logprobs`); `prompt_logprobs` holds one entry per
+  prompt token, the first None (`prompt_logprobs`), on the request's first update only (the one
+  with its first token, or its final one if it ends before any) and None on later updates. The
+  completion carries both lists whole.
+  """
   request_id: Hashable
   new_token_ids: tuple[int, ...]
   completion: Completion | None
+  new_logprobs: tuple[LogprobDict, ...] | None = None
+  prompt_logprobs: tuple[LogprobDict | None, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -87,6 +99,7 @@ class _Totals:
   generated_tokens: int = 0
   computed_tokens: int = 0
   decode_steps: int = 0
+  model_calls: int = 0
   decode_seconds: float = 0.0
   run_seconds: float = 0.0
   max_swap_bytes_per_step: int = 0
@@ -121,11 +134,14 @@ class Engine:
         preemption_mode=config.preemption_mode, victim_policy=config.victim_policy,
         block_bytes=self.block_bytes)
     self.vocab_size = c.vocab_size
+    self.table_width = batching.table_width(config.max_model_len, config.block_size)
     graphdef, state = nnx.split(model)
     self.cache = PagedKVCache.create(self.cache_config)
     self.runner = Runner(graphdef, state, self.cache, config.swap_impl)
     self._state = scheduler.initial_state(self.scheduler_config)
     self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
+    self._logprobs: dict[Hashable, lp.RequestLogprobs] = {}  # live requests that ask for them
+    self._token_text = lp.TokenText(tokenizer)
     self._totals = _Totals()
     self._peak = {"device": 0, "host": 0}
     self._started = time.perf_counter()
@@ -160,6 +176,9 @@ class Engine:
                                    priority=priority)
     self._state = scheduler.apply_event(self._state, scheduler.Arrive(request))
     self._live[request_id] = (RequestProgress(prompt_ids, params, self.tokenizer, limit), seed)
+    wanted = lp.RequestLogprobs.of(params)
+    if wanted is not None:
+      self._logprobs[request_id] = wanted
     self._totals.prompt_tokens += len(prompt_ids)
 
   def abort(self, request_id: Hashable) -> RequestUpdate | None:
@@ -182,8 +201,29 @@ class Engine:
   def _finish(self, request_id: Hashable, reason: str, new: tuple[int, ...]) -> RequestUpdate:
     progress, _ = self._live.pop(request_id)
     progress.finish_reason = reason
-    completion = Completion(tuple(progress.generated), progress.text(), reason)
-    return RequestUpdate(request_id, new, completion)
+    wanted = self._logprobs.pop(request_id, None)
+    if wanted is None:
+      return RequestUpdate(request_id, new, Completion(tuple(progress.generated), progress.text(),
+                                                       reason))
+    completion = Completion(tuple(progress.generated), progress.text(), reason,
+                            *wanted.completion_fields())
+    return RequestUpdate(request_id, new, completion, *wanted.update_fields(len(new)))
+
+  def warmup(self) -> dict:
+    """Compiles every program this engine's configuration can run (`batch.step_shapes`, their
+    sampling, and block swaps of every padded size), so no later step compiles.
+
+    Returns {"programs": count, "compile_seconds": time spent compiling now}; programs already
+    compiled in this process (or found in JAX's persistent compilation cache) cost little.
+    """
+    c = self.config
+    shapes = batching.step_shapes(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
+                                  self.table_width)
+    most_swapped = min(c.num_device_blocks, c.num_host_blocks)
+    swap_sizes = pow2_buckets_up_to(most_swapped) if most_swapped else []
+    before = self.runner.compile_seconds
+    programs = self.runner.precompile(self.cache, shapes, swap_sizes)
+    return {"programs": programs, "compile_seconds": self.runner.compile_seconds - before}
 
   # Stepping.
 
@@ -216,14 +256,19 @@ class Engine:
       if pairs:
         cache = self.runner.swap(cache, direction, pairs)
     self.cache = cache
-    calls = [batching.build(group, self._token_ids, self._sampling, decode=False)
+    calls = [batching.build(group, self._token_ids, self._sampling, decode=False,
+                            width=self.table_width)
              for group in (batching.split_prefill(plan.prefill) if len(plan.prefill) else ())]
     if len(plan.decode):
-      calls.append(batching.build(plan.decode, self._token_ids, self._sampling, decode=True))
+      calls.append(batching.build(plan.decode, self._token_ids, self._sampling, decode=True,
+                                  width=self.table_width))
     dispatched = []
     for arrays in calls:
+      if self._logprobs:
+        dispatched.append(self._step_logprobs(arrays))
+        continue
       tokens_b, self.cache = self.runner.step(self.cache, arrays)
-      dispatched.append((arrays, tokens_b))
+      dispatched.append((arrays, tokens_b, None))
     finished, new_updates = self._collect(dispatched)
     self._state = scheduler.apply_event(self._state, scheduler.StepFinished(tuple(finished)))
     return updates + new_updates, calls
@@ -239,6 +284,20 @@ class Engine:
     if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
       self.cache = PagedKVCache.create(self.cache_config)
 
+  def _step_logprobs(self, arrays: batching.StepArrays):
+    """Dispatches one call whose rows may ask for log-probabilities (the plain step if none
+    does); returns (arrays, tokens, (prompt rows, their results, sampled results) or None)."""
+    sample_k = lp.sample_k(arrays, self._logprobs)
+    prompt = (None if arrays.tokens_bt.shape[1] == 1 else
+              lp.prompt_rows(arrays, self._logprobs, lambda rid: self._live[rid][0].prompt_ids))
+    if sample_k is None and prompt is None:
+      tokens_b, self.cache = self.runner.step(self.cache, arrays)
+      return arrays, tokens_b, None
+    tokens_b, self.cache, sampled, prompt_top = self.runner.step_logprobs(
+        self.cache, arrays, sample_k, *((None, None) if prompt is None else
+                                        (prompt.rows_r, prompt.targets_rt, prompt.k)))
+    return arrays, tokens_b, (prompt, prompt_top, sampled)
+
   def _token_ids(self, request_id: Hashable) -> tuple[int, ...]:
     progress, _ = self._live[request_id]
     return progress.prompt_ids + tuple(progress.generated)
@@ -250,8 +309,13 @@ class Engine:
   def _collect(self, dispatched) -> tuple[list[tuple[Hashable, str]], list[RequestUpdate]]:
     """Reads each call's sampled tokens and appends them; returns stops and updates."""
     finished, updates = [], []
-    for arrays, tokens_b in dispatched:
+    for arrays, tokens_b, extra in dispatched:
       tokens = np.asarray(tokens_b)
+      sampled = None
+      if extra is not None:  # log-probabilities: read only for calls that computed them
+        prompt, (prompt_top, sampled) = extra[0], jax.device_get(extra[1:])
+        if prompt is not None:
+          lp.record_prompt(prompt, prompt_top, self._logprobs, self._token_text)
       for i, (request_id, keep) in enumerate(zip(arrays.request_ids, arrays.samples)):
         if not keep:
           continue
@@ -259,8 +323,12 @@ class Engine:
         token = int(tokens[i])
         progress.append(token)
         self._totals.generated_tokens += 1
+        wanted = self._logprobs.get(request_id)
+        if wanted is not None and wanted.sample_k is not None:
+          wanted.generated.append(lp.entry(sampled, i, token, wanted.sample_k, self._token_text))
         if progress.finish_reason is None:
-          updates.append(RequestUpdate(request_id, (token,), None))
+          updates.append(RequestUpdate(request_id, (token,), None) if wanted is None else
+                         RequestUpdate(request_id, (token,), None, *wanted.update_fields(1)))
         else:
           finished.append((request_id, progress.finish_reason))
           updates.append(self._finish(request_id, progress.finish_reason, (token,)))
@@ -272,6 +340,7 @@ class Engine:
     totals = self._totals
     totals.run_seconds += seconds
     totals.computed_tokens += sum(a.num_tokens for a in calls)
+    totals.model_calls += len(calls)
     if len(plan.decode) and not len(plan.prefill) and not plan.swap_out and not plan.swap_in:
       totals.decode_steps += 1
       totals.decode_seconds += seconds
@@ -295,15 +364,17 @@ class Engine:
           "finished": sum(1 for e in plan.ended)}) + "\n")
       self._trace.flush()
 
-  def stats(self) -> dict:
-    """The run's figures (JSON-serializable); waits for outstanding swap timings first."""
-    self.runner.timer.drain()
+  def stats(self, wait_for_swaps: bool = True) -> dict:
+    """The run's figures (JSON-serializable). Waits for outstanding swap timings first unless
+    `wait_for_swaps` is False (then the swaps of the last step may not be timed yet)."""
+    if wait_for_swaps:
+      self.runner.timer.drain()
     m = scheduler.metrics(self._state)
     totals = self._totals
     seconds = self.runner.timer.seconds
     steps = max(m.steps, 1)
     return {
-        "steps": m.steps, "run_seconds": totals.run_seconds,
+        "steps": m.steps, "model_calls": totals.model_calls, "run_seconds": totals.run_seconds,
         "swap_out_count": m.swap_outs, "swap_in_count": m.swap_ins,
         "swap_out_blocks": m.swap_out_blocks, "swap_in_blocks": m.swap_in_blocks,
         "swap_out_bytes": m.swap_out_blocks * self.block_bytes,

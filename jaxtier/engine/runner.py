@@ -16,6 +16,7 @@ Shape legend: b rows, t tokens, h hidden size, v vocab, m table width, x padded 
 """
 
 import functools
+import itertools
 import queue
 import threading
 import time
@@ -28,10 +29,11 @@ from absl import logging
 from flax import nnx
 
 from jaxtier.buckets import pow2_bucket
-from jaxtier.engine.batch import StepArrays
+from jaxtier.engine.batch import GREEDY, StepArrays
 from jaxtier.kvcache import PagedKVCache, PagedMetadata
 from jaxtier.kvcache.swap import swap_in_padded, swap_out_padded
-from jaxtier.sampling import sample
+from jaxtier.logprobs import TopLogprobs, top_logprobs
+from jaxtier.sampling import SamplingArrays, sample
 
 
 class EngineModel(Protocol):
@@ -62,9 +64,36 @@ def _forward(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, toke
   return model.logits(h_bh), cache
 
 
+def _forward_hidden(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, tokens_bt,
+                    pos_bt, tables_bm, last_b):
+  """`_forward` that also returns the hidden states [b, t, h] of every position (for prompt
+  log-probabilities): a variant of its own, so the plain step returns only the last logits."""
+  model = nnx.merge(graphdef, state)
+  h_bth, cache = model.hidden_states(tokens_bt, pos_bt, cache, PagedMetadata(tables_bm))
+  h_bh = jnp.take_along_axis(h_bth, last_b[:, None, None], axis=1)[:, 0]
+  return model.logits(h_bh), h_bth, cache
+
+
+PROMPT_LOGITS_CHUNK = 256  # positions whose [positions, vocab] logits exist at once
+
+
+def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, h_bth, rows_r, targets_rt, k: int):
+  """Log-probabilities [r, t] of `targets_rt` (and the top k) from the hidden states of rows
+  `rows_r`, through `model.logits`, PROMPT_LOGITS_CHUNK positions at a time."""
+  model = nnx.merge(graphdef, state)
+  h_rth = h_bth[rows_r]
+  r, t, h = h_rth.shape
+  c = min(r * t, PROMPT_LOGITS_CHUNK)  # both powers of two: c divides r * t
+  top = jax.lax.map(lambda x: top_logprobs(model.logits(x[0]), x[1], k),
+                    (h_rth.reshape(-1, c, h), targets_rt.reshape(-1, c)))
+  return jax.tree.map(lambda a: a.reshape((r, t) + a.shape[2:]), top)
+
+
 # Sampling is a program of its own: it compiles once per row count instead of once more inside
 # every (rows, tokens, width) variant of the model call; the logits stay on the device between.
 _sample = jax.jit(sample)
+# So are the sampled tokens' log-probabilities, run only for calls where a request asks for them.
+_sample_logprobs = jax.jit(top_logprobs, static_argnames="k")
 
 
 def _marked(core):
@@ -120,6 +149,13 @@ def _forward_fn(graphdef: nnx.GraphDef):
   return jax.jit(functools.partial(_forward, graphdef), donate_argnames="cache")
 
 
+@functools.lru_cache(maxsize=16)
+def _logprob_fns(graphdef: nnx.GraphDef):
+  """`_forward_hidden` and `_prompt_logprobs` jitted with the graph closed over."""
+  return (jax.jit(functools.partial(_forward_hidden, graphdef), donate_argnames="cache"),
+          jax.jit(functools.partial(_prompt_logprobs, graphdef), static_argnames="k"))
+
+
 def _layout(tree) -> tuple:
   """What a compiled program depends on in a pytree: structure, shapes, dtypes, placements."""
   return (jax.tree.structure(tree),
@@ -133,6 +169,7 @@ class Runner:
                swap_impl: str = "loop"):
     self.state = state
     self._forward = _forward_fn(graphdef)
+    self._graphdef = graphdef
     layout = (graphdef, _layout(state), _layout(cache), swap_impl)
     self._layout_id = _LAYOUT_IDS.setdefault(layout, len(_LAYOUT_IDS))
     self._used: set[tuple] = set()
@@ -145,18 +182,42 @@ class Runner:
     return len(self._used)
 
   def variants(self) -> list[tuple]:
-    """The programs this engine ran: ("step", rows, tokens, width), ("sample", rows) or
-    ("swap", direction, x)."""
+    """The programs this engine ran: ("step", rows, tokens, width), ("sample", rows),
+    ("swap", direction, x), and for log-probabilities ("step_hidden", rows, tokens, width),
+    ("logprobs", rows, k), ("prompt_logprobs", rows, prompt rows, tokens, k)."""
     return sorted(self._used, key=str)
 
   def _program(self, key: tuple, jitted, args, **static):
     self._used.add(key)
+    return self._compiled(key, jitted, args, **static)
+
+  def _compiled(self, key: tuple, jitted, args, **static):
+    """The program for `key`, compiled now if this process has not compiled it yet."""
     program = _PROGRAMS.get((self._layout_id,) + key)
     if program is None:
       start = time.perf_counter()
       program = _PROGRAMS[(self._layout_id,) + key] = jitted.lower(*args, **static).compile()
       self.compile_seconds += time.perf_counter() - start
     return program
+
+  def precompile(self, cache: PagedKVCache, shapes, swap_sizes) -> int:
+    """Compiles the model call of every (rows, tokens, width) in `shapes`, sampling for every
+    row count, and swaps in both directions of every padded block count in `swap_sizes`, without
+    running them (the cache is not consumed). Returns the number of programs."""
+    keys = set()
+    for b, t, m in shapes:
+      tokens, last = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
+      args = (self.state, cache, tokens, tokens, np.zeros((b, m), np.int32), last)
+      logits_info, _ = self._compiled(("step", b, t, m), self._forward, args).out_info
+      sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
+      self._compiled(("sample", b), _sample, (logits_info, sampling))
+      keys |= {("step", b, t, m), ("sample", b)}
+    for x, direction in itertools.product(swap_sizes, ("out", "in")):
+      index = np.zeros(x, np.int32)
+      self._compiled(("swap", direction, x), _SWAPS[direction], (cache, index, index, np.int32(x)),
+                     impl=self.swap_impl)
+      keys.add(("swap", direction, x))
+    return len(keys)
 
   def step(self, cache: PagedKVCache, arrays: StepArrays) -> tuple[jax.Array, PagedKVCache]:
     """Dispatches one model call and its sampling; returns the sampled tokens [b] (not yet read)
@@ -165,6 +226,34 @@ class Runner:
     logits_bv, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
     sample_args = (logits_bv, arrays.sampling)
     return self._program(("sample", arrays.shape[0]), _sample, sample_args)(*sample_args), cache
+
+  def step_logprobs(self, cache: PagedKVCache, arrays: StepArrays, sample_k: int | None,
+                    prompt_rows_r: np.ndarray | None, prompt_targets_rt: np.ndarray | None,
+                    prompt_k: int = 1
+                    ) -> tuple[jax.Array, PagedKVCache, TopLogprobs | None, TopLogprobs | None]:
+    """`step` that also computes log-probabilities, left on the device: of the sampled tokens
+    and the top `sample_k` ([b]; None: not computed), and of `prompt_targets_rt` at every position
+    of rows `prompt_rows_r` and the top `prompt_k` ([r, t]; None: not computed, and the model call
+    is the plain one)."""
+    args = (self.state, cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm, arrays.last_b)
+    forward_hidden, prompt_logprobs = _logprob_fns(self._graphdef)
+    prompt_top = None
+    if prompt_rows_r is None:
+      logits_bv, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
+    else:
+      logits_bv, h_bth, cache = self._program(("step_hidden",) + arrays.shape, forward_hidden,
+                                              args)(*args)
+      prompt_args = (self.state, h_bth, prompt_rows_r, prompt_targets_rt)
+      key = ("prompt_logprobs", arrays.shape[0]) + prompt_targets_rt.shape + (prompt_k,)
+      prompt_top = self._program(key, prompt_logprobs, prompt_args, k=prompt_k)(*prompt_args)
+    sample_args = (logits_bv, arrays.sampling)
+    tokens_b = self._program(("sample", arrays.shape[0]), _sample, sample_args)(*sample_args)
+    sampled_top = None
+    if sample_k is not None:
+      lp_args = (logits_bv, tokens_b)
+      sampled_top = self._program(("logprobs", arrays.shape[0], sample_k), _sample_logprobs,
+                                  lp_args, k=sample_k)(*lp_args)
+    return tokens_b, cache, sampled_top, prompt_top
 
   def swap(self, cache: PagedKVCache, direction: str, pairs) -> PagedKVCache:
     """Dispatches copies of (source, destination) block pairs, "out" (device -> host) or "in"."""
