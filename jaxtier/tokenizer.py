@@ -3,9 +3,14 @@
 Text is encoded with the `tokenizers` library (the same Rust code `transformers` uses) and chat
 templates are rendered with jinja2 in the environment `transformers` uses (`trim_blocks`,
 `lstrip_blocks`, loop controls, `raise_exception`, `tojson`).
+
+`Tokenizer.min_token_count` bounds a text's token count from below without tokenizing it (one pass
+over the text), so an obviously too long prompt is refused before the tokenizer works through
+megabytes of it.
 """
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Sequence
@@ -16,6 +21,88 @@ import jinja2.sandbox
 import tokenizers
 
 Message = dict[str, Any]
+
+# Pre-tokenizers that keep every byte of the text (a "Removed" split behavior drops the delimiters,
+# Whitespace and friends drop the spaces) and normalizers the bound can measure through.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Punctuation", "Metaspace", "UnicodeScripts",
+                           "Split"}
+_MEASURED_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace"}
+_MAX_CHAR_BYTES = 4  # UTF-8
+
+
+def byte_level_symbols() -> list[str]:
+  """The character standing for each byte 0-255 in byte-level BPE vocabularies (GPT-2's map:
+  printable Latin-1 bytes stand for themselves, the others for U+0100 on, in byte order)."""
+  kept = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)}
+  others = iter(range(256, 512))
+  return [chr(b) if b in kept else chr(next(others)) for b in range(256)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBound:
+  """What bounds a text's token count from below: the most bytes of (normalized) UTF-8 text one
+  token stands for, and the bytes a byte-level vocabulary has no symbol for (BPE drops them)."""
+  max_token_bytes: int
+  dropped_bytes: bytes = b""
+
+  def min_tokens(self, data: bytes) -> int:
+    """A lower bound on the tokens of UTF-8 `data` (one C-speed pass)."""
+    if self.dropped_bytes:
+      data = data.translate(None, self.dropped_bytes)
+    return -(-len(data) // self.max_token_bytes)
+
+
+def _components(spec: dict | None, key: str) -> list[dict]:
+  """The steps of a normalizer or pre-tokenizer spec (`Sequence`s flattened)."""
+  if spec is None:
+    return []
+  if spec["type"] == "Sequence":
+    return [step for part in spec[key] for step in _components(part, key)]
+  return [spec]
+
+
+def token_bound(backend: tokenizers.Tokenizer) -> TokenBound | None:
+  """The `TokenBound` of `backend`, or None when its pipeline gives none (then any text might be
+  a single token).
+
+  Known here: BPE models behind pre-tokenizers that keep every byte. Byte-level BPE stands for
+  one byte per character of a vocabulary entry; a byte without a symbol in the vocabulary is
+  dropped, so it is not counted. Character BPE stands for at most the UTF-8 bytes of an entry and
+  needs a byte fallback or an unfused unknown token (one per character) so that no character
+  vanishes. Added tokens stand for their content (raw or normalized, whichever is longer) and must
+  not strip the spaces around them (that could swallow any number of spaces).
+  """
+  spec = json.loads(backend.to_str())
+  model = spec["model"]
+  if spec.get("truncation") or model["type"] != "BPE":
+    return None
+  if any(step["type"] not in _MEASURED_NORMALIZERS
+         for step in _components(spec.get("normalizer"), "normalizers")):
+    return None
+  pre = _components(spec.get("pre_tokenizer"), "pretokenizers")
+  if any(step["type"] not in _KEEPING_PRE_TOKENIZERS or step.get("behavior") == "Removed"
+         for step in pre):
+    return None
+  vocab = backend.get_vocab(with_added_tokens=False)
+  dropped = b""
+  if any(step["type"] == "ByteLevel" for step in pre):
+    dropped = bytes(b for b, symbol in enumerate(byte_level_symbols()) if symbol not in vocab)
+    longest = max(map(len, vocab))
+  else:
+    byte_tokens = {f"<0x{b:02X}>" for b in range(256)}
+    if not ((model.get("byte_fallback") and byte_tokens <= vocab.keys())
+            or (model.get("unk_token") is not None and not model.get("fuse_unk"))):
+      return None
+    longest = max(_MAX_CHAR_BYTES, max(len(t.encode("utf-8")) for t in vocab))
+  normalizer = backend.normalizer
+  for added in spec["added_tokens"]:
+    if added["lstrip"] or added["rstrip"]:
+      return None
+    content = added["content"]
+    normalized = normalizer.normalize_str(content) if normalizer is not None else content
+    longest = max(longest, len(content.encode("utf-8")), len(normalized.encode("utf-8")))
+  return TokenBound(longest, dropped)
 
 
 def _raise_exception(message):
@@ -46,6 +133,24 @@ class Tokenizer:
   @property
   def vocab_size(self) -> int:
     return self.backend.get_vocab_size(with_added_tokens=True)
+
+  @functools.cached_property
+  def _token_bound(self) -> TokenBound | None:
+    return token_bound(self.backend)
+
+  def min_token_count(self, text: str) -> int:
+    """A lower bound on `len(self.encode(text))` from the text's UTF-8 bytes (normalized first
+    when the tokenizer normalizes; see `token_bound`), without tokenizing; 0 when the tokenizer
+    gives no bound or the text is not valid Unicode."""
+    bound = self._token_bound
+    if bound is None:
+      return 0
+    try:
+      if self.backend.normalizer is not None:
+        text = self.backend.normalizer.normalize_str(text)
+      return bound.min_tokens(text.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate: encode() refuses the text anyway
+      return 0
 
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of `text`; special tokens (such as BOS) are added as the tokenizer config says."""

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import shutil
 import time
 
 import jax.numpy as jnp
@@ -51,6 +52,29 @@ def _read(path: str) -> tuple[str, ModelConfig, dict, Tokenizer]:
                           "nor an existing file or directory")
 
 
+def _registered(manifest: registry.Manifest) -> tuple[str, str, ModelConfig, dict, Tokenizer]:
+  """(path, kind, config, params, tokenizer) of a registered model from its Orbax copy in the
+  cache; the first load fetches the weights and converts them, holding the entry's lock (a
+  process that waited for it finds the copy made)."""
+  path = os.path.join(registry.model_dir(manifest), "orbax")
+  if not orbax_io.is_orbax_dir(path):
+    with registry.entry_lock(manifest):
+      if not orbax_io.is_orbax_dir(path):
+        weights = registry.fetch(manifest)
+        registry.progress(f"converting {weights} to Orbax at {path} ...")
+        start = time.perf_counter()
+        kind, config, params, tokenizer = _read(weights)
+        partial = path + ".partial"
+        for stale in (partial, path):  # left by a process that died while converting
+          shutil.rmtree(stale, ignore_errors=True)
+        orbax_io.save(partial, config, params, tokenizer)
+        os.rename(partial, path)
+        registry.progress(f"converted ({registry.megabytes(path)}) in "
+                          f"{time.perf_counter() - start:.1f} s")
+        return path, kind, config, params, tokenizer
+  return (path, "orbax") + orbax_io.load(path)
+
+
 def load(source: str, dtype="float32") -> Loaded:
   """Loads a model and its tokenizer.
 
@@ -65,14 +89,7 @@ def load(source: str, dtype="float32") -> Loaded:
     kind, config, params, tokenizer = _read(source)
     path = source
   else:
-    path = os.path.join(registry.model_dir(manifest), "orbax")
-    if orbax_io.is_orbax_dir(path):
-      kind, config, params, tokenizer = ("orbax",) + orbax_io.load(path)
-    else:
-      weights = registry.fetch(manifest)
-      kind, config, params, tokenizer = _read(weights)
-      orbax_io.save(path + ".partial", config, params, tokenizer)
-      os.replace(path + ".partial", path)
+    path, kind, config, params, tokenizer = _registered(manifest)
   model = model_from_params(config, params, dtype, source=path)
   return Loaded(model, tokenizer, kind, path, time.perf_counter() - start)
 
