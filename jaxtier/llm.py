@@ -16,6 +16,7 @@ from jaxtier.engine.engine import Engine, EngineConfig
 from jaxtier.engine_args import CPU_DEFAULT_KV_GB, GB, LAYER_EXECUTIONS, EngineArgs, check_offload
 from jaxtier.generate import Completion, StepUpdate, generate_batch
 from jaxtier.kv_bytes import kv_block_bytes
+from jaxtier.logprobs import LogprobDict
 from jaxtier.model import GroupedTransformer
 from jaxtier.offload import auto as offload_auto
 from jaxtier.sampling import SamplingParams
@@ -37,19 +38,28 @@ def resolve_layer_execution(value: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CompletionOutput:
+  """One completion. `logprobs` (when `SamplingParams.logprobs` is set): one dict per generated
+  token, token id -> `Logprob`, holding the generated token and the top `logprobs` tokens."""
   index: int
   text: str
   token_ids: tuple[int, ...]  # generated tokens only
   finish_reason: str  # "stop" or "length"
+  logprobs: list[LogprobDict] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-  """One prompt's result; `text`, `token_ids`, `finish_reason` are those of its first completion."""
+  """One prompt's result; `text`, `token_ids`, `finish_reason` are those of its first completion.
+
+  `prompt_logprobs` (when `SamplingParams.prompt_logprobs` is set): one entry per prompt token,
+  None for the first, else a dict token id -> `Logprob` holding the prompt token and the top
+  `prompt_logprobs` tokens given the tokens before it.
+  """
   request_id: str
   prompt: str | None
   prompt_token_ids: tuple[int, ...]
   outputs: tuple[CompletionOutput, ...]
+  prompt_logprobs: list[LogprobDict | None] | None = None
 
   @property
   def text(self) -> str:
@@ -119,7 +129,7 @@ class LLM:
   @property
   def engine(self) -> Engine:
     """The engine. Its KV pools are allocated on first use, so a process that only runs the
-    padded reference driver (`run_batch`, as the server still does) holds no pools beside it."""
+    padded reference driver (`run_batch`) holds no pools beside it."""
     if self._engine is None:
       self._engine = Engine(nnx.merge(self.graphdef, self.state), self.tokenizer,
                             self.engine_config)
@@ -244,6 +254,7 @@ class LLM:
     if isinstance(prompt, str):
       if not prompt:
         raise ValueError(f"prompt {index} is empty")
+      self._check_text_fits(prompt, index)
       ids = self.tokenizer.encode(prompt)
     elif isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) for t in prompt):
       ids = [int(t) for t in prompt]
@@ -273,7 +284,17 @@ class LLM:
   def chat_token_ids(self, conversation: Sequence[Message], index: int = 0) -> list[int]:
     """Token ids of a conversation rendered with the chat template, checked like a prompt."""
     text = self.tokenizer.apply_chat_template(conversation)
+    self._check_text_fits(text, index)
     return self.prompt_token_ids(self.tokenizer.encode(text, add_special_tokens=False), index)
+
+  def _check_text_fits(self, text: str, index: int) -> None:
+    """The too-long error of `prompt_token_ids`, raised before tokenizing when a lower bound on
+    the text's tokens (`Tokenizer.min_token_count`, one pass over it) already fills the window."""
+    at_least = self.tokenizer.min_token_count(text)
+    if at_least >= self.max_model_len:
+      raise ValueError(f"prompt {index} has at least {at_least} tokens; the context window "
+                       f"max_model_len is {self.max_model_len} and at least one token must be "
+                       "generated")
 
   def make_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
     """A `Request` for `run_batch`; a request without a seed gets one from the engine's seed."""
@@ -333,8 +354,11 @@ class LLM:
             bar.update(1)
             bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s",
                                 refresh=False)
-          yield key, RequestOutput(str(key), text, ids, (CompletionOutput(
-              0, c.text, c.token_ids, c.finish_reason),))
+          yield key, RequestOutput(
+              str(key), text, ids,
+              (CompletionOutput(0, c.text, c.token_ids, c.finish_reason,
+                                None if c.logprobs is None else list(c.logprobs)),),
+              None if c.prompt_logprobs is None else list(c.prompt_logprobs))
     finally:
       for request_id in mine:
         engine.abort(request_id)

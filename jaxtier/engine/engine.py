@@ -39,7 +39,7 @@ from jaxtier.engine.runner import Runner
 from jaxtier.generate import Completion
 from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.kvcache import PagedCacheConfig, PagedKVCache, device_pool_bytes, host_pool_bytes
-from jaxtier.logprobs import LogprobDict
+from jaxtier.logprobs import MAX_LOGPROBS, LogprobDict
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED
@@ -211,7 +211,9 @@ class Engine:
 
   def warmup(self) -> dict:
     """Compiles every program this engine's configuration can run (`batch.step_shapes`, their
-    sampling, and block swaps of every padded size), so no later step compiles.
+    sampling and sampled-token log-probabilities, and block swaps of every padded size), so no
+    later step compiles; only prompt log-probabilities (their all-positions prefill variant)
+    compile on first use.
 
     Returns {"programs": count, "compile_seconds": time spent compiling now}; programs already
     compiled in this process (or found in JAX's persistent compilation cache) cost little.
@@ -222,7 +224,7 @@ class Engine:
     most_swapped = min(c.num_device_blocks, c.num_host_blocks)
     swap_sizes = pow2_buckets_up_to(most_swapped) if most_swapped else []
     before = self.runner.compile_seconds
-    programs = self.runner.precompile(self.cache, shapes, swap_sizes)
+    programs = self.runner.precompile(self.cache, shapes, swap_sizes, [MAX_LOGPROBS])
     return {"programs": programs, "compile_seconds": self.runner.compile_seconds - before}
 
   # Stepping.

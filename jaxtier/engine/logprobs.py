@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxtier.buckets import pow2_bucket
 from jaxtier.engine.batch import StepArrays
-from jaxtier.logprobs import LogprobDict, TopLogprobs, entry, program_k
+from jaxtier.logprobs import MAX_LOGPROBS, LogprobDict, TopLogprobs, entry, program_k
 from jaxtier.sampling import SamplingParams
 from jaxtier.tokenizer import Tokenizer
 
@@ -71,10 +71,11 @@ class PromptRows:
 
 def sample_k(arrays: StepArrays, wanted: Mapping[Hashable, RequestLogprobs]) -> int | None:
   """The top-k width of the sampled tokens' program for this call, or None if no row that
-  samples asks for log-probabilities."""
-  ks = [wanted[rid].sample_k for rid, keep in zip(arrays.request_ids, arrays.samples)
-        if keep and rid in wanted and wanted[rid].sample_k is not None]
-  return program_k(max(ks)) if ks else None
+  samples asks for log-probabilities. Always MAX_LOGPROBS: one program per row count (which
+  `Engine.warmup` compiles), and a top-20 of one row of logits costs about what a top-1 does."""
+  asks = any(keep and rid in wanted and wanted[rid].sample_k is not None
+             for rid, keep in zip(arrays.request_ids, arrays.samples))
+  return MAX_LOGPROBS if asks else None
 
 
 def prompt_rows(arrays: StepArrays, wanted: Mapping[Hashable, RequestLogprobs],

@@ -200,18 +200,22 @@ class Runner:
       self.compile_seconds += time.perf_counter() - start
     return program
 
-  def precompile(self, cache: PagedKVCache, shapes, swap_sizes) -> int:
+  def precompile(self, cache: PagedKVCache, shapes, swap_sizes, logprob_ks=()) -> int:
     """Compiles the model call of every (rows, tokens, width) in `shapes`, sampling for every
-    row count, and swaps in both directions of every padded block count in `swap_sizes`, without
-    running them (the cache is not consumed). Returns the number of programs."""
+    row count (and the sampled tokens' log-probabilities for every top-k width in
+    `logprob_ks`), and swaps in both directions of every padded block count in `swap_sizes`,
+    without running them (the cache is not consumed). Returns the number of programs."""
     keys = set()
     for b, t, m in shapes:
       tokens, last = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
       args = (self.state, cache, tokens, tokens, np.zeros((b, m), np.int32), last)
       logits_info, _ = self._compiled(("step", b, t, m), self._forward, args).out_info
       sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
-      self._compiled(("sample", b), _sample, (logits_info, sampling))
+      sampled_info = self._compiled(("sample", b), _sample, (logits_info, sampling)).out_info
       keys |= {("step", b, t, m), ("sample", b)}
+      for k in logprob_ks:
+        self._compiled(("logprobs", b, k), _sample_logprobs, (logits_info, sampled_info), k=k)
+        keys.add(("logprobs", b, k))
     for x, direction in itertools.product(swap_sizes, ("out", "in")):
       index = np.zeros(x, np.int32)
       self._compiled(("swap", direction, x), _SWAPS[direction], (cache, index, index, np.int32(x)),
