@@ -5,14 +5,20 @@ stream=true), /v1/models, /health and Prometheus /metrics.
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
 
-Requests are run in batches of up to --max_num_seqs; requests that arrive while a batch runs wait
-for the next one. Flag values are checked before the model is loaded.
+One engine thread steps continuously: a request joins the running batch at the next step. At
+start-up every program the engine can run is compiled (kept in JAX's persistent compilation cache,
+so a restart is fast); /health answers 503 until then, 200 after. SIGTERM (or Ctrl-C) stops
+accepting requests, lets running ones finish for up to --shutdown_timeout_s, ends the rest with
+finish_reason "abort" and exits 0; a second signal exits at once. Flag values are checked before
+the model is loaded.
 """
 
 import json
+import os
 import sys
+import threading
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from jaxtier import engine_flags
 
@@ -21,10 +27,63 @@ flags.DEFINE_string("served_model_name", None, "model name clients send and /v1/
                     "default: --model")
 flags.DEFINE_string("host", "127.0.0.1", "address to listen on (0.0.0.0 for all interfaces)")
 flags.DEFINE_integer("port", 8000, "port to listen on", lower_bound=1, upper_bound=65535)
+flags.DEFINE_integer("max_request_bytes", 4 * 1024 * 1024, "largest request body in bytes; a "
+                     "larger one is answered 413 before it is read (default 4 MiB)", lower_bound=1)
+flags.DEFINE_string("api_key", None, "when set, every route but /health requires the header "
+                    "'Authorization: Bearer <key>' (401 otherwise); default: $JAXTIER_API_KEY")
+
+
+def _api_key(flag_value: str | None) -> str | None:
+  """--api_key, else $JAXTIER_API_KEY (empty counts as unset)."""
+  return flag_value if flag_value is not None else os.environ.get("JAXTIER_API_KEY") or None
+
+
+flags.register_validator(
+    "api_key", lambda value: (key := _api_key(value)) is None or (
+        key != "" and all(33 <= ord(c) <= 126 for c in key)),
+    message="the API key (--api_key or $JAXTIER_API_KEY) must be printable ASCII without spaces")
 flags.DEFINE_integer("seed", 0, "seeds the sampling seeds of requests that send none",
                      lower_bound=0)
-flags.DEFINE_float("batch_wait_ms", 5.0, "a batch that is not full starts once no request has "
-                   "arrived for this long (at most 20 such waits)", lower_bound=0)
+flags.DEFINE_integer("max_queued_requests", 1024, "most requests waiting for admission; more "
+                     "get 429 with a Retry-After header", lower_bound=1)
+flags.DEFINE_float("shutdown_timeout_s", 30.0, "on SIGTERM, how long running requests may still "
+                   "run before they end with finish_reason 'abort'", lower_bound=0)
+flags.DEFINE_boolean("warmup", True, "compile every program before /health says ok (else the "
+                     "first request of each shape waits for its compile)")
+
+def _draining_server(config, engine, timeout_s: float):
+  """A uvicorn server whose first SIGTERM/SIGINT drains the engine (`AsyncEngine.drain`) before
+  uvicorn shuts down, so the process exits 0; a second signal exits at once."""
+  import uvicorn
+
+  class DrainingServer(uvicorn.Server):
+
+    def __init__(self):
+      super().__init__(config)
+      self.draining = False
+
+    def handle_exit(self, sig, frame):
+      if self.draining:
+        self.should_exit = self.force_exit = True
+        return
+      self.draining = True
+      logging.info("signal %d: draining (up to %.1f s)", sig, timeout_s)
+      threading.Thread(target=self._drain, name="jaxtier-drain", daemon=True).start()
+
+    def _drain(self):
+      ended = engine.drain(timeout_s)
+      logging.info("drained; %d request(s) ended with finish_reason 'abort'", ended)
+      self.should_exit = True
+
+  return DrainingServer()
+
+
+def _report_ready(engine) -> None:
+  engine.wait_ready()
+  report = engine.warmup_report
+  if report is not None:
+    print(f"ready: {report['programs']} programs compiled or loaded in {report['seconds']:.1f} s",
+          file=sys.stderr, flush=True)
 
 
 def main(argv):
@@ -40,10 +99,14 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   print(f"memory: {json.dumps(llm.memory_report())}", file=sys.stderr)
-  engine = AsyncEngine(llm, batch_wait_s=FLAGS.batch_wait_ms / 1e3)
+  engine = AsyncEngine(llm, max_queued_requests=FLAGS.max_queued_requests, warmup=FLAGS.warmup)
+  threading.Thread(target=_report_ready, args=(engine,), daemon=True).start()
   try:
-    uvicorn.run(create_app(engine, FLAGS.served_model_name or FLAGS.model), host=FLAGS.host,
-                port=FLAGS.port)
+    config = uvicorn.Config(create_app(engine, FLAGS.served_model_name or FLAGS.model,
+                                       max_request_bytes=FLAGS.max_request_bytes,
+                                       api_key=_api_key(FLAGS.api_key)),
+                            host=FLAGS.host, port=FLAGS.port)
+    _draining_server(config, engine, FLAGS.shutdown_timeout_s).run()
   finally:
     engine.close()
 

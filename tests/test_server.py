@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -54,12 +55,19 @@ def rotary_bytes(llm) -> int:
 
 @pytest.fixture(scope="module")
 def llm():
+  """The offline reference (an engine of its own: the server's is stepped by its thread)."""
   return jaxtier.LLM(fixture_path("tiny_llama"), **ENGINE_ARGS)
 
 
 @pytest.fixture(scope="module")
-def engine(llm):
-  engine = AsyncEngine(llm)
+def served():
+  return jaxtier.LLM(fixture_path("tiny_llama"), **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+  engine = AsyncEngine(served)
+  assert engine.wait_ready(timeout_s=300)
   yield engine
   engine.close()
 
@@ -203,7 +211,7 @@ def test_offloaded_engine_serves_the_llm_tokens_and_counts_streamed_bytes(llm):
   offloaded = jaxtier.LLM(fixture_path("tiny_llama"), offload_tail_layers=1, prefetch_depth=1,
                           **ENGINE_ARGS)
   tail_bytes = checkpoint_bytes(f"model.layers.{offloaded.config.num_layers - 1}.")
-  engine = AsyncEngine(offloaded)
+  engine = AsyncEngine(offloaded, warmup=False)
   try:
     offload_client = TestClient(create_app(engine, MODEL))
     prompts = ["A tiny model", "Once upon a time"]
@@ -226,8 +234,10 @@ def test_offloaded_engine_serves_the_llm_tokens_and_counts_streamed_bytes(llm):
 
 
 @pytest.mark.parametrize("path, body, status, message", [
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs is not supported"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo is not supported"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400,
+     "logprobs must be an integer in [0, 20] (OpenAI allows up to 5; this server, like vLLM"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0, "logprobs": 1}, 400,
+     "max_tokens must be an integer >= 1, got 0"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of=3 is not supported"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
@@ -253,8 +263,11 @@ def test_offloaded_engine_serves_the_llm_tokens_and_counts_streamed_bytes(llm):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, 400,
      "response_format type 'json_object' is not supported"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-     400, "logprobs and top_logprobs are not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, "top_logprobs requires logprobs=true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, 400,
+     "top_logprobs must be an integer in [0, 20]"),
     ("/v1/nothing", {}, 404, "Not Found"),
 ])
 def test_bad_input_gets_an_openai_error(client, path, body, status, message):
@@ -290,120 +303,213 @@ def test_concurrent_requests_equal_sequential_ones(app, llm):
   assert asyncio.run(run_all()) == sequential
 
 
-class RecordingDriver:
-  """An `LLM` whose batches are recorded, and which fails any batch holding `FAIL_PROMPT`."""
-  FAIL_PROMPT = (7, 7, 7)
-
-  def __init__(self, llm):
-    self.llm, self.max_num_seqs, self.batches = llm, llm.max_num_seqs, []
-
-  def __getattr__(self, name):
-    return getattr(self.llm, name)
-
-  def run_batch(self, requests, on_step=None, aborted=None):
-    if any(r.prompt_token_ids == self.FAIL_PROMPT for r in requests):
-      raise RuntimeError("injected failure")
-    self.batches.append(self.llm.run_batch(requests, on_step=on_step, aborted=aborted))
-    return self.batches[-1]
+def _blocks_all_free(engine) -> bool:
+  figures = engine.engine.stats()
+  return (figures["device_blocks_free"] == figures["device_blocks_total"]
+          and figures["host_blocks_free"] == figures["host_blocks_total"])
 
 
-class HeldDriver(RecordingDriver):
-  """A `RecordingDriver` whose batches stop after their first step until `release` is set, so a
-  test can queue and abort requests mid-batch however fast the model runs."""
-
-  def __init__(self, llm):
-    super().__init__(llm)
-    self.release = threading.Event()
-
-  def run_batch(self, requests, on_step=None, aborted=None):
-    def held_on_step(updates):
-      on_step(updates)
-      assert self.release.wait(timeout=60), "the test never released the batch"
-    return super().run_batch(requests, on_step=held_on_step, aborted=aborted)
+async def _until(predicate, timeout_s: float = 60.0) -> None:
+  """Yields to the event loop until `predicate()` holds (the engine thread works meanwhile)."""
+  deadline = time.monotonic() + timeout_s
+  while not predicate():
+    assert time.monotonic() < deadline, "timed out"
+    await asyncio.sleep(0.005)
 
 
-def test_abort_releases_the_row_and_drops_queued_requests(llm):
-  driver = HeldDriver(llm)
-  engine = AsyncEngine(driver)
-  ids = llm.prompt_token_ids("A tiny model")
+def test_a_short_request_joins_a_running_long_one(engine, served, llm):
+  prompt = served.prompt_token_ids("Once upon a time")
 
   async def scenario():
-    running = engine.generate(llm.make_request(ids, greedy(max_tokens=40)))
-    first = await anext(running)
-    waiting = asyncio.ensure_future(anext(engine.generate(llm.make_request(ids, greedy()))))
-    while engine.stats().waiting == 0:
-      await asyncio.sleep(0.01)
-    waiting.cancel()
-    await asyncio.gather(waiting, return_exceptions=True)
-    assert engine.stats().waiting == 0
-    await running.aclose()
-    driver.release.set()
-    return first, [u async for u in engine.generate(llm.make_request(ids, greedy(max_tokens=3)))]
+    long = engine.generate(served.make_request(prompt, greedy(max_tokens=48)))
+    first = await anext(long)
+    short = [u async for u in engine.generate(served.make_request([5, 17, 42],
+                                                                  greedy(max_tokens=3)))]
+    rest = [u async for u in long]
+    return first, short, rest
 
-  try:
-    first, after = asyncio.run(scenario())
-  finally:
-    driver.release.set()
-    engine.close()
-  aborted, = driver.batches[0]
-  assert aborted.finish_reason == "abort" and 1 <= len(aborted.token_ids) < 40
-  unaborted = llm.generate("A tiny model", greedy(max_tokens=40))[0].token_ids
-  assert aborted.token_ids == unaborted[:len(aborted.token_ids)]
-  assert first.new_token_ids == unaborted[:len(first.new_token_ids)]
-  assert len(driver.batches) == 2  # the cancelled queued request never ran
-  assert after[-1].completion.token_ids == llm.generate("A tiny model",
+  first, short, rest = asyncio.run(scenario())
+  assert short[-1].completion.token_ids == llm.generate([[5, 17, 42]],
                                                         greedy(max_tokens=3))[0].token_ids
-  assert engine.stats().running == 0
+  assert len(rest) >= 40  # the long request was still running when the short one ended
+  tokens = first.new_token_ids + tuple(t for u in rest for t in u.new_token_ids)
+  assert tokens == llm.generate("Once upon a time", greedy(max_tokens=48))[0].token_ids
 
 
-def test_requests_sent_together_share_one_batch(llm):
-  driver = RecordingDriver(llm)
-  engine = AsyncEngine(driver, batch_wait_s=30.0)  # a full batch must not wait for it
-  requests = [llm.make_request(llm.prompt_token_ids(f"prompt {i}"), greedy(max_tokens=2))
-              for i in range(llm.max_num_seqs)]
+def test_no_compile_after_ready(engine, client):
+  runner = engine.engine.runner
+  compiled = runner.compile_seconds
+  prompts = ["A tiny model", "Once upon a time", list(range(1, 40)), [5, 17, 42], "Hi"]
 
-  async def collect(request):
-    return [u async for u in engine.generate(request)][-1].completion
+  async def run_all():
+    transport = httpx.ASGITransport(app=client.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+      return await asyncio.gather(*[
+          http.post("/v1/completions", json={"prompt": p, "max_tokens": 3 + 2 * i, "n": 1 + i % 3,
+                                             "temperature": 0.5 * (i % 2), "ignore_eos": True,
+                                             "logprobs": i % 3 or None})
+          for i, p in enumerate(prompts)])
+
+  assert [r.status_code for r in asyncio.run(run_all())] == [200] * len(prompts)
+  assert runner.compile_seconds == compiled
+
+
+def test_health_is_503_until_warm():
+  served = jaxtier.LLM(fixture_path("tiny_llama"), **ENGINE_ARGS)
+  release = threading.Event()
+  warmup = served.engine.warmup
+
+  def held_warmup():
+    assert release.wait(timeout=60)
+    return warmup()
+
+  served.engine.warmup = held_warmup
+  warming = AsyncEngine(served)
+  try:
+    warming_client = TestClient(create_app(warming, MODEL))
+    response = warming_client.get("/health")
+    assert response.status_code == 503 and response.json() == {"status": "warming up"}
+    assert metric_values(warming_client)["jaxtier_ready"] == 0
+    release.set()
+    assert warming.wait_ready(timeout_s=120)
+    assert warming_client.get("/health").status_code == 200
+    assert metric_values(warming_client)["jaxtier_ready"] == 1
+  finally:
+    release.set()
+    warming.close()
+
+
+def test_abort_frees_the_blocks_at_once(engine, served, llm):
+  ids = served.prompt_token_ids("A tiny model")
 
   async def scenario():
-    return await asyncio.gather(*(collect(r) for r in requests))
+    running = engine.generate(served.make_request(ids, greedy(max_tokens=40)))
+    first = await anext(running)
+    await running.aclose()
+    await _until(lambda: engine.stats().running == 0 and engine.stats().steps > 0)
+    return first
 
-  start = time.monotonic()
-  try:
-    completions = asyncio.run(scenario())
-  finally:
-    engine.close()
-  assert time.monotonic() - start < 30
-  assert [len(batch) for batch in driver.batches] == [llm.max_num_seqs]
-  reference = llm.generate([f"prompt {i}" for i in range(llm.max_num_seqs)], greedy(max_tokens=2))
-  assert [c.token_ids for c in completions] == [o.token_ids for o in reference]
+  first = asyncio.run(scenario())
+  unaborted = llm.generate("A tiny model", greedy(max_tokens=40))[0].token_ids
+  assert first.new_token_ids == unaborted[:len(first.new_token_ids)]
+  assert _blocks_all_free(engine)
+  assert engine.engine.stats()["requests_aborted"].get("client_abort", 0) >= 1
 
 
-def test_a_failing_batch_is_an_error_and_the_engine_keeps_serving(llm):
-  engine = AsyncEngine(RecordingDriver(llm))
+def test_a_failing_step_is_an_error_and_the_engine_keeps_serving(llm):
+  served = jaxtier.LLM(fixture_path("tiny_llama"), **ENGINE_ARGS)
+  fail = (7, 7, 7)
+  engine = AsyncEngine(served, warmup=False)
+  step = engine.engine.runner.step
+
+  def failing_step(cache, arrays):
+    if any(tuple(row[:3]) == fail for row in arrays.tokens_bt.tolist()):
+      raise RuntimeError("injected failure")
+    return step(cache, arrays)
+
+  engine.engine.runner.step = failing_step
   try:
     failing = TestClient(create_app(engine, MODEL))
-    response = failing.post("/v1/completions", json={"prompt": list(RecordingDriver.FAIL_PROMPT)})
+    response = failing.post("/v1/completions", json={"prompt": list(fail)})
     assert response.status_code == 500
     assert response.json()["error"]["type"] == "server_error"
     assert "injected failure" in response.json()["error"]["message"]
     with failing.stream("POST", "/v1/completions",
-                        json={"prompt": list(RecordingDriver.FAIL_PROMPT), "stream": True}) as r:
+                        json={"prompt": list(fail), "stream": True}) as r:
       assert "injected failure" in events(r)[-1]["error"]["message"]
     body = complete(failing, prompt="Hi", max_tokens=3, temperature=0, ignore_eos=True)
     assert body["choices"][0]["text"] == llm.generate("Hi", greedy(max_tokens=3))[0].text
+    assert _blocks_all_free(engine)
   finally:
     engine.close()
-  with pytest.raises(EngineError, match="shut down"):
-    asyncio.run(anext(engine.generate(llm.make_request([1, 2], greedy()))))
+  async def too_late():
+    engine.generate(served.make_request([1, 2], greedy()))
+
+  with pytest.raises(EngineError, match="shutting down"):
+    asyncio.run(too_late())
 
 
-def test_metrics_count_requests_and_tokens(client, llm):
+def test_a_full_queue_answers_429_and_then_serves():
+  one_at_a_time = jaxtier.LLM(fixture_path("tiny_llama"), **{**ENGINE_ARGS, "max_num_seqs": 1})
+  engine = AsyncEngine(one_at_a_time, max_queued_requests=1, warmup=False)
+  app = create_app(engine, MODEL)
+  body = {"prompt": "A tiny model", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+  async def scenario():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+      running = asyncio.ensure_future(http.post("/v1/completions", json=body))
+      await _until(lambda: engine.stats().running == 1)
+      queued = asyncio.ensure_future(http.post("/v1/completions", json=body))
+      await _until(lambda: engine.stats().waiting == 1)
+      refused = await http.post("/v1/completions", json=body)
+      return refused, await running, await queued
+
+  try:
+    refused, running, queued = asyncio.run(scenario())
+    after = TestClient(app).post("/v1/completions", json=body)
+  finally:
+    engine.close()
+  assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+  assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+  assert "max_queued_requests" in refused.json()["error"]["message"]
+  expected = one_at_a_time.tokenizer.decode(
+      jaxtier.LLM(fixture_path("tiny_llama"), **ENGINE_ARGS).generate(
+          "A tiny model", greedy(max_tokens=40))[0].token_ids)
+  for response in (running, queued, after):
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
+
+
+def test_drain_ends_running_requests_with_abort(llm):
+  served = jaxtier.LLM(fixture_path("tiny_llama"), **ENGINE_ARGS)
+  engine = AsyncEngine(served, warmup=False)
+  release, step = threading.Event(), served.engine.step
+  calls = []
+
+  def held_step():
+    calls.append(1)
+    if len(calls) > 1:
+      assert release.wait(timeout=60)
+    return step()
+
+  served.engine.step = held_step
+  ids = served.prompt_token_ids("A tiny model")
+
+  async def scenario():
+    stream = engine.generate(served.make_request(ids, greedy(max_tokens=40)))
+    updates = [await anext(stream)]
+    drained = asyncio.get_running_loop().run_in_executor(None, engine.drain, 0.0)
+    await _until(lambda: not engine.accepting)
+    with pytest.raises(EngineError, match="shutting down"):
+      engine.generate(served.make_request(ids, greedy()))
+    release.set()
+    updates += [u async for u in stream]
+    return updates, await drained
+
+  try:
+    updates, ended = asyncio.run(scenario())
+  finally:
+    release.set()
+    engine.close()
+  assert ended == 1
+  completion = updates[-1].completion
+  assert completion.finish_reason == "abort" and 1 <= len(completion.token_ids) < 40
+  assert completion.token_ids == llm.generate("A tiny model", greedy(max_tokens=40))[0].token_ids[
+      :len(completion.token_ids)]
+
+
+def test_metrics_count_requests_and_tokens(client, served):
   before = metric_values(client)
   for name in ("jaxtier_requests_running", "jaxtier_requests_waiting",
                "jaxtier_weight_transfer_bytes_total", "jaxtier_device_weight_bytes",
                "jaxtier_host_weight_bytes", "jaxtier_time_to_first_token_seconds_count",
-               "jaxtier_e2e_request_latency_seconds_count"):
+               "jaxtier_e2e_request_latency_seconds_count", "jaxtier_kv_device_blocks_used",
+               "jaxtier_kv_device_blocks_total", "jaxtier_kv_host_blocks_used",
+               "jaxtier_kv_host_blocks_total", "jaxtier_swap_out_total", "jaxtier_swap_in_total",
+               "jaxtier_swap_out_bytes_total", "jaxtier_swap_in_bytes_total",
+               "jaxtier_swap_seconds_total", "jaxtier_preemptions_total{mode=swap}",
+               "jaxtier_preemptions_total{mode=recompute}", "jaxtier_requests_swapped",
+               "jaxtier_inter_token_latency_seconds_count", "jaxtier_host_kv_cache_bytes"):
     assert name in before
   body = complete(client, prompt=[1, 2, 3], max_tokens=5, temperature=0, ignore_eos=True)
   after = metric_values(client)
@@ -416,9 +522,12 @@ def test_metrics_count_requests_and_tokens(client, llm):
   assert moved("jaxtier_requests_finished_total{finish_reason=length}") == 1
   assert moved("jaxtier_time_to_first_token_seconds_count") == 1
   assert moved("jaxtier_e2e_request_latency_seconds_count") == 1
+  assert moved("jaxtier_inter_token_latency_seconds_count") == 4  # between 5 tokens
+  assert after["jaxtier_kv_device_blocks_used"] == 0  # all freed when the request ended
+  assert after["jaxtier_kv_device_blocks_total"] == served.engine_config.num_device_blocks
   assert moved("jaxtier_model_steps_total") == 5
   assert after["jaxtier_weight_transfer_bytes_total"] == 0  # nothing offloaded
-  assert after["jaxtier_device_weight_bytes"] == checkpoint_bytes() + rotary_bytes(llm)
+  assert after["jaxtier_device_weight_bytes"] == checkpoint_bytes() + rotary_bytes(served)
 
 
 def test_openai_client_against_uvicorn(app, llm):
@@ -457,8 +566,48 @@ def test_openai_client_against_uvicorn(app, llm):
 @pytest.mark.parametrize("flag, message", [
     ("--offload_tail_layers=some", "offload_tail_layers='some': expected 'auto' or an int >= 0"),
     ("--prefetch_depth=0", "prefetch_depth=0: expected 'auto' or an int in [1, 4]"),
+    ("--max_queued_requests=0", "max_queued_requests"),
+    ("--shutdown_timeout_s=-1", "shutdown_timeout_s"),
 ])
 def test_serve_rejects_bad_flags_before_loading(flag, message):
   proc = subprocess.run([sys.executable, SERVE, "--model=/nonexistent", flag],
                         capture_output=True, text=True, timeout=60)
   assert proc.returncode != 0 and message in proc.stderr
+
+
+def test_sigterm_drains_and_exits_0(tmp_path):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+      "JAX_COMPILATION_CACHE_DIR", str(tmp_path / "xla"))}
+  proc = subprocess.Popen(
+      [sys.executable, SERVE, f"--model={fixture_path('tiny_llama')}", f"--port={port}",
+       "--max_model_len=64", "--max_num_seqs=4", "--layer_execution=scan",
+       "--shutdown_timeout_s=0"], env=env, stderr=subprocess.PIPE, text=True)
+  url = f"http://127.0.0.1:{port}"
+  try:
+    deadline = time.monotonic() + 240
+    while True:
+      assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+      try:
+        if httpx.get(f"{url}/health").status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      time.sleep(0.2)
+    body = {"prompt": "A tiny model", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+      lines = response.iter_lines()
+      first = next(line for line in lines if line)
+      proc.send_signal(signal.SIGTERM)
+      rest = [line for line in lines if line]
+    assert proc.wait(timeout=60) == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  chunks = [json.loads(line[len("data: "):]) for line in [first] + rest[:-1]]
+  assert rest[-1] == "data: [DONE]"
+  assert chunks[-1]["choices"][0]["finish_reason"] in ("abort", "length")
+  assert "ready:" in proc.stderr.read()

@@ -3,7 +3,9 @@
 Handlers validate a request, turn it into engine requests (one per prompt and choice) and turn the
 engine's updates back into responses (`serving`). Every error is OpenAI-shaped JSON,
 `{"error": {"message", "type", "param", "code"}}`: 400 for bad input, 404 for an unknown model or
-route, 500 only when a batch fails inside the engine (the engine keeps serving).
+route, 429 (with Retry-After) when the request queue is full, 503 while shutting down, 500 only
+when a step fails inside the engine (the engine keeps serving). `/health` answers 503 until the
+engine's warm-up has compiled every program, then 200.
 """
 
 import asyncio
@@ -18,22 +20,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from jaxtier.server import limits
 from jaxtier.server import serving
-from jaxtier.server.async_engine import AsyncEngine, EngineError
+from jaxtier.server.async_engine import AsyncEngine, EngineError, QueueFull
 from jaxtier.server.metrics import ServerMetrics
-from jaxtier.server.protocol import ChatCompletionRequest, CompletionRequest, error_messages
+from jaxtier.server.protocol import (ChatCompletionRequest, CompletionRequest, body_problem,
+                                     error_messages)
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the response
+RETRY_AFTER_S = 1  # the Retry-After of a 429 when the request queue is full
 
 
 class OpenAIError(Exception):
   """An error answered as OpenAI's JSON error object with an HTTP status."""
 
   def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-               param: str | None = None, code: str | None = None):
+               param: str | None = None, code: str | None = None,
+               headers: dict[str, str] | None = None):
     super().__init__(message)
     self.status, self.body = status, serving.error_body(message, type_, param, code)
+    self.headers = headers
 
 
 def _checked(fn: Callable[..., T], *args) -> T:
@@ -44,8 +51,16 @@ def _checked(fn: Callable[..., T], *args) -> T:
     raise OpenAIError(400, str(e)) from None
 
 
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
-  """One readable 400 from pydantic's errors: 'field: problem; ...'."""
+_BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def _validation_error(exc: RequestValidationError, request: fastapi.Request) -> OpenAIError:
+  """One readable 400: what is wrong with the body as a whole (not JSON, empty, not an object),
+  else pydantic's errors as 'field: problem; ...'."""
+  problem = body_problem(exc.errors(), exc.body, request.headers.get("content-type"),
+                         _BODY_MODELS.get(request.url.path))
+  if problem is not None:
+    return OpenAIError(400, problem)
   found = error_messages(exc.errors(), skip=("body",))
   return OpenAIError(400, "; ".join(m for m, _ in found), param=found[0][1] if found else None)
 
@@ -69,28 +84,38 @@ async def _unless_disconnected(request: fastapi.Request, work: Awaitable[T]) -> 
   return None if task.cancelled() else task.result()
 
 
-def create_app(engine: AsyncEngine, served_model_name: str) -> fastapi.FastAPI:
+def create_app(engine: AsyncEngine, served_model_name: str, *,
+               max_request_bytes: int | None = None, api_key: str | None = None
+               ) -> fastapi.FastAPI:
   """The FastAPI app serving `engine.llm` under the name `served_model_name`.
 
   Each app owns its Prometheus registry, so several apps can share one process (or one engine).
+  `max_request_bytes` caps request bodies (413 beyond it; None: no cap) and `api_key`, when given,
+  is required as `Authorization: Bearer <key>` on every route but /health (401 otherwise); both
+  act before a body is read (`limits.RequestLimits`).
   """
   llm = engine.llm
   metrics = ServerMetrics(engine)
   created = int(time.time())
   app = fastapi.FastAPI(title="jaxtier", description="OpenAI-compatible server")
+  limits.install(app, max_request_bytes, api_key)
 
   @app.exception_handler(OpenAIError)
   async def _openai_error(request: fastapi.Request, exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body, status_code=exc.status)
+    return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
   @app.exception_handler(RequestValidationError)
   async def _invalid(request: fastapi.Request, exc: RequestValidationError) -> JSONResponse:
-    error = _validation_error(exc)
+    error = _validation_error(exc, request)
     return JSONResponse(error.body, status_code=error.status)
 
   @app.exception_handler(HTTPException)
   async def _http_error(request: fastapi.Request, exc: HTTPException) -> JSONResponse:
-    body = serving.error_body(str(exc.detail), "invalid_request_error", code=str(exc.status_code))
+    detail = str(exc.detail)
+    if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+      detail = (f"the request body is not valid JSON: it is not valid UTF-8 "
+                f"({exc.__cause__.reason} at byte {exc.__cause__.start})")
+    body = serving.error_body(detail, "invalid_request_error", code=str(exc.status_code))
     return JSONResponse(body, status_code=exc.status_code)
 
   def check_model(model: str | None) -> None:
@@ -101,6 +126,8 @@ def create_app(engine: AsyncEngine, served_model_name: str) -> fastapi.FastAPI:
   async def serve(body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[list[int]],
                   request: fastapi.Request, chat: bool, max_tokens: int | None):
     arrival = time.monotonic()
+    echo = not chat and body.echo
+    scored = echo and max_tokens == 0  # score the prompt: one token is generated and dropped
     if max_tokens is not None:
       longest = max(len(ids) for ids in prompt_ids)
       if longest + max_tokens > llm.max_model_len:
@@ -109,15 +136,30 @@ def create_app(engine: AsyncEngine, served_model_name: str) -> fastapi.FastAPI:
                           f"({longest} in the prompt, {max_tokens} in the completion). Please "
                           "reduce the length of the prompt or of the completion.",
                           param="max_tokens")
-    params = _checked(body.sampling_params,
-                      llm.max_model_len if max_tokens is None else max_tokens)
-    streams = [metrics.track(engine.generate(llm.make_request(ids, p)), len(ids), arrival)
-               for ids in prompt_ids for p in params]
+    params = _checked(body.sampling_params, llm.max_model_len if max_tokens is None
+                      else 1 if scored else max_tokens)
+    echoes = None
+    if echo:
+      texts = [p if isinstance(p, str) else llm.tokenizer.decode(ids)
+               for p, ids in zip(body.prompts(), prompt_ids)]
+      echoes = [serving.Echo(text, tuple(ids)) for text, ids in zip(texts, prompt_ids)
+                for _ in params]
+    requests = [llm.make_request(ids, p) for ids in prompt_ids for p in params]
+    try:
+      submitted = engine.submit(requests)
+    except QueueFull as e:
+      raise OpenAIError(429, str(e), "rate_limit_exceeded", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except EngineError as e:
+      raise OpenAIError(503, str(e), "server_error", code="shutting_down") from None
+    streams = [metrics.track(stream, len(r.prompt_token_ids), arrival)
+               for r, stream in zip(requests, submitted)]
     choices = serving.Choices(
         id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
         model=served_model_name, chat=chat, streams=streams,
         stops=[p.stop for _ in prompt_ids for p in params],
-        prompt_tokens=sum(len(ids) for ids in prompt_ids))
+        prompt_tokens=sum(len(ids) for ids in prompt_ids), logprobs=body.logprob_counts()[0],
+        echo=echoes, generated=not scored)
     if body.stream:
       return StreamingResponse(serving.events(choices, llm.tokenizer, body.include_usage),
                                media_type="text/event-stream")
@@ -127,11 +169,16 @@ def create_app(engine: AsyncEngine, served_model_name: str) -> fastapi.FastAPI:
       raise OpenAIError(500, str(e), "server_error") from None
     if completions is None:
       return fastapi.Response(status_code=CLIENT_CLOSED)
-    return serving.response_body(choices, completions)
+    return serving.response_body(choices, completions, llm.tokenizer)
 
   @app.get("/health")
-  async def health() -> dict[str, str]:
-    return {"status": "ok"}
+  async def health() -> JSONResponse:
+    stats = engine.stats()
+    if not stats.ready:
+      return JSONResponse({"status": "warming up"}, status_code=503)
+    if not engine.accepting:
+      return JSONResponse({"status": "shutting down"}, status_code=503)
+    return JSONResponse({"status": "ok"})
 
   @app.get("/v1/models")
   async def models() -> dict[str, Any]:

@@ -1,53 +1,51 @@
-"""An asyncio front over the batch driver: requests queue up and a background thread runs them.
+"""An asyncio front over the engine: one thread steps it, HTTP handlers stream each request's tokens.
 
-The thread takes up to `max_num_seqs` waiting requests and runs them as one padded batch
-(`LLM.run_batch`) until every row of it has finished; requests that arrive meanwhile wait for the
-next batch. A batch that is not full starts once no request has arrived for `batch_wait_s` (at
-most 20 such waits after its first request), so clients that send together share one batch
-instead of the first running alone. Per-step updates travel back to each request's event loop, so
-HTTP handlers stream tokens as they are generated. Closing a request's stream (a client that disconnected) aborts its
-row between two steps, or drops it from the queue if it has not started.
+The engine thread first compiles every program the engine can run (`Engine.warmup`; `ready` is set
+after it), then loops: it takes the requests and aborts that handlers queued since the last step,
+applies them to the engine (arrivals join the running batch at the next step: continuous
+batching), runs one `Engine.step()` and hands each update to the event loop of the request it
+belongs to, with one wake-up per event loop per step. It sleeps only while the engine has nothing
+to do.
 
-The HTTP layer needs only `generate` (an async stream of `StepUpdate`s that aborts when closed),
-`stats` and the `llm` that tokenizes prompts; a continuous-batching engine that admits requests
-between steps can take the place of this class behind the same methods.
+Closing a request's stream (a client that disconnected) aborts it before the next step; its blocks
+are freed at once and nothing more is delivered. A step that fails ends the requests it held with
+`EngineError` (the engine aborts them and stays usable). `drain` stops new requests, waits for the
+running ones up to a timeout and ends the rest with finish_reason "abort"; `close` stops the thread.
+
+The server holds `llm.engine`: do not call the offline methods of the same `LLM` (`generate`,
+`chat`) while it serves, since the engine is stepped by this class's thread only.
 """
 
 import asyncio
-import collections
 import dataclasses
 import threading
 import time
-from typing import AsyncIterator, Callable, Protocol, Sequence
+from collections.abc import AsyncIterator, Hashable
 
 from absl import logging
 
-from jaxtier.generate import Completion, StepUpdate
+from jaxtier.engine.engine import RequestUpdate
 from jaxtier.scheduler import Request
 
 
-class BatchDriver(Protocol):
-  """What the engine needs from `jaxtier.LLM` to run a batch."""
-  max_num_seqs: int
-
-  def run_batch(self, requests: Sequence[Request],
-                on_step: Callable[[list[StepUpdate]], None] | None = None,
-                aborted: Callable[[int], bool] | None = None) -> list[Completion]:
-    ...
-
-
-MAX_WAITS = 20  # a batch waits at most this many batch_wait_s for arrivals
-
-
 class EngineError(RuntimeError):
-  """The batch a request ran in failed; the engine itself keeps serving."""
+  """The step a request ran in failed, or the engine is shutting down."""
+
+
+class QueueFull(EngineError):
+  """More requests are queued than `max_queued_requests`: retry later."""
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
-  running: int  # rows of the current batch still generating
-  waiting: int  # requests queued for the next batch
-  steps: int  # model steps run since start (prefills included)
+  """The engine as the HTTP layer sees it, refreshed after every step."""
+  running: int  # requests holding device KV blocks
+  waiting: int  # requests queued, not yet admitted (handed to the engine or not)
+  swapped: int  # preempted requests whose KV sits in the host pool
+  steps: int  # engine steps run since start
+  model_calls: int  # model programs run (a step runs its prefill groups and its decode batch)
+  ready: bool  # warm-up has finished: no request will wait for a compile
+  engine: dict  # `Engine.stats()` as of the last step (swap timings may lag a step)
 
 
 class _Entry:
@@ -56,13 +54,41 @@ class _Entry:
   def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
     self.request, self.loop = request, loop
     self.updates: asyncio.Queue = asyncio.Queue()
-    self.aborted = False  # set by the event loop, read by the engine thread
-    self.done = False  # set by the engine thread
+    self.aborted = False  # set by the event loop: the client went away
+    self.done = False  # set by the engine thread: the last update was handed over
 
 
-def _deliver(items: list[tuple[_Entry, StepUpdate | EngineError]]) -> None:
+class RequestStream:
+  """One request's updates as an async iterator; the last update carries its `Completion`.
+
+  Raises EngineError if the request's step fails or the server ends it. `aclose()` before the
+  last update aborts the request (its blocks are freed before the engine's next step).
+  """
+
+  def __init__(self, engine: "AsyncEngine", entry: _Entry):
+    self._engine, self._entry, self._finished = engine, entry, False
+
+  def __aiter__(self) -> "RequestStream":
+    return self
+
+  async def __anext__(self) -> RequestUpdate:
+    if self._finished:
+      raise StopAsyncIteration
+    item = await self._entry.updates.get()
+    if isinstance(item, EngineError):
+      self._finished = True
+      raise item
+    self._finished = item.completion is not None
+    return item
+
+  async def aclose(self) -> None:
+    self._finished = True
+    self._engine._client_gone(self._entry)  # pylint: disable=protected-access
+
+
+def _deliver(items: list[tuple[_Entry, RequestUpdate | EngineError]]) -> None:
   """Hands each entry its item on the entry's event loop, with one call per event loop."""
-  by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Entry, StepUpdate | EngineError]]] = {}
+  by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Entry, RequestUpdate | EngineError]]] = {}
   for entry, item in items:
     by_loop.setdefault(entry.loop, []).append((entry, item))
   for loop, mine in by_loop.items():
@@ -78,110 +104,202 @@ def _deliver(items: list[tuple[_Entry, StepUpdate | EngineError]]) -> None:
 
 
 class AsyncEngine:
-  """Runs queued requests in batches on a background thread; see the module docstring.
+  """Steps `llm.engine` on a background thread; see the module docstring.
 
   Args:
-    llm: the batch driver, normally a `jaxtier.LLM`.
-    batch_wait_s: the quiet time after the last arrival that starts a batch that is not full.
+    llm: a `jaxtier.LLM`; its engine (and KV pools) is created here.
+    max_queued_requests: most requests waiting for admission; more raise `QueueFull`. None: no
+      cap.
+    warmup: compile every program before serving (see `Engine.warmup`); else `ready` at once and
+      the first requests of each shape wait for its compile.
   """
 
-  def __init__(self, llm: BatchDriver, batch_wait_s: float = 0.005):
-    if not batch_wait_s >= 0:
-      raise ValueError(f"batch_wait_s={batch_wait_s!r}: expected a number >= 0")
-    self.llm, self.batch_wait_s = llm, batch_wait_s
+  def __init__(self, llm, max_queued_requests: int | None = None, warmup: bool = True):
+    if max_queued_requests is not None and max_queued_requests < 1:
+      raise ValueError(f"max_queued_requests={max_queued_requests!r}: expected an int >= 1 or "
+                       "None")
+    self.llm, self.max_queued_requests = llm, max_queued_requests
+    self.engine = llm.engine
     self._cond = threading.Condition()
-    self._waiting: collections.deque[_Entry] = collections.deque()
-    self._running: list[_Entry] = []
-    self._steps = 0
-    self._closed = False
+    self._inbox: list[_Entry] = []  # new requests, for the engine thread
+    self._aborts: list[tuple[Hashable, bool]] = []  # (request id, deliver its final update)
+    self._live: dict[Hashable, _Entry] = {}  # requests in the engine (engine thread only)
+    self._num_live = 0  # len(self._live) as of the end of the engine thread's last iteration
+    self._working = False  # the engine thread is between taking the inbox and publishing
+    self._taken = 0  # arrivals the engine thread took that the published stats do not count yet
+    self._accepting, self._closed, self._ending = True, False, False
+    self._stats = self._snapshot(ready=False)
+    self._ready = threading.Event()
+    self.warmup_report: dict | None = None
+    self._warmup = warmup
     self._thread = threading.Thread(target=self._loop, name="jaxtier-engine", daemon=True)
     self._thread.start()
 
+  # The HTTP side.
+
+  @property
+  def ready(self) -> bool:
+    return self._ready.is_set()
+
+  def wait_ready(self, timeout_s: float | None = None) -> bool:
+    """Blocks until warm-up has finished (or `timeout_s` passed); returns `ready`."""
+    return self._ready.wait(timeout_s)
+
+  @property
+  def accepting(self) -> bool:
+    """False once `drain` or `close` has begun."""
+    return self._accepting
+
   def stats(self) -> EngineStats:
     with self._cond:
-      return EngineStats(running=sum(not (e.done or e.aborted) for e in self._running),
-                         waiting=sum(not e.aborted for e in self._waiting), steps=self._steps)
+      return self._stats
 
-  async def generate(self, request: Request) -> AsyncIterator[StepUpdate]:
-    """Streams the request's updates; the last one carries its `Completion`.
+  def submit(self, requests: list[Request]) -> list["RequestStream"]:
+    """Queues requests (the choices of one HTTP request, all or none) for the engine's next step;
+    returns a stream of updates per request.
 
-    Waits while the current batch runs. Closing the stream early aborts the request. Raises
-    EngineError if the batch fails.
+    Raises QueueFull when they would pass `max_queued_requests`, EngineError when the engine is
+    shutting down.
     """
-    entry = _Entry(request, asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    entries = [_Entry(request, loop) for request in requests]
     with self._cond:
-      if self._closed:
-        raise EngineError("the engine is shut down")
-      self._waiting.append(entry)
+      if not self._accepting:
+        raise EngineError("the server is shutting down")
+      queued = len(self._inbox) + self._taken + self._stats.waiting
+      if self.max_queued_requests is not None and queued + len(entries) > self.max_queued_requests:
+        raise QueueFull(f"{self.max_queued_requests} requests are queued already "
+                        "(max_queued_requests); retry later")
+      self._inbox += entries
       self._cond.notify()
-    try:
-      while True:
-        item = await entry.updates.get()
-        if isinstance(item, EngineError):
-          raise item
-        yield item
-        if item.completion is not None:
-          return
-    finally:
-      entry.aborted = not entry.done
+    return [RequestStream(self, entry) for entry in entries]
+
+  def generate(self, request: Request) -> "RequestStream":
+    """`submit` of one request."""
+    return self.submit([request])[0]
+
+  def _client_gone(self, entry: _Entry) -> None:
+    if not entry.done and not entry.aborted:
+      entry.aborted = True
+      with self._cond:
+        self._aborts.append((entry.request.request_id, False))
+        self._cond.notify()
+
+  def drain(self, timeout_s: float) -> int:
+    """Stops accepting requests, lets the live ones finish for up to `timeout_s` seconds, then
+    ends the rest with finish_reason "abort" (delivered to their clients). Returns how many were
+    ended that way."""
+    deadline = time.monotonic() + timeout_s
+    with self._cond:
+      self._accepting = False
+      while self._busy() and time.monotonic() < deadline:
+        self._cond.wait(deadline - time.monotonic())
+      ended = len(self._inbox) + self._num_live if self._busy() else 0
+      self._ending = True
+      self._cond.notify_all()
+      while self._busy():
+        self._cond.wait()
+    return ended
 
   def close(self) -> None:
-    """Stops the thread after the batch it is running; queued requests fail with EngineError."""
+    """Stops the thread after its current step; requests still queued or running fail with
+    EngineError."""
     with self._cond:
-      self._closed = True
-      waiting, self._waiting = list(self._waiting), collections.deque()
-      self._cond.notify()
-    _deliver([(entry, EngineError("the engine shut down before this request started"))
-              for entry in waiting])
+      self._accepting, self._closed = False, True
+      self._cond.notify_all()
     self._thread.join()
+    failed = self._inbox + list(self._live.values())
+    for entry in self._live.values():
+      self.engine.abort(entry.request.request_id)
+    self._inbox, self._live = [], {}
+    _deliver([(entry, EngineError("the engine shut down before this request finished"))
+              for entry in failed])
+
+  # The engine thread.
+
+  def _busy(self) -> bool:
+    """Whether any request is queued, live or being aborted (call with the lock held)."""
+    return bool(self._inbox or self._aborts or self._working or self._num_live)
+
+  def _snapshot(self, ready: bool) -> EngineStats:
+    figures = self.engine.stats(wait_for_swaps=False)
+    return EngineStats(running=figures["running"], waiting=figures["waiting"],
+                       swapped=figures["swapped"], steps=figures["steps"],
+                       model_calls=figures["model_calls"], ready=ready, engine=figures)
 
   def _loop(self) -> None:
+    if self._warmup:
+      start = time.perf_counter()
+      report = self.engine.warmup()
+      self.warmup_report = {**report, "seconds": time.perf_counter() - start}
+      logging.info("warm-up: %d programs ready in %.1f s (%.1f s compiling)",
+                   report["programs"], self.warmup_report["seconds"], report["compile_seconds"])
+    with self._cond:
+      self._stats = self._snapshot(ready=True)
+    self._ready.set()
     while True:
       with self._cond:
-        while not self._waiting and not self._closed:
+        while not self._busy() and not self._closed:
           self._cond.wait()
-        now = time.monotonic()
-        quiet_until, latest = now + self.batch_wait_s, now + MAX_WAITS * self.batch_wait_s
-        seen = len(self._waiting)
-        while seen < self.llm.max_num_seqs and not self._closed:
-          left = min(quiet_until, latest) - time.monotonic()
-          if left <= 0:
-            break
-          self._cond.wait(left)
-          if len(self._waiting) != seen:  # another arrival: wait for the next one again
-            seen, quiet_until = len(self._waiting), time.monotonic() + self.batch_wait_s
         if self._closed:
           return
-        batch: list[_Entry] = []
-        while self._waiting and len(batch) < self.llm.max_num_seqs:
-          entry = self._waiting.popleft()
-          if not entry.aborted:
-            batch.append(entry)
-        self._running = batch
-      if batch:
-        self._run(batch)
-      with self._cond:
-        self._running = []
-
-  def _run(self, batch: list[_Entry]) -> None:
-    def on_step(updates: list[StepUpdate]) -> None:
-      with self._cond:
-        self._steps += 1
-      items = []
-      for update in updates:
-        entry = batch[update.index]
-        entry.done = update.completion is not None
-        if not entry.aborted:
-          items.append((entry, update))
+        arrivals, self._inbox = self._inbox, []
+        aborts, self._aborts = self._aborts, []
+        ending, self._working, self._taken = self._ending, True, len(arrivals)
+      items = self._admit(arrivals)
+      if ending:  # `drain` timed out: end every request, telling its client
+        aborts += [(request_id, True) for request_id in self._live]
+      items += self._abort(aborts)
+      if self.engine.has_unfinished():
+        items += self._step()
       _deliver(items)  # one wake-up of each event loop per step
+      with self._cond:
+        self._stats = self._snapshot(ready=True)
+        self._num_live, self._working, self._taken = len(self._live), False, 0
+        self._cond.notify_all()  # for `drain`
 
+  def _admit(self, arrivals: list[_Entry]) -> list[tuple[_Entry, EngineError]]:
+    failed = []
+    for entry in arrivals:
+      r = entry.request
+      if entry.aborted:  # the client left before the request started
+        continue
+      try:
+        self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.seed)
+      except ValueError as e:  # the HTTP layer checks requests first; this is a backstop
+        failed.append((entry, EngineError(f"request rejected: {e}")))
+        continue
+      self._live[r.request_id] = entry
+    return failed
+
+  def _abort(self, aborts: list[tuple[Hashable, bool]]) -> list[tuple[_Entry, RequestUpdate]]:
+    ended = []
+    for request_id, deliver in aborts:
+      entry = self._live.pop(request_id, None)
+      update = self.engine.abort(request_id)
+      if entry is not None and deliver and update is not None:
+        entry.done = True
+        ended.append((entry, update))
+    return ended
+
+  def _step(self) -> list[tuple[_Entry, RequestUpdate | EngineError]]:
     try:
-      self.llm.run_batch([e.request for e in batch], on_step=on_step,
-                         aborted=lambda i: batch[i].aborted)
-    except Exception as e:  # one failing batch must not stop the engine
-      logging.exception("batch of %d requests failed", len(batch))
-      failed = [entry for entry in batch if not entry.done]
+      updates = self.engine.step()
+    except Exception as e:  # the engine aborted every live request; it keeps serving
+      logging.exception("an engine step failed")
+      failed, self._live = list(self._live.values()), {}
       for entry in failed:
         entry.done = True
-      _deliver([(entry, EngineError(f"generation failed: {type(e).__name__}: {e}"))
-                for entry in failed])
+      return [(entry, EngineError(f"generation failed: {type(e).__name__}: {e}"))
+              for entry in failed]
+    items = []
+    for update in updates:
+      entry = self._live.get(update.request_id)
+      if entry is None:
+        continue
+      if update.completion is not None:
+        del self._live[update.request_id]
+        entry.done = True
+      if not entry.aborted:
+        items.append((entry, update))
+    return items

@@ -1,8 +1,9 @@
 """Prometheus metrics of one server, in a registry the app owns (names prefixed `jaxtier_`).
 
-Per-request counters and latency histograms are observed by the HTTP layer as updates stream
-through `track`; queue gauges, model steps and weight bytes streamed from the host are read from
-the engine when `/metrics` is scraped.
+Per-request counters and latency histograms (time to first token, inter-token latency, end to end)
+are observed by the HTTP layer as updates stream through `track`; the engine's figures (queue,
+KV blocks per tier, swaps, preemptions, model steps, weight bytes streamed from the host) are read
+from the engine's last step when `/metrics` is scraped.
 """
 
 import time
@@ -12,30 +13,60 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxtier.generate import StepUpdate
+from jaxtier.engine.engine import RequestUpdate
 from jaxtier.server.async_engine import AsyncEngine
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+
+_GAUGES = (  # (name, help, key of the engine's stats)
+    ("jaxtier_requests_running", "requests holding device KV blocks", "running"),
+    ("jaxtier_requests_waiting", "requests queued for admission", "waiting"),
+    ("jaxtier_requests_swapped", "preempted requests whose KV is in the host pool", "swapped"),
+    ("jaxtier_kv_device_blocks_total", "blocks of the device KV pool", "device_blocks_total"),
+    ("jaxtier_kv_host_blocks_total", "blocks of the pinned-host KV pool", "host_blocks_total"),
+)
+_COUNTERS = (
+    ("jaxtier_model_steps", "engine steps run", "steps"),
+    ("jaxtier_model_calls", "model programs run (prefill groups and decode batches)",
+     "model_calls"),
+    ("jaxtier_swap_out", "swap-outs (device -> host)", "swap_out_count"),
+    ("jaxtier_swap_in", "swap-ins (host -> device)", "swap_in_count"),
+    ("jaxtier_swap_out_bytes", "KV bytes swapped out", "swap_out_bytes"),
+    ("jaxtier_swap_in_bytes", "KV bytes swapped in", "swap_in_bytes"),
+    ("jaxtier_swap_seconds", "time the swap programs took (measured off the engine thread)",
+     "swap_seconds"),
+)
 
 
 class _EngineCollector:
-  """Reads the engine's queue and step counts at scrape time."""
+  """Reads the engine's figures as of its last step, at scrape time."""
 
-  def __init__(self, engine: AsyncEngine, weight_bytes_per_step: int):
-    self._engine, self._weight_bytes_per_step = engine, weight_bytes_per_step
+  def __init__(self, engine: AsyncEngine, weight_bytes_per_call: int):
+    self._engine, self._weight_bytes_per_call = engine, weight_bytes_per_call
 
   def collect(self):
     stats = self._engine.stats()
-    yield GaugeMetricFamily("jaxtier_requests_running", "requests in the running batch",
-                            value=stats.running)
-    yield GaugeMetricFamily("jaxtier_requests_waiting", "requests queued for a batch",
-                            value=stats.waiting)
-    yield CounterMetricFamily("jaxtier_model_steps", "model steps run (prefills included)",
-                              value=stats.steps)
+    figures = stats.engine
+    for name, text, key in _GAUGES:
+      yield GaugeMetricFamily(name, text, value=figures[key])
+    yield GaugeMetricFamily("jaxtier_kv_device_blocks_used", "device KV blocks in use",
+                            value=figures["device_blocks_total"] - figures["device_blocks_free"])
+    yield GaugeMetricFamily("jaxtier_kv_host_blocks_used", "host KV blocks in use",
+                            value=figures["host_blocks_total"] - figures["host_blocks_free"])
+    yield GaugeMetricFamily("jaxtier_ready", "1 once warm-up has compiled every program",
+                            value=int(stats.ready))
+    for name, text, key in _COUNTERS:
+      yield CounterMetricFamily(name, text, value=figures[key])
+    preemptions = CounterMetricFamily("jaxtier_preemptions", "requests preempted, by mode",
+                                      labels=["mode"])
+    for mode, count in sorted(figures["preemptions"].items()):
+      preemptions.add_metric([mode], count)
+    yield preemptions
     yield CounterMetricFamily(
         "jaxtier_weight_transfer_bytes", "weight bytes streamed from host memory to the device "
-        "(host-resident weight bytes per step times model steps)",
-        value=stats.steps * self._weight_bytes_per_step)
+        "(host-resident weight bytes per model call times model calls)",
+        value=figures["model_calls"] * self._weight_bytes_per_call)
 
 
 class ServerMetrics:
@@ -54,28 +85,36 @@ class ServerMetrics:
                           buckets=LATENCY_BUCKETS, registry=self.registry)
     self.e2e = Histogram("jaxtier_e2e_request_latency_seconds", "arrival to last token",
                          buckets=LATENCY_BUCKETS, registry=self.registry)
+    self.itl = Histogram("jaxtier_inter_token_latency_seconds", "time between a request's tokens",
+                         buckets=TOKEN_BUCKETS, registry=self.registry)
     for key, name in (("device_weight_bytes", "jaxtier_device_weight_bytes"),
                       ("host_weight_bytes", "jaxtier_host_weight_bytes"),
-                      ("device_kv_bytes", "jaxtier_device_kv_cache_bytes")):
+                      ("device_kv_bytes", "jaxtier_device_kv_cache_bytes"),
+                      ("host_kv_bytes", "jaxtier_host_kv_cache_bytes")):
       Gauge(name, f"memory_report()['{key}']", registry=self.registry).set(report[key])
     self.registry.register(_EngineCollector(engine, report["weight_transfer_bytes_per_step"]))
 
   def render(self) -> bytes:
     return prometheus_client.generate_latest(self.registry)
 
-  async def track(self, updates: AsyncIterator[StepUpdate], prompt_len: int, arrival: float
-                  ) -> AsyncIterator[StepUpdate]:
+  async def track(self, updates: AsyncIterator[RequestUpdate], prompt_len: int, arrival: float
+                  ) -> AsyncIterator[RequestUpdate]:
     """Passes a request's updates through, counting tokens, latencies and how it ended.
 
     A stream closed before its last update counts as finished with reason "abort".
     """
     self.prompt_tokens.inc(prompt_len)
-    first, reason = True, "abort"
+    last, reason = None, "abort"
     try:
       async for update in updates:
-        if first and update.new_token_ids:
-          self.ttft.observe(time.monotonic() - arrival)
-          first = False
+        if update.new_token_ids:
+          now = time.monotonic()
+          if last is None:
+            self.ttft.observe(now - arrival)
+          else:
+            for _ in update.new_token_ids:
+              self.itl.observe((now - last) / len(update.new_token_ids))
+          last = now
         self.generation_tokens.inc(len(update.new_token_ids))
         if update.completion is not None:
           reason = update.completion.finish_reason

@@ -2,7 +2,19 @@
 onto `SamplingParams`.
 
 Unknown fields are rejected, and so are known fields whose meaning the engine does not implement
-(logprobs, echo, penalties, tools, ...): a request is either served as asked or answered with 400.
+(penalties, tools, ...): a request is either served as asked or answered with 400.
+
+Accepted and ignored, because they do not change what a text-only completion generates:
+- both endpoints: `user` (an end-user id for abuse monitoring), `stream_options.include_obfuscation`
+  when false (true asks for padding fields in streamed events, which are not sent: a 400);
+- chat completions, as OpenAI's schema has them: `metadata` (string pairs for stored completions),
+  `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`, `prompt_cache_retention` (cache
+  routing and billing), `modalities` when it is `["text"]`.
+Not ignored (400) because they would change the output: `audio`, `prediction`, `reasoning_effort`,
+`verbosity`, `web_search_options`, `functions`, `function_call`, other modalities.
+
+Text that reaches the tokenizer (prompts, message contents, stop strings) must be valid Unicode:
+JSON can carry a lone surrogate (`"\\ud800"`), which is a 400 naming the field.
 """
 
 from typing import Literal
@@ -10,14 +22,47 @@ from typing import Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxtier.logprobs import MAX_LOGPROBS
 from jaxtier.sampling import SamplingParams
 
 TokenIds = list[int]
 
 
+def valid_unicode(text: str) -> str:
+  """`text`, or ValueError naming its first lone surrogate (JSON can carry one; text cannot)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(f"contains a lone surrogate (U+{ord(text[e.start]):04X}) at index {e.start}; "
+                     "text must be valid Unicode") from None
+  return text
+
+
+def _valid_texts(value: str | list[str], item: str = "item") -> None:
+  """`valid_unicode` on a string or on each string of a list (named `<item> <index>`)."""
+  if isinstance(value, str):
+    valid_unicode(value)
+    return
+  for j, text in enumerate(value):
+    if isinstance(text, str):
+      try:
+        valid_unicode(text)
+      except ValueError as e:
+        raise ValueError(f"{item} {j} {e}") from None
+
+
 class StreamOptions(BaseModel):
   model_config = ConfigDict(extra="forbid")
   include_usage: bool = False
+  include_obfuscation: bool = False
+
+  @pydantic.field_validator("include_obfuscation")
+  @classmethod
+  def _no_obfuscation(cls, value: bool) -> bool:
+    if value:
+      raise ValueError("true is not supported (streamed events carry no obfuscation padding); "
+                       "send false or leave it out")
+    return value
 
 
 class _SamplingRequest(BaseModel):
@@ -40,6 +85,13 @@ class _SamplingRequest(BaseModel):
   presence_penalty: float = 0.0
   logit_bias: dict[str, float] | None = None
 
+  @pydantic.field_validator("stop")
+  @classmethod
+  def _stop_text(cls, value: str | list[str] | None) -> str | list[str] | None:
+    if value is not None:
+      _valid_texts(value)
+    return value
+
   def _check_shared(self) -> None:
     if self.frequency_penalty or self.presence_penalty:
       raise ValueError("frequency_penalty and presence_penalty are not supported; send 0")
@@ -57,12 +109,18 @@ class _SamplingRequest(BaseModel):
 
     Raises ValueError (from `SamplingParams`) for out-of-range values.
     """
+    logprobs, prompt_logprobs = self.logprob_counts()
     return [SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                            top_k=self.top_k,
                            seed=None if self.seed is None else (self.seed + j) % 2**32,
                            stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
-                           ignore_eos=self.ignore_eos)
+                           ignore_eos=self.ignore_eos, logprobs=logprobs,
+                           prompt_logprobs=prompt_logprobs)
             for j in range(self.n)]
+
+  def logprob_counts(self) -> tuple[int | None, int | None]:
+    """`SamplingParams.logprobs` and `prompt_logprobs` of each choice (top tokens per entry)."""
+    raise NotImplementedError
 
 
 class CompletionRequest(_SamplingRequest):
@@ -78,18 +136,19 @@ class CompletionRequest(_SamplingRequest):
   @classmethod
   def _prompt_shape(cls, value, handler):
     try:
-      return handler(value)
+      prompt = handler(value)
     except pydantic.ValidationError:
       raise ValueError("expected a string, a list of strings, a list of token ids or a list of "
                        "lists of token ids") from None
+    _valid_texts(prompt)
+    return prompt
 
   @pydantic.model_validator(mode="after")
   def _supported(self) -> "CompletionRequest":
     self._check_shared()
-    if self.logprobs is not None:
-      raise ValueError("logprobs is not supported")
-    if self.echo:
-      raise ValueError("echo is not supported")
+    if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+      raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (OpenAI allows up to "
+                       f"5; this server, like vLLM, up to {MAX_LOGPROBS}), got {self.logprobs}")
     if self.suffix:
       raise ValueError("suffix is not supported")
     if self.best_of is not None and self.best_of != self.n:
@@ -98,6 +157,10 @@ class CompletionRequest(_SamplingRequest):
     if isinstance(self.prompt, list) and not self.prompt:
       raise ValueError("prompt is an empty list")
     return self
+
+  def logprob_counts(self) -> tuple[int | None, int | None]:
+    """`logprobs` top tokens for each generated token and, when echoed, each prompt token."""
+    return self.logprobs, self.logprobs if self.echo else None
 
   def prompts(self) -> list[str | TokenIds]:
     """The prompts of this request: a string, token ids, or a list of either."""
@@ -116,6 +179,12 @@ class ChatMessage(BaseModel):
   model_config = ConfigDict(extra="forbid")
   role: Literal["system", "developer", "user", "assistant"]
   content: str | list[TextPart]
+
+  @pydantic.field_validator("content")
+  @classmethod
+  def _content_text(cls, value: str | list[TextPart]) -> str | list[TextPart]:
+    _valid_texts(value if isinstance(value, str) else [p.text for p in value], item="part")
+    return value
 
   def as_dict(self) -> dict[str, str]:
     """The message as the chat template takes it (text parts joined)."""
@@ -138,14 +207,27 @@ class ChatCompletionRequest(_SamplingRequest):
   tool_choice: str | dict | None = None
   parallel_tool_calls: bool | None = None
   response_format: ResponseFormat | None = None
+  # Accepted and ignored (see the module docstring).
+  metadata: dict[str, str] | None = None
+  store: bool | None = None
+  service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+  safety_identifier: str | None = None
+  prompt_cache_key: str | None = None
+  prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
+  modalities: list[str] | None = None
 
   @pydantic.model_validator(mode="after")
   def _supported(self) -> "ChatCompletionRequest":
     self._check_shared()
-    if self.logprobs or self.top_logprobs is not None:
-      raise ValueError("logprobs and top_logprobs are not supported")
+    if self.top_logprobs is not None and not self.logprobs:
+      raise ValueError("top_logprobs requires logprobs=true")
+    if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+      raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                       f"{self.top_logprobs}")
     if self.tools or self.tool_choice not in (None, "none"):
       raise ValueError("tools and tool_choice are not supported")
+    if self.modalities is not None and self.modalities != ["text"]:
+      raise ValueError(f"modalities {self.modalities} are not supported; only ['text'] is")
     if self.response_format is not None and self.response_format.type != "text":
       raise ValueError(f"response_format type {self.response_format.type!r} is not supported; "
                        "only 'text' is")
@@ -153,6 +235,10 @@ class ChatCompletionRequest(_SamplingRequest):
         and self.max_tokens != self.max_completion_tokens):
       raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
     return self
+
+  def logprob_counts(self) -> tuple[int | None, int | None]:
+    """With logprobs=true, `top_logprobs` (default 0) top tokens for each generated token."""
+    return (self.top_logprobs or 0) if self.logprobs else None, None
 
   def token_limit(self) -> int | None:
     return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -175,3 +261,46 @@ def error_messages(errors: list[dict], skip: tuple[str, ...] = ()) -> list[tuple
     if message not in (m for m, _ in out):
       out.append((message, name or None))
   return out
+
+
+def _json_kind(value) -> str:
+  if value is None:
+    return "null"
+  if isinstance(value, bool):
+    return "a boolean"
+  if isinstance(value, (int, float)):
+    return "a number"
+  if isinstance(value, str):
+    return "a string"
+  return "an array"
+
+
+def body_problem(errors: list[dict], body, content_type: str | None,
+                 model: type[BaseModel] | None = None) -> str | None:
+  """What is wrong with a request body as a whole, from FastAPI's validation errors and the body
+  it read: not JSON (with line and column), empty, not sent as JSON, or not a JSON object. None
+  when the body is an object and the errors are about its fields. `model` names the fields an
+  empty body misses."""
+  if not errors:
+    return None
+  first = errors[0]
+  if first["type"] == "json_invalid":
+    pos = first["loc"][-1]
+    text = body if isinstance(body, str) else ""
+    line, column = text.count("\n", 0, pos) + 1, pos - text.rfind("\n", 0, pos)
+    reason = first.get("ctx", {}).get("error", "JSON decode error")
+    return (f"the request body is not valid JSON: {reason} at line {line} column {column} "
+            f"(character {pos})")
+  if tuple(first["loc"]) != ("body",):
+    return None
+  if first["type"] == "missing":
+    required = [name for name, field in (model.model_fields.items() if model else ())
+                if field.is_required()]
+    fields = f" with at least the field {', '.join(required)}" if required else ""
+    return f"the request body is empty: expected a JSON object{fields}"
+  if first["type"] not in ("model_type", "model_attributes_type", "dict_type"):
+    return None  # a check of the whole request (`_supported`)
+  if isinstance(first.get("input"), (bytes, bytearray)):
+    return ("the request body must be JSON sent with the header Content-Type: application/json "
+            f"(got {'Content-Type: ' + content_type if content_type else 'no Content-Type'})")
+  return f"the request body must be a JSON object, not {_json_kind(first.get('input'))}"

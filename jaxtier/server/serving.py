@@ -3,11 +3,16 @@
 import asyncio
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any, AsyncIterator
 
-from jaxtier.generate import Completion, StepUpdate
+from jaxtier.engine.engine import RequestUpdate
+from jaxtier.generate import Completion
+from jaxtier.logprobs import LogprobDict
 from jaxtier.server.async_engine import EngineError
 from jaxtier.server.detokenize import IncrementalDetokenizer
+from jaxtier.server.logprobs import (TokenLogprobs, TokenTracker, chat_logprobs,
+                                     completion_logprobs, tokens_of)
 from jaxtier.tokenizer import Tokenizer
 
 DONE = "data: [DONE]\n\n"
@@ -20,9 +25,19 @@ class Choices:
   created: int
   model: str
   chat: bool  # chat.completion(.chunk) rather than text_completion
-  streams: list[AsyncIterator[StepUpdate]]
+  streams: list[AsyncIterator[RequestUpdate]]
   stops: list[tuple[str, ...]]  # per choice
   prompt_tokens: int  # each prompt counted once, as OpenAI counts usage
+  logprobs: int | None = None  # top tokens per log-probability entry; None: no logprobs
+  echo: list["Echo"] | None = None  # per choice, the prompt its text starts with
+  generated: bool = True  # False: the prompt is only scored (max_tokens=0), its token dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class Echo:
+  """A prompt echoed at the start of a completion choice's text."""
+  text: str
+  token_ids: tuple[int, ...]
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None
@@ -34,12 +49,12 @@ def sse(payload: dict[str, Any]) -> str:
   return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def merge(streams: list[AsyncIterator[StepUpdate]]
-                ) -> AsyncIterator[tuple[int, StepUpdate]]:
+async def merge(streams: list[AsyncIterator[RequestUpdate]]
+                ) -> AsyncIterator[tuple[int, RequestUpdate]]:
   """(choice index, update) pairs from all streams as they arrive; closing it closes them all."""
   queue: asyncio.Queue = asyncio.Queue()
 
-  async def pump(index: int, stream: AsyncIterator[StepUpdate]) -> None:
+  async def pump(index: int, stream: AsyncIterator[RequestUpdate]) -> None:
     try:
       async for update in stream:
         await queue.put((index, update))
@@ -64,7 +79,7 @@ async def merge(streams: list[AsyncIterator[StepUpdate]]
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(streams: list[AsyncIterator[StepUpdate]]) -> list[Completion]:
+async def collect(streams: list[AsyncIterator[RequestUpdate]]) -> list[Completion]:
   """Each stream's final `Completion`, in order. Raises EngineError if a batch failed."""
   done: dict[int, Completion] = {}
   async for index, update in merge(streams):
@@ -74,59 +89,140 @@ async def collect(streams: list[AsyncIterator[StepUpdate]]) -> list[Completion]:
 
 
 def _usage(choices: Choices, completions: list[Completion]) -> dict[str, int]:
-  generated = sum(len(c.token_ids) for c in completions)
+  generated = sum(len(c.token_ids) for c in completions) if choices.generated else 0
   return {"prompt_tokens": choices.prompt_tokens, "completion_tokens": generated,
           "total_tokens": choices.prompt_tokens + generated}
 
 
-def response_body(choices: Choices, completions: list[Completion]) -> dict[str, Any]:
+def _logprobs(choices: Choices, tokens: list[TokenLogprobs] | None) -> dict[str, list] | None:
+  if tokens is None:
+    return None
+  return chat_logprobs(tokens, choices.logprobs) if choices.chat else completion_logprobs(tokens)
+
+
+def _prompt_tokens(echo: Echo, entries: Sequence[LogprobDict | None], tokenizer: Tokenizer
+                   ) -> list[TokenLogprobs]:
+  return tokens_of(tokenizer, echo.token_ids, entries, len(echo.text))
+
+
+def _whole_choice(choices: Choices, index: int, c: Completion, tokenizer: Tokenizer
+                  ) -> tuple[str, list[TokenLogprobs] | None]:
+  """A finished choice's text and, when logprobs are asked for, its tokens: the echoed prompt's,
+  then the generated ones (none when the prompt is only scored)."""
+  echo = choices.echo[index] if choices.echo else None
+  prompt = echo.text if echo else ""
+  text = prompt + c.text if choices.generated else prompt
+  if choices.logprobs is None:
+    return text, None
+  tokens = _prompt_tokens(echo, c.prompt_logprobs, tokenizer) if echo else []
+  if choices.generated:
+    tokens += tokens_of(tokenizer, c.token_ids, c.logprobs, len(c.text), len(prompt))
+  return text, tokens
+
+
+def response_body(choices: Choices, completions: list[Completion], tokenizer: Tokenizer
+                  ) -> dict[str, Any]:
   """The non-streamed `text_completion` or `chat.completion` object."""
-  if choices.chat:
-    items = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-              "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
-  else:
-    items = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-             for i, c in enumerate(completions)]
+  items = []
+  for i, c in enumerate(completions):
+    text, tokens = _whole_choice(choices, i, c, tokenizer)
+    finish_reason = c.finish_reason if choices.generated else "length"
+    if choices.chat:
+      items.append({"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": _logprobs(choices, tokens), "finish_reason": finish_reason})
+    else:
+      items.append({"index": i, "text": text, "logprobs": _logprobs(choices, tokens),
+                    "finish_reason": finish_reason})
   return {"id": choices.id, "object": "chat.completion" if choices.chat else "text_completion",
           "created": choices.created, "model": choices.model, "choices": items,
           "usage": _usage(choices, completions)}
 
 
 def _chunk(choices: Choices, index: int, text: str, finish_reason: str | None,
-           role: bool = False) -> dict[str, Any]:
+           tokens: list[TokenLogprobs] | None = None, role: bool = False) -> dict[str, Any]:
+  logprobs = _logprobs(choices, tokens)
   if choices.chat:
     delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-    item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
   else:
-    item = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
   return {"id": choices.id, "created": choices.created, "model": choices.model,
           "object": "chat.completion.chunk" if choices.chat else "text_completion",
           "choices": [item]}
+
+
+class _StreamedChoice:
+  """One choice of a streamed response: its text deltas and the tokens that go with them
+  (`logprobs.TokenTracker`; None when no logprobs are asked for)."""
+
+  def __init__(self, choices: Choices, index: int, tokenizer: Tokenizer):
+    self._echo = choices.echo[index] if choices.echo else None
+    self._generated, self._tokenizer = choices.generated, tokenizer
+    self._detokenizer = IncrementalDetokenizer(tokenizer, choices.stops[index])
+    self._tracker = (None if choices.logprobs is None else
+                     TokenTracker(tokenizer, len(self._echo.text) if self._echo else 0))
+    self._sent = 0  # generated characters sent
+
+  def echo(self, update: RequestUpdate) -> tuple[str, list[TokenLogprobs] | None] | None:
+    """The echoed prompt's text and tokens, on the choice's first update only; else None."""
+    echo, self._echo = self._echo, None
+    if echo is None:
+      return None
+    tokens = (None if self._tracker is None
+              else _prompt_tokens(echo, update.prompt_logprobs, self._tokenizer))
+    return echo.text, tokens
+
+  def push(self, update: RequestUpdate) -> tuple[str, list[TokenLogprobs] | None]:
+    """The text (maybe empty) and tokens that became safe to send with an update."""
+    if not self._generated:
+      return "", None
+    text = self._detokenizer.push(update.new_token_ids)
+    self._sent += len(text)
+    if self._tracker is None:
+      return text, None
+    self._tracker.push(update.new_token_ids, update.new_logprobs)
+    return text, self._tracker.take(self._sent)
+
+  def finish(self, update: RequestUpdate) -> tuple[str, list[TokenLogprobs] | None]:
+    """The rest of the text and of the tokens, with the choice's last update."""
+    if not self._generated:
+      return "", None if self._tracker is None else []
+    text = self._detokenizer.finish(update.completion.text)
+    if self._tracker is None:
+      return text, None
+    self._tracker.push(update.new_token_ids, update.new_logprobs)
+    return text, self._tracker.rest(len(update.completion.text))
 
 
 async def events(choices: Choices, tokenizer: Tokenizer, include_usage: bool
                  ) -> AsyncIterator[str]:
   """The server-sent events of a streamed response, ending with `data: [DONE]`.
 
-  Chat streams open each choice with a chunk carrying `delta.role`; every choice ends with a chunk
-  carrying its finish_reason; with `include_usage` a last chunk (no choices) carries the usage.
-  A failed batch is reported as an `error` event before `[DONE]`.
+  Chat streams open each choice with a chunk carrying `delta.role`; an echoing completion opens
+  each choice with a chunk carrying the prompt (and its tokens' logprobs) once the choice's first
+  update arrives; a chunk's logprobs are those of its tokens (`logprobs.TokenTracker`); every
+  choice ends with a chunk carrying its finish_reason; with `include_usage` a last chunk (no
+  choices) carries the usage. A failed batch is reported as an `error` event before `[DONE]`.
   """
-  detokenizers = [IncrementalDetokenizer(tokenizer, stops) for stops in choices.stops]
+  streamed = [_StreamedChoice(choices, i, tokenizer) for i in range(len(choices.streams))]
   if choices.chat:
     for i in range(len(choices.streams)):
       yield sse(_chunk(choices, i, "", None, role=True))
   finished: list[Completion] = []
   try:
     async for index, update in merge(choices.streams):
+      echo = streamed[index].echo(update)
+      if echo is not None:
+        yield sse(_chunk(choices, index, echo[0], None, echo[1]))
       if update.completion is None:
-        text = detokenizers[index].push(update.new_token_ids)
+        text, tokens = streamed[index].push(update)
         if text:
-          yield sse(_chunk(choices, index, text, None))
+          yield sse(_chunk(choices, index, text, None, tokens))
       else:
         finished.append(update.completion)
-        yield sse(_chunk(choices, index, detokenizers[index].finish(update.completion.text),
-                         update.completion.finish_reason))
+        text, tokens = streamed[index].finish(update)
+        reason = update.completion.finish_reason if choices.generated else "length"
+        yield sse(_chunk(choices, index, text, reason, tokens))
   except EngineError as e:
     yield sse(error_body(str(e), "server_error"))
   else:
