@@ -16,6 +16,8 @@ Starts the server in this process (uvicorn on a free loopback port, its own `LLM
              beyond `--max_queued_requests`: RSS growth, status counts, and the streams' outputs.
   warmup:    `scripts/serve.py` started twice on an empty compilation cache: seconds until /health
              is 200, cold and with the cache.
+  fuzz:      the schema fuzz of `tests/test_server_fuzz.py` with `--fuzz_examples` bodies per
+             endpoint (CI runs 1,000): no 5xx, every 4xx an OpenAI error.
 
   python scripts/bench_serve.py --num_requests=64 --concurrency=32,64
   python scripts/bench_serve.py --sections=hol,attack --num_requests=16   # quicker
@@ -39,7 +41,10 @@ from absl import app, flags
 from jaxtier import engine_flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("sections", ["load", "hol", "pressure", "attack", "warmup"], "parts to run")
+flags.DEFINE_list("sections", ["load", "hol", "pressure", "attack", "warmup", "fuzz"],
+                  "parts to run")
+flags.DEFINE_integer("fuzz_examples", 5000, "request bodies per endpoint of the fuzz section",
+                     lower_bound=1)
 flags.DEFINE_integer("num_requests", 64, "requests of the load", lower_bound=1)
 flags.DEFINE_list("concurrency", ["32", "64"], "streaming clients at once, one run each")
 flags.DEFINE_integer("min_prompt", 16, "shortest prompt, tokens", lower_bound=1)
@@ -173,8 +178,7 @@ def scrape(url: str) -> dict[str, float]:
           for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def load_section(llm, reference, requests) -> dict:
-  texts, offline_figures = offline(reference, requests)
+def load_section(llm, requests, texts, offline_figures) -> dict:
   server = Server(llm)
   try:
     asyncio.run(load(server.url, requests[:4], 4))  # one untimed pass through the HTTP stack
@@ -197,10 +201,11 @@ def hol_section(llm) -> dict:
     import httpx
     async with httpx.AsyncClient(timeout=None) as client:
       alone = [(await stream(client, server.url, short))["ttft_s"] for _ in range(3)]
+      generated = lambda: server.engine.stats().engine["generated_tokens"]
+      before = generated()
       running = asyncio.ensure_future(stream(client, server.url, long))
-      while server.engine.stats().running == 0:
+      while generated() < before + 4:  # the long request has been prefilled and is decoding
         await asyncio.sleep(0.001)
-      await asyncio.sleep(0.5)  # the long request is decoding
       during = await stream(client, server.url, short)
       long_done = running.done()
       await running
@@ -214,9 +219,8 @@ def hol_section(llm) -> dict:
           "ratio": during / alone, "long_finished_first": long_done}
 
 
-def pressure_section(args: dict, reference, requests) -> dict:
+def pressure_section(args: dict, reference, requests, texts) -> dict:
   import jaxtier
-  texts, _ = offline(reference, requests)
   peak = reference.stats()["device_blocks_peak_used"]
   blocks = max(peak // 4, -(-reference.max_model_len // reference.args.block_size))
   llm = jaxtier.LLM(**{**args, "num_device_blocks": blocks})
@@ -250,9 +254,8 @@ def rss_mb() -> float:
   return float("nan")
 
 
-def attack_section(llm, reference, requests) -> dict:
+def attack_section(llm, requests, texts) -> dict:
   import httpx
-  texts, _ = offline(reference, requests)
   server = Server(llm, max_queued_requests=FLAGS.max_queued_requests)
   oversized = b'{"prompt": "' + b"x" * int(FLAGS.oversized_mb * 1e6) + b'"}'
 
@@ -323,6 +326,18 @@ def warmup_section() -> dict:
   return times
 
 
+def fuzz_section() -> dict:
+  """Runs the schema fuzz test with `--fuzz_examples` examples per endpoint."""
+  root = os.path.join(os.path.dirname(__file__), "..")
+  start = time.perf_counter()
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                         "tests/test_server_fuzz.py"], cwd=root, capture_output=True, text=True,
+                        env={**os.environ, "JAXTIER_FUZZ_EXAMPLES": str(FLAGS.fuzz_examples)})
+  return {"examples_per_endpoint": FLAGS.fuzz_examples, "passed": proc.returncode == 0,
+          "seconds": time.perf_counter() - start,
+          "summary": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else None}
+
+
 def main(argv):
   del argv
   engine_flags.prepare()
@@ -334,21 +349,24 @@ def main(argv):
             "num_requests": len(requests),
             "prompt_tokens": [FLAGS.min_prompt, FLAGS.max_prompt],
             "output_tokens": [FLAGS.min_output, FLAGS.max_output]}
+  texts, offline_figures = offline(reference, requests)
   llm = None
   for section in FLAGS.sections:
-    if section != "warmup" and llm is None:
+    if section not in ("warmup", "fuzz") and llm is None:
       llm = jaxtier.LLM(**args)
     if section == "load":
-      result["load"] = load_section(llm, reference, requests)
+      result["load"] = load_section(llm, requests, texts, offline_figures)
     elif section == "hol":
       result["hol"] = hol_section(llm)
     elif section == "pressure":
-      result["pressure"] = pressure_section(args, reference, requests)
+      result["pressure"] = pressure_section(args, reference, requests, texts)
     elif section == "attack":
-      room = llm.max_num_seqs + FLAGS.max_queued_requests // 2
-      result["attack"] = attack_section(llm, reference, requests[:min(16, room)])
+      count = min(16, llm.max_num_seqs + FLAGS.max_queued_requests // 2)
+      result["attack"] = attack_section(llm, requests[:count], texts[:count])
     elif section == "warmup":
       result["warmup"] = warmup_section()
+    elif section == "fuzz":
+      result["fuzz"] = fuzz_section()
     else:
       raise app.UsageError(f"--sections: unknown section {section!r}")
     print(json.dumps({section: result[section]}), file=sys.stderr, flush=True)

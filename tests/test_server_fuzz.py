@@ -2,7 +2,8 @@
 are valid-shaped, subtly wrong (types, ranges, extra fields, odd Unicode, huge numbers) or junk
 (any JSON, broken JSON, raw bytes) never get a 5xx, and every 4xx is an OpenAI error object.
 
-Profiles: 40 examples per test; `JAXTIER_HYPOTHESIS_PROFILE=ci` runs 1,000 (~1 min on 2 cores).
+Profiles: 40 examples per test; `JAXTIER_HYPOTHESIS_PROFILE=ci` runs 1,000 (~1 min on 2 cores);
+`JAXTIER_FUZZ_EXAMPLES=N` runs N (`scripts/bench_serve.py --sections=fuzz` runs a larger count).
 """
 
 import json
@@ -22,8 +23,14 @@ VOCAB_SIZE = 300  # the tiny fixtures' vocabulary
 _COMMON = dict(deadline=None, derandomize=False, suppress_health_check=list(HealthCheck))
 settings.register_profile("jaxtier_server_fuzz_default", max_examples=40, **_COMMON)
 settings.register_profile("jaxtier_server_fuzz_ci", max_examples=1000, **_COMMON)
-PROFILE = ("jaxtier_server_fuzz_ci" if os.environ.get("JAXTIER_HYPOTHESIS_PROFILE") == "ci"
-           else "jaxtier_server_fuzz_default")
+settings.register_profile("jaxtier_server_fuzz_env", max_examples=int(
+    os.environ.get("JAXTIER_FUZZ_EXAMPLES", "1")), **_COMMON)
+if "JAXTIER_FUZZ_EXAMPLES" in os.environ:
+  PROFILE = "jaxtier_server_fuzz_env"
+elif os.environ.get("JAXTIER_HYPOTHESIS_PROFILE") == "ci":
+  PROFILE = "jaxtier_server_fuzz_ci"
+else:
+  PROFILE = "jaxtier_server_fuzz_default"
 
 
 @pytest.fixture(scope="module")

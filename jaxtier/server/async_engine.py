@@ -230,10 +230,15 @@ class AsyncEngine:
   def _loop(self) -> None:
     if self._warmup:
       start = time.perf_counter()
-      report = self.engine.warmup()
-      self.warmup_report = {**report, "seconds": time.perf_counter() - start}
-      logging.info("warm-up: %d programs ready in %.1f s (%.1f s compiling)",
-                   report["programs"], self.warmup_report["seconds"], report["compile_seconds"])
+      try:
+        report = self.engine.warmup()
+      except Exception:  # pylint: disable=broad-except  (serve anyway, compiling on demand)
+        logging.exception("warm-up failed; programs will compile when first needed")
+      else:
+        self.warmup_report = {**report, "seconds": time.perf_counter() - start}
+        logging.info("warm-up: %d programs ready in %.1f s (%.1f s compiling)",
+                     report["programs"], self.warmup_report["seconds"],
+                     report["compile_seconds"])
     with self._cond:
       self._stats = self._snapshot(ready=True)
     self._ready.set()
