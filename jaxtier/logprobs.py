@@ -58,12 +58,6 @@ def top_logprobs(logits_nv: jax.Array, tokens_n: jax.Array, k: int) -> TopLogpro
                      ids_nk.astype(jnp.int32))
 
 
-def program_k(k: int) -> int:
-  """The top-k width a program computes for requests asking up to `k` tokens: a power of two,
-  at most MAX_LOGPROBS (few compiled variants; entries are trimmed to each request's k)."""
-  return min(1 << (max(k, 1) - 1).bit_length(), MAX_LOGPROBS)
-
-
 def entry(top: TopLogprobs, index, token: int, k: int, decode: Callable[[int], str]) -> LogprobDict:
   """The dict of one position of `top` (numpy arrays) at `index`: `token` first, then the `k`
   best tokens (a top token's rank wins when `token` is among them, as in vLLM)."""

@@ -343,17 +343,18 @@ def main(argv):
   engine_flags.prepare()
   import jaxtier
   args = engine_flags.llm_kwargs()
-  reference = jaxtier.LLM(**args)
-  requests = workload(reference.config.vocab_size, FLAGS.num_requests, FLAGS.seed)
   result = {"model": FLAGS.model, "engine_args": {k: v for k, v in args.items() if k != "model"},
-            "num_requests": len(requests),
+            "num_requests": FLAGS.num_requests,
             "prompt_tokens": [FLAGS.min_prompt, FLAGS.max_prompt],
             "output_tokens": [FLAGS.min_output, FLAGS.max_output]}
-  texts, offline_figures = offline(reference, requests)
-  llm = None
+  unknown = set(FLAGS.sections) - {"load", "hol", "pressure", "attack", "warmup", "fuzz"}
+  if unknown:
+    raise app.UsageError(f"--sections: unknown sections {sorted(unknown)}")
+  if {"load", "hol", "pressure", "attack"} & set(FLAGS.sections):
+    reference, llm = jaxtier.LLM(**args), jaxtier.LLM(**args)
+    requests = workload(reference.config.vocab_size, FLAGS.num_requests, FLAGS.seed)
+    texts, offline_figures = offline(reference, requests)
   for section in FLAGS.sections:
-    if section not in ("warmup", "fuzz") and llm is None:
-      llm = jaxtier.LLM(**args)
     if section == "load":
       result["load"] = load_section(llm, requests, texts, offline_figures)
     elif section == "hol":
@@ -365,10 +366,8 @@ def main(argv):
       result["attack"] = attack_section(llm, requests[:count], texts[:count])
     elif section == "warmup":
       result["warmup"] = warmup_section()
-    elif section == "fuzz":
-      result["fuzz"] = fuzz_section()
     else:
-      raise app.UsageError(f"--sections: unknown section {section!r}")
+      result["fuzz"] = fuzz_section()
     print(json.dumps({section: result[section]}), file=sys.stderr, flush=True)
   print(json.dumps(result, indent=1))
 

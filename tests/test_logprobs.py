@@ -180,7 +180,7 @@ def test_updates_carry_each_tokens_entry_and_the_prompt_entries_first(tiny):
   assert completion.prompt_logprobs == first.prompt_logprobs
   assert updates["plain"][-1].completion.logprobs is None
   kinds = {v[0] for v in engine.runner.variants()}
-  assert {"logprobs", "step_hidden", "prompt_logprobs"} <= kinds
+  assert {"logprobs", "prompt_logprobs"} <= kinds
 
 
 def test_no_logprob_programs_run_when_no_request_asks(tiny):

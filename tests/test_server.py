@@ -4,7 +4,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -14,12 +13,12 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 import jaxtier
 from conftest import fixture_path
+from server_support import free_port, uvicorn_on_localhost
 from jaxtier.server import AsyncEngine, EngineError, create_app
 from jaxtier.server.detokenize import IncrementalDetokenizer, stop_prefix_len
 
@@ -347,7 +346,7 @@ def test_no_compile_after_ready(engine, client):
       return await asyncio.gather(*[
           http.post("/v1/completions", json={"prompt": p, "max_tokens": 3 + 2 * i, "n": 1 + i % 3,
                                              "temperature": 0.5 * (i % 2), "ignore_eos": True,
-                                             "logprobs": i % 3 or None})
+                                             "logprobs": i % 3 or None, "echo": i == 2})
           for i, p in enumerate(prompts)])
 
   assert [r.status_code for r in asyncio.run(run_all())] == [200] * len(prompts)
@@ -531,17 +530,7 @@ def test_metrics_count_requests_and_tokens(client, served):
 
 
 def test_openai_client_against_uvicorn(app, llm):
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  try:
-    deadline = time.monotonic() + 30
-    while not server.started:
-      assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-      time.sleep(0.05)
+  with uvicorn_on_localhost(app) as port:
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     extra = {"ignore_eos": True}
     completion = api.completions.create(model=MODEL, prompt="A tiny model", max_tokens=8,
@@ -558,9 +547,6 @@ def test_openai_client_against_uvicorn(app, llm):
     assert "".join(c.choices[0].delta.content or "" for c in stream) == reference.text
     with pytest.raises(openai.NotFoundError):
       api.completions.create(model="other", prompt="x")
-  finally:
-    server.should_exit = True
-    thread.join(timeout=30)
 
 
 @pytest.mark.parametrize("flag, message", [
@@ -576,9 +562,7 @@ def test_serve_rejects_bad_flags_before_loading(flag, message):
 
 
 def test_sigterm_drains_and_exits_0(tmp_path):
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.environ.get(
       "JAX_COMPILATION_CACHE_DIR", str(tmp_path / "xla"))}
   proc = subprocess.Popen(

@@ -15,11 +15,11 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 import jaxtier
 from conftest import fixture_path
+from server_support import uvicorn_on_localhost
 from jaxtier.server import AsyncEngine, create_app
 from jaxtier.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from jaxtier.tokenizer import Tokenizer
@@ -334,25 +334,6 @@ def peak_rss():
   finally:
     done.set()
     sampler.join()
-
-
-@contextlib.contextmanager
-def uvicorn_on_localhost(app):
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  try:
-    deadline = time.monotonic() + 30
-    while not server.started:
-      assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-      time.sleep(0.05)
-    yield port
-  finally:
-    server.should_exit = True
-    thread.join(timeout=30)
 
 
 def read_response(sock: socket.socket) -> tuple[int, bytes]:

@@ -1,19 +1,15 @@
 """Log-probabilities over HTTP (completions `logprobs`/`echo`, chat `logprobs`/`top_logprobs`)
 against the offline API's (`SamplingParams(logprobs=..., prompt_logprobs=...)`) on a second LLM."""
 
-import contextlib
 import json
-import socket
-import threading
-import time
 
 import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 import jaxtier
 from conftest import fixture_path
+from server_support import uvicorn_on_localhost
 from jaxtier.server import AsyncEngine, create_app
 
 MODEL = "tiny"
@@ -248,28 +244,9 @@ def test_streamed_chat_logprobs_concatenate_to_the_whole_ones(client):
       whole["message"]["content"])
 
 
-@contextlib.contextmanager
-def uvicorn_server(app):
-  """The app served by uvicorn on a free loopback port; yields its base URL."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  try:
-    deadline = time.monotonic() + 30
-    while not server.started:
-      assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-      time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1"
-  finally:
-    server.should_exit = True
-    thread.join(timeout=30)
-
-
 def test_openai_client_parses_logprobs(app, llm):
-  with uvicorn_server(app) as url:
+  with uvicorn_on_localhost(app) as port:
+    url = f"http://127.0.0.1:{port}/v1"
     api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
     extra = {"ignore_eos": True}
     out = llm.generate("A tiny model", greedy(max_tokens=6, logprobs=2, prompt_logprobs=2))[0]

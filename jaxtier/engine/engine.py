@@ -211,9 +211,8 @@ class Engine:
 
   def warmup(self) -> dict:
     """Compiles every program this engine's configuration can run (`batch.step_shapes`, their
-    sampling and sampled-token log-probabilities, and block swaps of every padded size), so no
-    later step compiles; only prompt log-probabilities (their all-positions prefill variant)
-    compile on first use.
+    sampling, the sampled and prompt tokens' log-probabilities, and block swaps of every padded
+    size), so no later step compiles.
 
     Returns {"programs": count, "compile_seconds": time spent compiling now}; programs already
     compiled in this process (or found in JAX's persistent compilation cache) cost little.
@@ -224,7 +223,7 @@ class Engine:
     most_swapped = min(c.num_device_blocks, c.num_host_blocks)
     swap_sizes = pow2_buckets_up_to(most_swapped) if most_swapped else []
     before = self.runner.compile_seconds
-    programs = self.runner.precompile(self.cache, shapes, swap_sizes, [MAX_LOGPROBS])
+    programs = self.runner.precompile(self.cache, shapes, swap_sizes, MAX_LOGPROBS)
     return {"programs": programs, "compile_seconds": self.runner.compile_seconds - before}
 
   # Stepping.
@@ -296,8 +295,7 @@ class Engine:
       tokens_b, self.cache = self.runner.step(self.cache, arrays)
       return arrays, tokens_b, None
     tokens_b, self.cache, sampled, prompt_top = self.runner.step_logprobs(
-        self.cache, arrays, sample_k, *((None, None) if prompt is None else
-                                        (prompt.rows_r, prompt.targets_rt, prompt.k)))
+        self.cache, arrays, sample_k, None if prompt is None else prompt.targets_bt, MAX_LOGPROBS)
     return arrays, tokens_b, (prompt, prompt_top, sampled)
 
   def _token_ids(self, request_id: Hashable) -> tuple[int, ...]:

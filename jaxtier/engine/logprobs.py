@@ -3,13 +3,16 @@ their programs take, and the results as vLLM's per-position dicts. Pure numpy (t
 in `runner.py`).
 
 Only requests whose `SamplingParams` set `logprobs` or `prompt_logprobs` have a `RequestLogprobs`;
-a call none of whose rows has one runs the plain programs. Prompt log-probabilities come from the
+a call none of whose rows has one runs no log-probability program. Both programs compute the top
+MAX_LOGPROBS (entries are trimmed to each request's k), one program per call shape, so
+`Engine.warmup` compiles them all; the prompt program computes every row of a call whose rows
+record prompt positions (padding and other rows are not read). Prompt log-probabilities come from the
 logits at every position of a prefill chunk: position p gives the log-probability of token p + 1.
 A long prompt's positions arrive over its chunks, and each prompt position is recorded once: a
 request recomputed after preemption prefills its prompt again, but positions it already has (and
 its generated tokens) are skipped.
 
-Shape legend: b rows, t tokens per row, r rows that record prompt log-probabilities.
+Shape legend: b rows, t tokens per row.
 """
 
 import dataclasses
@@ -17,9 +20,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from jaxtier.buckets import pow2_bucket
 from jaxtier.engine.batch import StepArrays
-from jaxtier.logprobs import MAX_LOGPROBS, LogprobDict, TopLogprobs, entry, program_k
+from jaxtier.logprobs import MAX_LOGPROBS, LogprobDict, TopLogprobs, entry
 from jaxtier.sampling import SamplingParams
 from jaxtier.tokenizer import Tokenizer
 
@@ -61,12 +63,11 @@ class RequestLogprobs:
 @dataclasses.dataclass(frozen=True)
 class PromptRows:
   """The prompt positions one prefill call records log-probabilities for."""
-  rows_r: np.ndarray  # int32 [r] rows of the call (padding repeats row 0, its results unread)
-  targets_rt: np.ndarray  # int32 [r, t] the prompt token after each position (0 where unread)
-  request_ids: tuple[Hashable, ...]  # [real rows]
-  first: tuple[int, ...]  # [real rows] first offset in t that is recorded
-  counts: tuple[int, ...]  # [real rows] how many offsets from `first` are recorded
-  k: int  # the program's top-k width
+  targets_bt: np.ndarray  # int32 [b, t] the prompt token after each position (0 where unread)
+  rows: tuple[int, ...]  # [recording rows] their row in the call
+  request_ids: tuple[Hashable, ...]  # [recording rows]
+  first: tuple[int, ...]  # [recording rows] first offset in t that is recorded
+  counts: tuple[int, ...]  # [recording rows] how many offsets from `first` are recorded
 
 
 def sample_k(arrays: StepArrays, wanted: Mapping[Hashable, RequestLogprobs]) -> int | None:
@@ -95,22 +96,20 @@ def prompt_rows(arrays: StepArrays, wanted: Mapping[Hashable, RequestLogprobs],
       picked.append((i, rid, prompt, lo, hi - lo + 1, lo - start - 1, state.prompt_k))
   if not picked:
     return None
-  rows = np.zeros(pow2_bucket(len(picked)), np.int32)
-  targets = np.zeros((len(rows), arrays.tokens_bt.shape[1]), np.int32)
-  for n, (i, _, prompt, lo, count, first, _) in enumerate(picked):
-    rows[n] = i
-    targets[n, first:first + count] = prompt[lo:lo + count]
-  return PromptRows(rows, targets, tuple(p[1] for p in picked), tuple(p[5] for p in picked),
-                    tuple(p[4] for p in picked), program_k(max(p[6] for p in picked)))
+  targets = np.zeros(arrays.tokens_bt.shape, np.int32)
+  for i, _, prompt, lo, count, first, _ in picked:
+    targets[i, first:first + count] = prompt[lo:lo + count]
+  return PromptRows(targets, tuple(p[0] for p in picked), tuple(p[1] for p in picked),
+                    tuple(p[5] for p in picked), tuple(p[4] for p in picked))
 
 
 def record_prompt(rows: PromptRows, top: TopLogprobs, wanted: Mapping[Hashable, RequestLogprobs],
                   decode: Callable[[int], str]) -> None:
-  """Appends the prompt entries of `top` (numpy, [r, t]) to their requests."""
-  for n, (rid, first, count) in enumerate(zip(rows.request_ids, rows.first, rows.counts)):
+  """Appends the prompt entries of `top` (numpy, [b, t]) to their requests."""
+  for i, rid, first, count in zip(rows.rows, rows.request_ids, rows.first, rows.counts):
     state = wanted[rid]
     for s in range(first, first + count):
-      state.prompt.append(entry(top, (n, s), int(rows.targets_rt[n, s]), state.prompt_k, decode))
+      state.prompt.append(entry(top, (i, s), int(rows.targets_bt[i, s]), state.prompt_k, decode))
 
 
 class TokenText:

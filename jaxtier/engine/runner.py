@@ -57,17 +57,9 @@ class EngineModel(Protocol):
 
 def _forward(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, tokens_bt, pos_bt,
              tables_bm, last_b):
-  """Runs the model on one batch; returns the logits [b, v] at each row's position `last_b`."""
-  model = nnx.merge(graphdef, state)
-  h_bth, cache = model.hidden_states(tokens_bt, pos_bt, cache, PagedMetadata(tables_bm))
-  h_bh = jnp.take_along_axis(h_bth, last_b[:, None, None], axis=1)[:, 0]
-  return model.logits(h_bh), cache
-
-
-def _forward_hidden(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, tokens_bt,
-                    pos_bt, tables_bm, last_b):
-  """`_forward` that also returns the hidden states [b, t, h] of every position (for prompt
-  log-probabilities): a variant of its own, so the plain step returns only the last logits."""
+  """Runs the model on one batch; returns the logits [b, v] at each row's position `last_b`, and
+  the hidden states [b, t, h] of every position (read only for prompt log-probabilities; the
+  model computes them anyway, so one program serves both)."""
   model = nnx.merge(graphdef, state)
   h_bth, cache = model.hidden_states(tokens_bt, pos_bt, cache, PagedMetadata(tables_bm))
   h_bh = jnp.take_along_axis(h_bth, last_b[:, None, None], axis=1)[:, 0]
@@ -77,16 +69,15 @@ def _forward_hidden(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCach
 PROMPT_LOGITS_CHUNK = 256  # positions whose [positions, vocab] logits exist at once
 
 
-def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, h_bth, rows_r, targets_rt, k: int):
-  """Log-probabilities [r, t] of `targets_rt` (and the top k) from the hidden states of rows
-  `rows_r`, through `model.logits`, PROMPT_LOGITS_CHUNK positions at a time."""
+def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, h_bth, targets_bt, k: int):
+  """Log-probabilities [b, t] of `targets_bt` (and the top k) from the hidden states of every
+  position, through `model.logits`, PROMPT_LOGITS_CHUNK positions at a time."""
   model = nnx.merge(graphdef, state)
-  h_rth = h_bth[rows_r]
-  r, t, h = h_rth.shape
-  c = min(r * t, PROMPT_LOGITS_CHUNK)  # both powers of two: c divides r * t
+  b, t, h = h_bth.shape
+  c = min(b * t, PROMPT_LOGITS_CHUNK)  # both powers of two: c divides b * t
   top = jax.lax.map(lambda x: top_logprobs(model.logits(x[0]), x[1], k),
-                    (h_rth.reshape(-1, c, h), targets_rt.reshape(-1, c)))
-  return jax.tree.map(lambda a: a.reshape((r, t) + a.shape[2:]), top)
+                    (h_bth.reshape(-1, c, h), targets_bt.reshape(-1, c)))
+  return jax.tree.map(lambda a: a.reshape((b, t) + a.shape[2:]), top)
 
 
 # Sampling is a program of its own: it compiles once per row count instead of once more inside
@@ -150,10 +141,9 @@ def _forward_fn(graphdef: nnx.GraphDef):
 
 
 @functools.lru_cache(maxsize=16)
-def _logprob_fns(graphdef: nnx.GraphDef):
-  """`_forward_hidden` and `_prompt_logprobs` jitted with the graph closed over."""
-  return (jax.jit(functools.partial(_forward_hidden, graphdef), donate_argnames="cache"),
-          jax.jit(functools.partial(_prompt_logprobs, graphdef), static_argnames="k"))
+def _prompt_fn(graphdef: nnx.GraphDef):
+  """`_prompt_logprobs` jitted with the graph closed over."""
+  return jax.jit(functools.partial(_prompt_logprobs, graphdef), static_argnames="k")
 
 
 def _layout(tree) -> tuple:
@@ -183,8 +173,8 @@ class Runner:
 
   def variants(self) -> list[tuple]:
     """The programs this engine ran: ("step", rows, tokens, width), ("sample", rows),
-    ("swap", direction, x), and for log-probabilities ("step_hidden", rows, tokens, width),
-    ("logprobs", rows, k), ("prompt_logprobs", rows, prompt rows, tokens, k)."""
+    ("swap", direction, x), and for log-probabilities ("logprobs", rows, k) and
+    ("prompt_logprobs", rows, tokens, k)."""
     return sorted(self._used, key=str)
 
   def _program(self, key: tuple, jitted, args, **static):
@@ -200,22 +190,29 @@ class Runner:
       self.compile_seconds += time.perf_counter() - start
     return program
 
-  def precompile(self, cache: PagedKVCache, shapes, swap_sizes, logprob_ks=()) -> int:
+  def precompile(self, cache: PagedKVCache, shapes, swap_sizes, logprob_k: int | None = None
+                 ) -> int:
     """Compiles the model call of every (rows, tokens, width) in `shapes`, sampling for every
-    row count (and the sampled tokens' log-probabilities for every top-k width in
-    `logprob_ks`), and swaps in both directions of every padded block count in `swap_sizes`,
-    without running them (the cache is not consumed). Returns the number of programs."""
+    row count, and swaps in both directions of every padded block count in `swap_sizes`,
+    without running them (the cache is not consumed); with `logprob_k`, also the sampled and
+    the prompt tokens' log-probabilities at that top-k width. Returns the number of programs."""
     keys = set()
     for b, t, m in shapes:
       tokens, last = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
       args = (self.state, cache, tokens, tokens, np.zeros((b, m), np.int32), last)
-      logits_info, _ = self._compiled(("step", b, t, m), self._forward, args).out_info
+      logits_info, h_info, _ = self._compiled(("step", b, t, m), self._forward, args).out_info
       sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
       sampled_info = self._compiled(("sample", b), _sample, (logits_info, sampling)).out_info
       keys |= {("step", b, t, m), ("sample", b)}
-      for k in logprob_ks:
-        self._compiled(("logprobs", b, k), _sample_logprobs, (logits_info, sampled_info), k=k)
-        keys.add(("logprobs", b, k))
+      if logprob_k is None:
+        continue
+      self._compiled(("logprobs", b, logprob_k), _sample_logprobs, (logits_info, sampled_info),
+                     k=logprob_k)
+      keys.add(("logprobs", b, logprob_k))
+      if t > 1:
+        self._compiled(("prompt_logprobs", b, t, logprob_k), _prompt_fn(self._graphdef),
+                       (self.state, h_info, tokens), k=logprob_k)
+        keys.add(("prompt_logprobs", b, t, logprob_k))
     for x, direction in itertools.product(swap_sizes, ("out", "in")):
       index = np.zeros(x, np.int32)
       self._compiled(("swap", direction, x), _SWAPS[direction], (cache, index, index, np.int32(x)),
@@ -227,29 +224,24 @@ class Runner:
     """Dispatches one model call and its sampling; returns the sampled tokens [b] (not yet read)
     and the cache."""
     args = (self.state, cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm, arrays.last_b)
-    logits_bv, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
+    logits_bv, _, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
     sample_args = (logits_bv, arrays.sampling)
     return self._program(("sample", arrays.shape[0]), _sample, sample_args)(*sample_args), cache
 
   def step_logprobs(self, cache: PagedKVCache, arrays: StepArrays, sample_k: int | None,
-                    prompt_rows_r: np.ndarray | None, prompt_targets_rt: np.ndarray | None,
-                    prompt_k: int = 1
+                    prompt_targets_bt: np.ndarray | None, prompt_k: int = 1
                     ) -> tuple[jax.Array, PagedKVCache, TopLogprobs | None, TopLogprobs | None]:
     """`step` that also computes log-probabilities, left on the device: of the sampled tokens
-    and the top `sample_k` ([b]; None: not computed), and of `prompt_targets_rt` at every position
-    of rows `prompt_rows_r` and the top `prompt_k` ([r, t]; None: not computed, and the model call
-    is the plain one)."""
+    and the top `sample_k` ([b]; None: not computed), and of `prompt_targets_bt` at every
+    position and the top `prompt_k` ([b, t]; None: not computed)."""
     args = (self.state, cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm, arrays.last_b)
-    forward_hidden, prompt_logprobs = _logprob_fns(self._graphdef)
+    logits_bv, h_bth, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
     prompt_top = None
-    if prompt_rows_r is None:
-      logits_bv, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
-    else:
-      logits_bv, h_bth, cache = self._program(("step_hidden",) + arrays.shape, forward_hidden,
-                                              args)(*args)
-      prompt_args = (self.state, h_bth, prompt_rows_r, prompt_targets_rt)
-      key = ("prompt_logprobs", arrays.shape[0]) + prompt_targets_rt.shape + (prompt_k,)
-      prompt_top = self._program(key, prompt_logprobs, prompt_args, k=prompt_k)(*prompt_args)
+    if prompt_targets_bt is not None:
+      prompt_args = (self.state, h_bth, prompt_targets_bt)
+      key = ("prompt_logprobs",) + prompt_targets_bt.shape + (prompt_k,)
+      prompt_top = self._program(key, _prompt_fn(self._graphdef), prompt_args,
+                                 k=prompt_k)(*prompt_args)
     sample_args = (logits_bv, arrays.sampling)
     tokens_b = self._program(("sample", arrays.shape[0]), _sample, sample_args)(*sample_args)
     sampled_top = None

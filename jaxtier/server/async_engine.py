@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import Hashable
 
 from absl import logging
 
