@@ -335,6 +335,23 @@ def test_a_short_request_joins_a_running_long_one(engine, served, llm):
   assert tokens == llm.generate("Once upon a time", greedy(max_tokens=48))[0].token_ids
 
 
+def test_over_loopback_a_short_request_finishes_while_a_long_one_streams(app, engine, llm):
+  with uvicorn_on_localhost(app) as port:
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    extra = {"ignore_eos": True}
+    long = api.completions.create(model=MODEL, prompt=[5, 17], max_tokens=60, temperature=0,
+                                  stream=True, extra_body=extra)
+    chunks = [next(iter(long))]
+    short = api.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0,
+                                   extra_body=extra)
+    still_running = engine.stats().running  # as of the engine's last step
+    chunks += list(long)
+  assert short.choices[0].text == llm.generate("Hi", greedy(max_tokens=3))[0].text
+  assert still_running == 1  # the long request had most of its 60 tokens to go
+  assert "".join(c.choices[0].text for c in chunks) == llm.generate(
+      [[5, 17]], greedy(max_tokens=60))[0].text
+
+
 def test_no_compile_after_ready(engine, client):
   runner = engine.engine.runner
   compiled = runner.compile_seconds
