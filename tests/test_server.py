@@ -242,6 +242,9 @@ def test_offloaded_engine_serves_the_llm_tokens_and_counts_streamed_bytes(llm):
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
     ("/v1/completions", {"prompt": "x", "min_p": 0.1}, 400, "min_p is not a supported field"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),
+    ("/v1/completions", {"prompt": "x", "model": "\ud800"}, 404,
+     "The model `\\ud800` does not exist"),
+    ("/v1/completions", {"prompt": "x", "\udc00": 1}, 400, "unable to parse raw data as a unicode"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt: Field required"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt 0 is empty"),
     ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt: expected a string"),
@@ -270,7 +273,8 @@ def test_offloaded_engine_serves_the_llm_tokens_and_counts_streamed_bytes(llm):
     ("/v1/nothing", {}, 404, "Not Found"),
 ])
 def test_bad_input_gets_an_openai_error(client, path, body, status, message):
-  response = client.post(path, json=body)
+  response = client.post(path, content=json.dumps(body),  # ASCII JSON: lone surrogates escaped
+                         headers={"content-type": "application/json"})
   assert response.status_code == status
   error = response.json()["error"]
   assert message in error["message"] and set(error) == {"message", "type", "param", "code"}

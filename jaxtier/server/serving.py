@@ -40,9 +40,17 @@ class Echo:
   token_ids: tuple[int, ...]
 
 
+def _encodable(text: str | None) -> str | None:
+  """`text` with lone surrogates (JSON carries them, UTF-8 cannot) written as `\\udxxx`."""
+  return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None
                ) -> dict[str, Any]:
-  return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+  """OpenAI's error object. The message and param may quote the request (a model name, a field
+  name), so lone surrogates in them are escaped."""
+  return {"error": {"message": _encodable(message), "type": type_, "param": _encodable(param),
+                    "code": code}}
 
 
 def sse(payload: dict[str, Any]) -> str:
