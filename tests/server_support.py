@@ -1,4 +1,5 @@
-"""What the server tests share: a free loopback port and uvicorn serving an app in a thread."""
+"""What the server tests share: a free loopback port, uvicorn serving an app in a thread, and a
+warmed-up engine."""
 
 import contextlib
 import socket
@@ -31,3 +32,15 @@ def uvicorn_on_localhost(app):
   finally:
     server.should_exit = True
     thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def warm_engine(llm):
+  """An `AsyncEngine` over `llm` once its warm-up has finished; closed on exit."""
+  from jaxtier.server import AsyncEngine  # pylint: disable=g-import-not-at-top
+  engine = AsyncEngine(llm)
+  try:
+    assert engine.wait_ready(timeout_s=300), "warm-up did not finish"
+    yield engine
+  finally:
+    engine.close()

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import jaxtier
 from conftest import fixture_path
-from server_support import free_port, uvicorn_on_localhost
+from server_support import free_port, uvicorn_on_localhost, warm_engine
 from jaxtier.server import AsyncEngine, EngineError, create_app
 from jaxtier.server.detokenize import IncrementalDetokenizer, stop_prefix_len
 
@@ -65,10 +65,8 @@ def served():
 
 @pytest.fixture(scope="module")
 def engine(served):
-  engine = AsyncEngine(served)
-  assert engine.wait_ready(timeout_s=300)
-  yield engine
-  engine.close()
+  with warm_engine(served) as engine:
+    yield engine
 
 
 @pytest.fixture(scope="module")

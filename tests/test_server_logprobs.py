@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 
 import jaxtier
 from conftest import fixture_path
-from server_support import uvicorn_on_localhost
-from jaxtier.server import AsyncEngine, create_app
+from server_support import uvicorn_on_localhost, warm_engine
+from jaxtier.server import create_app
 
 MODEL = "tiny"
 ENGINE_ARGS = dict(max_model_len=64, max_num_seqs=4, layer_execution="scan")
@@ -30,10 +30,8 @@ def llm():
 
 @pytest.fixture(scope="module")
 def engine():
-  engine = AsyncEngine(jaxtier.LLM(fixture_path("tiny_llama"), **ENGINE_ARGS))
-  assert engine.wait_ready(timeout_s=300)
-  yield engine
-  engine.close()
+  with warm_engine(jaxtier.LLM(fixture_path("tiny_llama"), **ENGINE_ARGS)) as engine:
+    yield engine
 
 
 @pytest.fixture(scope="module")
