@@ -103,6 +103,10 @@ class EngineArgs:
     preemption_mode: "swap" (KV moves to the host pool) or "recompute" (prefilled again).
     watermark: share of device blocks kept free for running requests to grow into, in [0, 1).
     victim_policy: which running request is preempted first (scheduler.VICTIM_POLICIES).
+    enable_prefix_caching: reuse the KV of full prompt blocks that earlier requests computed
+      (a shared system prompt, earlier turns of a chat); on by default, as in vLLM.
+    host_prefix_caching: blocks the device prefix cache evicts are kept in the host pool and loaded
+      back on a hit (needs a host pool; swapped-out requests take its blocks first).
     seed: seeds the per-request seeds of requests that do not set one.
     layer_execution: "scan", "unrolled" (separate per-layer buffers, faster on CPU) or "auto".
     offload_tail_layers: last layers kept in pinned host memory, an int or "auto" (the planner).
@@ -125,6 +129,8 @@ class EngineArgs:
   preemption_mode: str = "swap"
   watermark: float = 0.01
   victim_policy: str = "longest_waiting"
+  enable_prefix_caching: bool = True
+  host_prefix_caching: bool = True
   seed: int = 0
   layer_execution: str = "auto"
   offload_tail_layers: int | str = 0
@@ -157,6 +163,9 @@ class EngineArgs:
     if not _is_number(self.watermark) or not 0 <= self.watermark < 1:
       raise ValueError(f"watermark={self.watermark!r}: expected a number in [0, 1)")
     check_choice("victim_policy", self.victim_policy, tuple(VICTIM_POLICIES))
+    for name in ("enable_prefix_caching", "host_prefix_caching"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
     check_int("seed", self.seed, 0, 2**32 - 1)
     check_choice("layer_execution", self.layer_execution, LAYER_EXECUTIONS)
     check_offload(self.offload_tail_layers, self.prefetch_depth)

@@ -43,6 +43,10 @@ flags.DEFINE_enum("preemption_mode", "swap", ["swap", "recompute"], "what happen
 flags.DEFINE_float("watermark", 0.01, "share of device KV blocks kept free for running requests")
 flags.DEFINE_string("victim_policy", "longest_waiting", "which running request is preempted first: "
                     "longest_waiting, closest_to_finish or shortest_predicted_remaining")
+flags.DEFINE_bool("enable_prefix_caching", True, "reuse the KV of full prompt blocks earlier "
+                  "requests computed (shared system prompts, earlier chat turns)")
+flags.DEFINE_bool("host_prefix_caching", True, "keep prefix blocks evicted from the device in the "
+                  "host pool and load them back on a hit")
 flags.DEFINE_enum("layer_execution", "auto", list(engine_args.LAYER_EXECUTIONS),
                   "how resident layers run; auto: unrolled on CPU, scan elsewhere")
 flags.DEFINE_string("offload_tail_layers", "0", "last layers kept in pinned host memory and "

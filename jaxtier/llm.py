@@ -54,12 +54,15 @@ class RequestOutput:
   `prompt_logprobs` (when `SamplingParams.prompt_logprobs` is set): one entry per prompt token,
   None for the first, else a dict token id -> `Logprob` holding the prompt token and the top
   `prompt_logprobs` tokens given the tokens before it.
+
+  `num_cached_tokens`: prompt tokens served from the prefix cache instead of computed (as in vLLM).
   """
   request_id: str
   prompt: str | None
   prompt_token_ids: tuple[int, ...]
   outputs: tuple[CompletionOutput, ...]
   prompt_logprobs: list[LogprobDict | None] | None = None
+  num_cached_tokens: int = 0
 
   @property
   def text(self) -> str:
@@ -83,7 +86,8 @@ class LLM:
     **engine_args: the engine arguments, `jaxtier.engine_args.EngineArgs` (same names as the
       scripts' flags): dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
       num_device_blocks / kv_cache_memory_gb, num_host_blocks / swap_space_gb, kv_cache_dtype
-      ("auto", "float32", "bfloat16", "int8"), preemption_mode, watermark, victim_policy, seed,
+      ("auto", "float32", "bfloat16", "int8"), preemption_mode, watermark, victim_policy,
+      enable_prefix_caching, host_prefix_caching, seed,
       layer_execution, offload_tail_layers, prefetch_depth, device_memory_gb, trace_path. Bad
       values raise ValueError before any model loads.
 
@@ -121,7 +125,9 @@ class LLM:
         max_num_batched_tokens=args.token_budget, block_size=args.block_size,
         num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
         kv_cache_dtype=self.kv_cache_dtype, preemption_mode=args.preemption_mode,
-        watermark=args.watermark, victim_policy=args.victim_policy, trace_path=args.trace_path)
+        watermark=args.watermark, victim_policy=args.victim_policy,
+        enable_prefix_caching=args.enable_prefix_caching,
+        host_prefix_caching=args.host_prefix_caching, trace_path=args.trace_path)
     self._engine: Engine | None = None
     self._rng = np.random.default_rng(args.seed)
     self._next_id = 0
@@ -241,6 +247,10 @@ class LLM:
         offload_compute_step_seconds=plan.compute_step_s if plan is not None else None)
     return stats
 
+  def reset_prefix_cache(self) -> None:
+    """Forgets every cached prefix block that no running request uses, on both tiers."""
+    self.engine.reset_prefix_cache()
+
   def doctor(self) -> str:
     """The symptom -> remedy rows that this run's figures show (see `jaxtier.engine.doctor`)."""
     stats = self.stats()
@@ -358,7 +368,7 @@ class LLM:
               str(key), text, ids,
               (CompletionOutput(0, c.text, c.token_ids, c.finish_reason,
                                 None if c.logprobs is None else list(c.logprobs)),),
-              None if c.prompt_logprobs is None else list(c.prompt_logprobs))
+              None if c.prompt_logprobs is None else list(c.prompt_logprobs), c.num_cached_tokens)
     finally:
       for request_id in mine:
         engine.abort(request_id)

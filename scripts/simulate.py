@@ -2,11 +2,21 @@
 
     python scripts/simulate.py --preset=article --preemption_mode=swap
     python scripts/simulate.py --trace=requests.jsonl --num_device_blocks=2048 --num_host_blocks=8192
+    python scripts/simulate.py --workload=chat --num_conversations=50 --enable_prefix_caching
+
+The `article_chat` preset predicts prefix caching's three modes on a multi-turn chat workload:
+
+    python scripts/simulate.py --preset=article_chat --noenable_prefix_caching
+    python scripts/simulate.py --preset=article_chat --enable_prefix_caching --nohost_prefix_caching
+    python scripts/simulate.py --preset=article_chat --enable_prefix_caching --host_prefix_caching
 
 Pool sizes come from memory sizes and the model's shape unless --num_device_blocks /
 --num_host_blocks give them: device KV = device_gb - weights_gb - reserve_gb; GB here are 1e9 bytes.
 The report holds throughput, TTFT and per-token latency percentiles, swap count, bytes and seconds,
-preemptions and peak pool usage (see jaxtier/scheduler/simulator.py for the cost model).
+preemptions, peak pool usage and the prefix cache's hits, write-backs and loads (see
+jaxtier/scheduler/simulator.py for the cost model). The chat workload (--workload=chat) gives each
+request its prompt token ids, which prefix caching needs; the synthetic one and traces give only
+lengths, so caching finds nothing to share there.
 """
 
 import json
@@ -20,6 +30,7 @@ from jaxtier.scheduler import simulator
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 
 _GB = 1e9
+WORKLOADS = ("synthetic", "chat")
 
 # The source article's example: a 7B model with 28 layers and 32 x 128 KV
 # heads in fp16 (bfloat16 here, the same two bytes), 100 concurrent requests averaging 4000 tokens,
@@ -34,17 +45,40 @@ PRESETS = {
         arrival_rate=0.0, prompt_len=3000, output_len=1000, length_dist="uniform",
         step_base_ms=10.0, per_token_us=90.0, link_gb_per_s=22.0, max_tokens_per_step=4096),
 }
+# The article's model, memory, link and cost figures serving multi-turn chats, sized so that the
+# distinct prefixes outgrow the device pool but fit in the host pool. One block holds 16 tokens x
+# 28 layers x 2 (K, V) x 32 heads x 128 x 2 bytes = 7,340,032 bytes, so the device KV pool
+# (80 - 14 - 8 = 58 GB) has 7,901 blocks and the 180 GB host pool 24,523. Turn k's prompt is
+# 1000 + 500 k + 200 tokens, and every turn's prompt starts with the previous one, so a conversation
+# of T turns caches the full blocks of its last prompt: at 7 turns on average 4,200 tokens, 262
+# blocks, of which the first 62 (the system prompt) all conversations share. All 100 conversations
+# start at once and each turn follows the last reply at once, so all stay live to the end: 62 + 100
+# x 200 = 20,062 distinct blocks (147 GB), 2.5 times the device pool (which also holds the running
+# requests' KV) but within the host pool, with room left for swapped-out requests.
+PRESETS["article_chat"] = PRESETS["article"] | dict(
+    workload="chat", num_conversations=100, min_turns=6, max_turns=8, system_len=1000,
+    user_len=200, output_len=300, num_system_prompts=1, arrival_rate=0.0, think_time_s=0.0)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("preset", None, sorted(PRESETS), "Defaults for every flag not given explicitly.")
 flags.DEFINE_string("trace", None, "JSONL trace: arrival_time, prompt_len, output_len per line.")
+flags.DEFINE_enum("workload", "synthetic", WORKLOADS,
+                  "Without --trace: synthetic requests of given lengths, or multi-turn chats.")
 flags.DEFINE_integer("num_requests", 100, "Synthetic workload: requests.")
-flags.DEFINE_float("arrival_rate", 0.0, "Synthetic workload: requests per second (0: all at once).")
+flags.DEFINE_float("arrival_rate", 0.0,
+                   "Requests (chat: first turns) per second (0: all at once).")
 flags.DEFINE_integer("prompt_len", 512, "Synthetic workload: mean prompt tokens.")
-flags.DEFINE_integer("output_len", 256, "Synthetic workload: mean output tokens.")
+flags.DEFINE_integer("output_len", 256, "Mean output tokens (chat: every reply's tokens).")
+flags.DEFINE_integer("num_conversations", 100, "Chat workload: conversations.")
+flags.DEFINE_integer("min_turns", 2, "Chat workload: fewest turns of a conversation.")
+flags.DEFINE_integer("max_turns", 6, "Chat workload: most turns of a conversation.")
+flags.DEFINE_integer("system_len", 1000, "Chat workload: tokens of each shared system prompt.")
+flags.DEFINE_integer("user_len", 200, "Chat workload: tokens of each user message.")
+flags.DEFINE_integer("num_system_prompts", 1, "Chat workload: distinct system prompts.")
+flags.DEFINE_float("think_time_s", 0.0, "Chat workload: seconds from a reply to the next turn.")
 flags.DEFINE_enum("length_dist", "uniform", simulator.LENGTH_DISTRIBUTIONS, "Length distribution.")
 flags.DEFINE_integer("max_tokens", 0, "max_tokens of each request (0: its output length).")
-flags.DEFINE_integer("seed", 0, "Synthetic workload seed.")
+flags.DEFINE_integer("seed", 0, "Synthetic or chat workload seed.")
 flags.DEFINE_integer("num_layers", 28, "Model layers.")
 flags.DEFINE_integer("kv_heads", 32, "KV heads per layer.")
 flags.DEFINE_integer("head_dim", 128, "Head dimension.")
@@ -64,6 +98,9 @@ flags.DEFINE_enum("preemption_mode", "swap", ["swap", "recompute"], "Preemption 
 flags.DEFINE_enum("victim_policy", "longest_waiting", sorted(VICTIM_POLICIES), "Victim policy.")
 flags.DEFINE_enum("host_full", "recompute", ["recompute", "abort_oldest"], "Host pool full.")
 flags.DEFINE_bool("prefetch_swap_in", True, "Plan swap-ins one step early.")
+flags.DEFINE_bool("enable_prefix_caching", False, "Share cached prompt blocks between requests.")
+flags.DEFINE_bool("host_prefix_caching", True,
+                  "With prefix caching: evicted blocks go to the host pool, hits load back.")
 flags.DEFINE_float("step_base_ms", 10.0, "Cost of a step that computes anything.")
 flags.DEFINE_float("per_token_us", 90.0, "Compute per token.")
 flags.DEFINE_float("link_gb_per_s", 22.0, "Host link bandwidth.")
@@ -85,7 +122,25 @@ def _config(block_bytes: int) -> SchedulerConfig:
       max_running=FLAGS.max_running, max_tokens_per_step=FLAGS.max_tokens_per_step,
       watermark_blocks=math.ceil(FLAGS.watermark_gb * _GB / block_bytes),
       preemption_mode=FLAGS.preemption_mode, victim_policy=FLAGS.victim_policy,
-      host_full=FLAGS.host_full, prefetch_swap_in=FLAGS.prefetch_swap_in, block_bytes=block_bytes)
+      host_full=FLAGS.host_full, prefetch_swap_in=FLAGS.prefetch_swap_in, block_bytes=block_bytes,
+      enable_prefix_caching=FLAGS.enable_prefix_caching,
+      host_prefix_caching=FLAGS.host_prefix_caching)
+
+
+def _workload() -> tuple[simulator.WorkItem, ...]:
+  if FLAGS.trace:
+    if FLAGS.workload != "synthetic":
+      raise app.UsageError(f"--trace with --workload={FLAGS.workload}: expected one of the two")
+    with open(FLAGS.trace) as f:
+      return simulator.read_trace(f)
+  if FLAGS.workload == "chat":
+    return simulator.chat_workload(
+        FLAGS.num_conversations, FLAGS.min_turns, FLAGS.max_turns, FLAGS.system_len,
+        FLAGS.user_len, FLAGS.output_len, FLAGS.num_system_prompts,
+        arrival_rate=FLAGS.arrival_rate, think_time_s=FLAGS.think_time_s, seed=FLAGS.seed)
+  return simulator.synthetic_workload(
+      FLAGS.num_requests, FLAGS.arrival_rate, FLAGS.prompt_len, FLAGS.output_len,
+      FLAGS.length_dist, FLAGS.max_tokens, FLAGS.seed)
 
 
 def main(argv):
@@ -93,18 +148,14 @@ def main(argv):
   _apply_preset()
   block_bytes = kv_block_bytes(FLAGS.num_layers, FLAGS.kv_heads, FLAGS.head_dim,
                                FLAGS.kv_cache_dtype, FLAGS.block_size)
-  if FLAGS.trace:
-    with open(FLAGS.trace) as f:
-      workload = simulator.read_trace(f)
-  else:
-    workload = simulator.synthetic_workload(
-        FLAGS.num_requests, FLAGS.arrival_rate, FLAGS.prompt_len, FLAGS.output_len,
-        FLAGS.length_dist, FLAGS.max_tokens, FLAGS.seed)
+  workload = _workload()
   cost = simulator.CostModel(FLAGS.step_base_ms / 1e3, FLAGS.per_token_us / 1e6,
                              FLAGS.link_gb_per_s * _GB, block_bytes)
   config = _config(block_bytes)
   report = simulator.simulate(config, cost, workload)
-  report["config"] = {"preset": FLAGS.preset, "preemption_mode": config.preemption_mode,
+  report["config"] = {"preset": FLAGS.preset,
+                      "workload": "trace" if FLAGS.trace else FLAGS.workload,
+                      "preemption_mode": config.preemption_mode,
                       "victim_policy": config.victim_policy, "host_full": config.host_full,
                       "watermark_blocks": config.watermark, "block_size": config.block_size}
   print(json.dumps(report, indent=2))

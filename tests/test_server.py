@@ -118,8 +118,26 @@ def test_greedy_completions_equal_llm_generate(client, llm, prompts):
   assert {c["finish_reason"] for c in body["choices"]} == {"length"}
   prompt_tokens = sum(len(o.prompt_token_ids) for o in reference)
   generated = 12 * len(prompts)
+  details = body["usage"].pop("prompt_tokens_details")
   assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
                            "total_tokens": prompt_tokens + generated}
+  assert 0 <= details["cached_tokens"] < prompt_tokens
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client):
+  prompt = list(range(5, 45))  # 40 tokens: 2 full blocks of 16 can be reused (never the last)
+  request = dict(prompt=prompt, max_tokens=2, temperature=0, ignore_eos=True)
+  complete(client, **request)
+  for stream in (False, True):
+    if stream:
+      with client.stream("POST", "/v1/completions", json={
+          "model": MODEL, **request, "stream": True,
+          "stream_options": {"include_usage": True}}) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+      usage = json.loads(lines[-1][len("data: "):])["usage"]
+    else:
+      usage = complete(client, **request)["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
 def test_single_prompt_forms_equal_llm_generate(client, llm):
@@ -142,7 +160,7 @@ def test_streamed_and_whole_completions_equal_llm_generate(client, llm):
   reference = llm.generate("A tiny model", greedy(max_tokens=16))[0]
   prompt_tokens = len(reference.prompt_token_ids)
   usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 16,
-           "total_tokens": prompt_tokens + 16}
+           "total_tokens": prompt_tokens + 16, "prompt_tokens_details": {"cached_tokens": 0}}
   request = dict(prompt="A tiny model", max_tokens=16, temperature=0, ignore_eos=True)
   whole = complete(client, **request)
   assert whole["choices"][0]["text"] == reference.text and whole["usage"] == usage

@@ -183,7 +183,8 @@ def test_max_tokens_0_with_echo_scores_the_prompt(client, llm, stream):
     assert choice["finish_reason"] == "length"
   assert text == prompt
   check_legacy(logprobs, out.prompt_token_ids, out.prompt_logprobs, llm.tokenizer)
-  assert usage == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}
+  assert usage == {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n,
+                   "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_logprobs_equal_the_offline_ones(client, llm):

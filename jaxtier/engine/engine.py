@@ -57,6 +57,9 @@ class EngineConfig:
     block_size, num_device_blocks, num_host_blocks: the KV pools, in blocks of block_size tokens.
     kv_cache_dtype: "float32", "bfloat16" or "int8".
     preemption_mode, watermark, victim_policy: the scheduler's policies (see SchedulerConfig).
+    enable_prefix_caching: full prompt blocks are cached and shared by later requests with the same
+      prefix (`jaxtier.scheduler.prefix`); host_prefix_caching: blocks evicted from the device
+      are kept in the host pool and loaded back on a hit.
     trace_path: a JSONL file that gets one line per step, or None.
     swap_impl, attention_impl: the swap and attention implementations (see jaxtier.kvcache).
   """
@@ -70,6 +73,8 @@ class EngineConfig:
   preemption_mode: str = "swap"
   watermark: float = 0.01
   victim_policy: str = "longest_waiting"
+  enable_prefix_caching: bool = True
+  host_prefix_caching: bool = True
   trace_path: str | None = None
   swap_impl: str = "loop"
   attention_impl: str = "xla"
@@ -103,6 +108,8 @@ class _Totals:
   decode_seconds: float = 0.0
   run_seconds: float = 0.0
   max_swap_bytes_per_step: int = 0
+  prefill_tokens: int = 0  # tokens computed by steps that prefilled, and their seconds
+  prefill_seconds: float = 0.0
 
 
 class Engine:
@@ -132,7 +139,8 @@ class Engine:
         watermark_fraction=config.watermark,
         max_blocks_per_request=blocks_for(config.max_model_len, config.block_size),
         preemption_mode=config.preemption_mode, victim_policy=config.victim_policy,
-        block_bytes=self.block_bytes)
+        block_bytes=self.block_bytes, enable_prefix_caching=config.enable_prefix_caching,
+        host_prefix_caching=config.host_prefix_caching)
     self.vocab_size = c.vocab_size
     self.table_width = batching.table_width(config.max_model_len, config.block_size)
     graphdef, state = nnx.split(model)
@@ -141,6 +149,7 @@ class Engine:
     self._state = scheduler.initial_state(self.scheduler_config)
     self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
     self._logprobs: dict[Hashable, lp.RequestLogprobs] = {}  # live requests that ask for them
+    self._hits: dict[Hashable, tuple[int, int]] = {}  # live id -> cached (device, host) tokens
     self._token_text = lp.TokenText(tokenizer)
     self._totals = _Totals()
     self._peak = {"device": 0, "host": 0}
@@ -173,7 +182,8 @@ class Engine:
     limit = min(params.max_tokens, room)
     request = scheduler.Request.of(request_id, prompt_ids, params, seed, max_tokens=limit,
                                    arrival_time=time.perf_counter() - self._started,
-                                   priority=priority)
+                                   priority=priority,
+                                   skip_prefix_cache=params.prompt_logprobs is not None)
     self._state = scheduler.apply_event(self._state, scheduler.Arrive(request))
     self._live[request_id] = (RequestProgress(prompt_ids, params, self.tokenizer, limit), seed)
     wanted = lp.RequestLogprobs.of(params)
@@ -191,6 +201,10 @@ class Engine:
     self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
     return self._finish(request_id, "abort", ())
 
+  def reset_prefix_cache(self) -> None:
+    """Forgets every cached prefix block no running request uses (both tiers)."""
+    self._state = scheduler.reset_prefix_cache(self._state)
+
   def has_unfinished(self) -> bool:
     return bool(self._live)
 
@@ -202,11 +216,13 @@ class Engine:
     progress, _ = self._live.pop(request_id)
     progress.finish_reason = reason
     wanted = self._logprobs.pop(request_id, None)
+    device, host = self._hits.pop(request_id, (0, 0))
+    cached = dict(num_cached_tokens=device + host, host_cached_tokens=host)
     if wanted is None:
       return RequestUpdate(request_id, new, Completion(tuple(progress.generated), progress.text(),
-                                                       reason))
+                                                       reason, **cached))
     completion = Completion(tuple(progress.generated), progress.text(), reason,
-                            *wanted.completion_fields())
+                            *wanted.completion_fields(), **cached)
     return RequestUpdate(request_id, new, completion, *wanted.update_fields(len(new)))
 
   def warmup(self) -> dict:
@@ -244,7 +260,21 @@ class Engine:
       self._abandon()
       raise
     self._account(plan, calls, time.perf_counter() - start)
+    rates = self._rates()
+    if rates is not None and rates != self._state.rates:
+      self._state = scheduler.apply_event(self._state, rates)
     return updates
+
+  def _rates(self) -> scheduler.Rates | None:
+    """The link and prefill rates measured so far, for the scheduler's load-or-recompute choice
+    on host-tier prefix hits; None until both have been measured."""
+    fit = self.runner.timer.fit()
+    totals = self._totals
+    if fit is None or not totals.prefill_seconds or not fit[0]:
+      return None
+    per_block, per_swap = fit
+    return scheduler.Rates(self.block_bytes / per_block,
+                           totals.prefill_tokens / totals.prefill_seconds, per_swap)
 
   def _run(self, plan: scheduler.Plan):
     """Applies `plan` (see the module docstring); returns the updates and the model calls."""
@@ -252,8 +282,11 @@ class Engine:
     # KV cap); the engine ended the others itself, and their ids may be live again by now.
     updates = [self._finish(e.request_id, "abort", ()) for e in plan.ended
                if e.status == ABORTED and e.reason != ABORT_CLIENT and e.request_id in self._live]
+    for request_id, device, host in plan.hits:
+      self._hits.setdefault(request_id, (device, host))  # a readmitted request keeps its first
     cache = self.cache
-    for direction, pairs in (("out", plan.swap_out), ("in", plan.swap_in), ("in", plan.prefetch)):
+    for direction, pairs in (("out", plan.swap_out + plan.writeback), ("in", plan.swap_in),
+                             ("in", plan.prefetch)):
       if pairs:
         cache = self.runner.swap(cache, direction, pairs)
     self.cache = cache
@@ -282,6 +315,8 @@ class Engine:
     for request_id in list(self._live):
       self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
       self._finish(request_id, "abort", ())
+    # The failed plan's blocks were never written, and the pools may be lost: forget the cache.
+    self._state = scheduler.reset_prefix_cache(self._state)
     if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
       self.cache = PagedKVCache.create(self.cache_config)
 
@@ -344,7 +379,11 @@ class Engine:
     if len(plan.decode) and not len(plan.prefill) and not plan.swap_out and not plan.swap_in:
       totals.decode_steps += 1
       totals.decode_seconds += seconds
-    swap_blocks = len(plan.swap_out) + len(plan.swap_in) + len(plan.prefetch)
+    if len(plan.prefill):
+      totals.prefill_tokens += plan.num_tokens
+      totals.prefill_seconds += seconds
+    swap_blocks = (len(plan.swap_out) + len(plan.swap_in) + len(plan.prefetch)
+                   + len(plan.writeback))
     totals.max_swap_bytes_per_step = max(totals.max_swap_bytes_per_step,
                                          swap_blocks * self.block_bytes)
     m = scheduler.metrics(self._state)
@@ -360,7 +399,9 @@ class Engine:
           "swap_out_bytes": len(plan.swap_out) * self.block_bytes,
           "swap_in_bytes": (len(plan.swap_in) + len(plan.prefetch)) * self.block_bytes,
           "prefill_tokens": plan.prefill.num_tokens, "decode_tokens": plan.decode.num_tokens,
-          "preempted": len(plan.preempted),
+          "preempted": len(plan.preempted), "writeback_blocks": len(plan.writeback),
+          "cache_load_blocks": plan.cache_loads,
+          "device_blocks_cached": m.device_blocks_cached, "host_blocks_cached": m.host_blocks_cached,
           "finished": sum(1 for e in plan.ended)}) + "\n")
       self._trace.flush()
 
@@ -386,11 +427,13 @@ class Engine:
         "preemptions": {"swap": 0, "recompute": 0, **dict(m.preemptions)},
         "running": m.num_running, "waiting": m.num_waiting, "swapped": m.num_swapped,
         "device_blocks_total": m.device_blocks_total,
-        "device_blocks_free": m.device_blocks_total - m.device_blocks_used,
+        "device_blocks_free": m.device_blocks_total - m.device_blocks_used
+        + m.device_blocks_evictable,
         "device_blocks_peak_used": self._peak["device"],
         "host_blocks_total": m.host_blocks_total,
-        "host_blocks_free": m.host_blocks_total - m.host_blocks_used,
+        "host_blocks_free": m.host_blocks_total - m.host_blocks_used + m.host_blocks_cached,
         "host_blocks_peak_used": self._peak["host"],
+        **self._prefix_stats(m),
         "requests_finished": sum(n for _, n in m.finished),
         "finished_by_reason": dict(m.finished),
         "requests_aborted": dict(m.aborted),
@@ -406,6 +449,32 @@ class Engine:
         "watermark_blocks": self.scheduler_config.watermark,
         "device_kv_bytes": device_pool_bytes(self.cache),
         "host_kv_bytes": host_pool_bytes(self.cache),
+    }
+
+  def _prefix_stats(self, m: scheduler.Metrics) -> dict:
+    """The prefix cache's figures: hits per tier (tokens, and rates over the prompt tokens looked
+    up), bytes the host tier moved, and how its blocks split between cache and swapped requests.
+    Free block counts above include cached blocks no request uses (they are evicted on demand)."""
+    queried = m.prefix_query_tokens
+    return {
+        "prefix_caching": self.config.enable_prefix_caching,
+        "host_prefix_caching": self.scheduler_config.host_tier,
+        "prefix_query_tokens": queried,
+        "prefix_device_hit_tokens": m.device_hit_tokens,
+        "prefix_host_hit_tokens": m.host_hit_tokens,
+        "prefix_device_hit_rate": m.device_hit_tokens / queried if queried else 0.0,
+        "prefix_host_hit_rate": m.host_hit_tokens / queried if queried else 0.0,
+        "prefix_host_hit_recomputed_tokens": m.host_hit_recomputed_tokens,
+        "prefix_writeback_blocks": m.writeback_blocks,
+        "prefix_writeback_bytes": m.writeback_blocks * self.block_bytes,
+        "prefix_load_blocks": m.cache_load_blocks,
+        "prefix_load_bytes": m.cache_load_blocks * self.block_bytes,
+        "prefix_device_evictions": m.device_cache_evictions,
+        "prefix_host_evictions": m.host_cache_evictions,
+        "device_blocks_cached": m.device_blocks_cached,
+        "device_blocks_cached_in_use": m.device_blocks_cached - m.device_blocks_evictable,
+        "host_blocks_cached": m.host_blocks_cached,
+        "host_blocks_swapped": m.host_blocks_used - m.host_blocks_cached,
     }
 
   def close(self) -> None:

@@ -11,6 +11,8 @@ Swaps are dispatched without waiting: each swap program also returns a small mar
 background thread (`SwapTimer`) waits on the markers and records when each program finished. A
 swap's seconds are the time from its dispatch, or from the end of the swap before it, to its
 marker becoming ready: measured off the engine thread, so no synchronization enters the step.
+The timer also fits those seconds against the blocks of each swap (least squares), which gives the
+link's rate and its fixed cost per swap (`SwapTimer.fit`).
 
 Shape legend: b rows, t tokens, h hidden size, v vocab, m table width, x padded block count.
 """
@@ -104,12 +106,35 @@ class SwapTimer:
     self._queue: queue.Queue = queue.Queue()
     self._lock = threading.Lock()
     self.seconds = {"out": 0.0, "in": 0.0}
+    self.blocks = {"out": 0, "in": 0}  # blocks of the swaps measured so far
+    self._sums = [0, 0.0, 0.0, 0.0, 0.0]  # n, sum blocks, sum seconds, sum blocks^2, sum blocks*s
     self._last_ready = 0.0
     self._thread = threading.Thread(target=self._wait, name="jaxtier-swap-timer", daemon=True)
     self._thread.start()
 
-  def submit(self, direction: str, marker: jax.Array, dispatched: float) -> None:
-    self._queue.put((direction, marker, dispatched))
+  def submit(self, direction: str, marker: jax.Array, dispatched: float, blocks: int = 0) -> None:
+    self._queue.put((direction, marker, dispatched, blocks))
+
+  def fit(self) -> tuple[float, float] | None:
+    """(seconds per block, seconds per swap) from the swaps measured so far, or None before any.
+
+    A least-squares line through (blocks, seconds) of every swap; with fewer than two distinct
+    sizes, all the time is charged to the blocks. Neither figure is negative.
+    """
+    with self._lock:
+      n, x, y, xx, xy = self._sums
+    if n == 0 or x == 0:
+      return None
+    denominator = n * xx - x * x
+    if denominator <= 1e-9 * n * xx:
+      return y / x, 0.0
+    slope = (n * xy - x * y) / denominator
+    intercept = (y - slope * x) / n
+    if slope <= 0:
+      return y / x, 0.0
+    if intercept < 0:
+      return xy / xx, 0.0
+    return slope, intercept
 
   def drain(self) -> None:
     """Waits until every submitted swap is measured."""
@@ -117,12 +142,16 @@ class SwapTimer:
 
   def _wait(self) -> None:
     while True:
-      direction, marker, dispatched = self._queue.get()
+      direction, marker, dispatched, blocks = self._queue.get()
       try:
         marker.block_until_ready()
         ready = time.perf_counter()
         with self._lock:
-          self.seconds[direction] += ready - max(dispatched, self._last_ready)
+          seconds = ready - max(dispatched, self._last_ready)
+          self.seconds[direction] += seconds
+          self.blocks[direction] += blocks
+          for i, value in enumerate((1, blocks, seconds, blocks * blocks, blocks * seconds)):
+            self._sums[i] += value
           self._last_ready = ready
       except Exception:  # pylint: disable=broad-except  (a failed swap fails its step instead)
         logging.exception("could not time a swap")
@@ -265,5 +294,5 @@ class Runner:
     program = self._program(("swap", direction, x), _SWAPS[direction], args, impl=self.swap_impl)
     dispatched = time.perf_counter()
     cache, marker = program(*args)
-    self.timer.submit(direction, marker, dispatched)
+    self.timer.submit(direction, marker, dispatched, n)
     return cache

@@ -9,19 +9,19 @@ The plan is the whole contract with the device: block ids to copy and the block 
 sequence that computes. See `transitions` for the engine loop and `planning` for the policy.
 """
 
-from jaxtier.scheduler import allocator, policies, simulator
+from jaxtier.scheduler import allocator, policies, prefix, simulator
 from jaxtier.scheduler.allocator import BlockPool, blocks_for
 from jaxtier.scheduler.config import SchedulerConfig
 from jaxtier.scheduler.metrics import Metrics, metrics
 from jaxtier.scheduler.planning import schedule
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 from jaxtier.scheduler.request import Ended, Request, Seq
-from jaxtier.scheduler.state import (Abort, Arrive, ComputeBatch, Plan, SchedulerState, StepFinished,
-                                     initial_state)
-from jaxtier.scheduler.transitions import apply_event, step
+from jaxtier.scheduler.state import (Abort, Arrive, ComputeBatch, Plan, Rates, SchedulerState,
+                                     StepFinished, initial_state)
+from jaxtier.scheduler.transitions import apply_event, reset_prefix_cache, step
 
 __all__ = [
-    "Abort", "Arrive", "BlockPool", "ComputeBatch", "Ended", "Metrics", "Plan", "Request",
+    "Abort", "Arrive", "BlockPool", "ComputeBatch", "Ended", "Metrics", "Plan", "Rates", "Request",
     "SchedulerConfig", "SchedulerState", "Seq", "StepFinished", "VICTIM_POLICIES", "apply_event",
-    "blocks_for", "initial_state", "metrics", "schedule", "step",
+    "blocks_for", "initial_state", "metrics", "reset_prefix_cache", "schedule", "step",
 ]

@@ -89,6 +89,18 @@ def update(pool: BlockPool, release: Iterable[int] = (),
   return BlockPool(pool.num_blocks, num_free, segments, chunks), granted
 
 
+def reassign(pool: BlockPool, blocks: Iterable[int], owner: Owner) -> BlockPool:
+  """Returns `pool` with the owned `blocks` handed to `owner` (none of them is freed)."""
+  if owner is None:
+    raise ValueError("owner=None: expected an owner (free blocks with `update`)")
+  assignments = []
+  for block in blocks:
+    if not 0 <= block < pool.num_blocks or pool.owner(block) is None:
+      raise ValueError(f"block {block!r}: expected a block owned by someone in [0, {pool.num_blocks})")
+    assignments.append((block, owner))
+  return dataclasses.replace(pool, owner_chunks=_set_owners(pool.owner_chunks, assignments))
+
+
 def _append(segments: tuple[Sequence[int], ...], blocks: tuple[int, ...]
             ) -> tuple[Sequence[int], ...]:
   if not blocks:

@@ -42,6 +42,10 @@ class SchedulerConfig:
       the low-priority part for weight prefetch. Swap-outs are never deferred, but swap-ins stop once
       the share is spent (the first swap-in of a step always goes, so none waits forever).
     weight_prefetch_bytes_per_step: the weight bytes the offload plan wants to prefetch each step.
+    enable_prefix_caching: full prompt blocks are cached by hash and shared by later requests
+      whose prompts start with the same tokens (needs the requests' prompt token ids).
+    host_prefix_caching: with prefix caching, blocks evicted from the device are written back to the
+      host pool (shared with swapped-out requests, which come first), and host hits are loaded back.
   """
   num_device_blocks: int
   num_host_blocks: int
@@ -59,6 +63,8 @@ class SchedulerConfig:
   link_bytes_per_step: int | None = None
   kv_link_share: float = 0.75
   weight_prefetch_bytes_per_step: int = 0
+  enable_prefix_caching: bool = False
+  host_prefix_caching: bool = True
 
   def __post_init__(self):
     _check_int("num_device_blocks", self.num_device_blocks, 1)
@@ -80,8 +86,9 @@ class SchedulerConfig:
     _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
     _check_choice("host_full", self.host_full, HOST_FULL_FALLBACKS)
     policies.resolve_victim_policy(self.victim_policy)
-    if not isinstance(self.prefetch_swap_in, bool):
-      raise ValueError(f"prefetch_swap_in={self.prefetch_swap_in!r}: expected a bool")
+    for name in ("prefetch_swap_in", "enable_prefix_caching", "host_prefix_caching"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r}: expected a bool")
     self._check_link()
 
   def _check_link(self):
@@ -99,6 +106,11 @@ class SchedulerConfig:
   def watermark(self) -> int:
     """The watermark in blocks."""
     return max(self.watermark_blocks, math.ceil(self.watermark_fraction * self.num_device_blocks))
+
+  @property
+  def host_tier(self) -> bool:
+    """Whether evicted prefix-cache blocks go to the host pool."""
+    return self.enable_prefix_caching and self.host_prefix_caching and self.num_host_blocks > 0
 
   @property
   def request_block_cap(self) -> int:

@@ -27,6 +27,17 @@ class Metrics:
   preemptions: tuple[tuple[str, int], ...]
   finished: tuple[tuple[str, int], ...]
   aborted: tuple[tuple[str, int], ...]
+  device_blocks_cached: int = 0  # prefix-cache blocks on the device (used, shared or not)
+  device_blocks_evictable: int = 0  # of those, the ones no request references
+  host_blocks_cached: int = 0
+  prefix_query_tokens: int = 0
+  device_hit_tokens: int = 0
+  host_hit_tokens: int = 0
+  host_hit_recomputed_tokens: int = 0
+  writeback_blocks: int = 0
+  cache_load_blocks: int = 0
+  device_cache_evictions: int = 0
+  host_cache_evictions: int = 0
 
 
 def metrics(state: SchedulerState) -> Metrics:
@@ -39,4 +50,13 @@ def metrics(state: SchedulerState) -> Metrics:
       host_blocks_total=state.host.num_blocks, steps=counters.steps, swap_outs=counters.swap_outs,
       swap_out_blocks=counters.swap_out_blocks, swap_ins=counters.swap_ins,
       swap_in_blocks=counters.swap_in_blocks, preemptions=counters.preemptions,
-      finished=counters.finished, aborted=counters.aborted)
+      finished=counters.finished, aborted=counters.aborted,
+      device_blocks_cached=state.device_cache.num_cached,
+      device_blocks_evictable=state.device_cache.num_evictable,
+      host_blocks_cached=state.host_cache.num_cached,
+      prefix_query_tokens=counters.prefix_query_tokens,
+      device_hit_tokens=counters.device_hit_tokens, host_hit_tokens=counters.host_hit_tokens,
+      host_hit_recomputed_tokens=counters.host_hit_recomputed_tokens,
+      writeback_blocks=counters.writeback_blocks, cache_load_blocks=counters.cache_load_blocks,
+      device_cache_evictions=counters.device_cache_evictions,
+      host_cache_evictions=counters.host_cache_evictions)

@@ -11,15 +11,22 @@ One step is decided in four phases over block counts, then booked in one allocat
   4. Admission: only when nothing is left swapped, waiting requests start in queue order while their
      first chunk fits above the watermark (or fits at all, when nothing runs). The first that does not
      fit stops admission, so a long request is not starved by shorter ones behind it.
+
+With prefix caching, unreferenced cached device blocks count as free (booking evicts them when the
+pool runs short), and an admitted request starts after its longest cached prefix: device hits are
+shared at once; host hits are loaded into new device blocks like a swap-in (planned one step before
+the request computes when swap-ins are prefetched), unless the measured rates say recomputing them
+is cheaper. A hit never covers the prompt's last token, whose logits the first step needs.
 """
 
 from jaxtier.scheduler import allocator
 from jaxtier.scheduler import booking
 from jaxtier.scheduler import policies
+from jaxtier.scheduler import prefix
 from jaxtier.scheduler.booking import Choice, Decision, Preemption
 from jaxtier.scheduler.config import SchedulerConfig
 from jaxtier.scheduler.request import Seq
-from jaxtier.scheduler.state import Plan, SchedulerState
+from jaxtier.scheduler.state import Plan, Rates, SchedulerState
 
 _NOTHING = Choice((), (), ())
 
@@ -39,16 +46,17 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, Plan]:
 def decide(state: SchedulerState) -> Decision:
   """Decides the next step in block counts; `booking.book` turns it into block ids."""
   config = state.config
-  tokens, growth = _running_tokens(state.running, state.device.num_free, config)
-  preemption = _preempt(config, state, tokens, growth)
+  free = state.device.num_free + state.device_cache.num_evictable
+  tokens, growth = _running_tokens(state.running, free, config)
+  preemption = _preempt(config, state, free, tokens, growth)
   swap_in = admit = _NOTHING
   if not (preemption.swap_out or preemption.recompute or preemption.victim_aborted):
     budget = config.max_tokens_per_step - sum(preemption.kept_tokens)
     num_running = len(preemption.kept)
-    swap_in, free, budget = _swap_in(config, preemption.swapped, num_running, preemption.free,
-                                     budget)
+    swap_in, free, budget, spent = _swap_in(config, preemption.swapped, num_running,
+                                            preemption.free, budget)
     if len(swap_in.seqs) == len(preemption.swapped):
-      admit = _admit(config, state.waiting, num_running + len(swap_in.seqs), free, budget)
+      admit = _admit(config, state, num_running + len(swap_in.seqs), free, budget, spent)
   return Decision(preemption, swap_in, admit)
 
 
@@ -88,22 +96,22 @@ def _growth(seq: Seq, num_tokens: int, block_size: int) -> int:
   return max(allocator.blocks_for(seq.num_computed + num_tokens, block_size) - len(seq.blocks), 0)
 
 
-def _preempt(config: SchedulerConfig, state: SchedulerState, tokens: list[int], growth: list[int]
-             ) -> Preemption:
+def _preempt(config: SchedulerConfig, state: SchedulerState, free: int, tokens: list[int],
+             growth: list[int]) -> Preemption:
   """Preempts running requests until the step stays above the watermark or one request is left."""
-  free = state.device.num_free - sum(growth)
+  free -= sum(growth)
   if free >= config.watermark or len(state.running) <= 1:
     return Preemption(state.running, tuple(tokens), tuple(growth), (), (), (), (), state.swapped,
                       free)
   victim_key = policies.resolve_victim_policy(config.victim_policy)
   kept = list(zip(state.running, tokens, growth))
-  host_free = state.host.num_free
+  host_free = state.host.num_free + state.host_cache.num_evictable  # swapped requests come first
   swapped = state.swapped
   fates = {"swap": [], "recompute": [], "abort": []}
   host_aborted = []
   while free < config.watermark and len(kept) > 1:
     victim, _, victim_growth = kept.pop(policies.choose_victim([k[0] for k in kept], victim_key))
-    free += victim_growth + len(victim.blocks)
+    free += victim_growth + prefix.freeable(state.device_cache, victim.blocks)
     fate, host_free, swapped, aborted = _evict(config, victim, host_free, swapped)
     fates[fate].append(victim)
     host_aborted.extend(seq for seq in aborted if seq is not victim)
@@ -151,10 +159,10 @@ def _fits(free: int, blocks: int, config: SchedulerConfig, num_running: int) -> 
 
 
 def _swap_in(config: SchedulerConfig, swapped: tuple[Seq, ...], num_running: int, free: int,
-             budget: int) -> tuple[Choice, int, int]:
+             budget: int) -> tuple[Choice, int, int, int]:
   """Brings swapped requests back in queue order while blocks and the KV link share allow.
 
-  Returns the choice, and the device blocks and tokens left.
+  Returns the choice, the device blocks and tokens left, and the link bytes spent.
   """
   link_budget = policies.kv_link_budget(config.link_bytes_per_step, config.kv_link_share)
   block_size = config.block_size
@@ -178,23 +186,57 @@ def _swap_in(config: SchedulerConfig, swapped: tuple[Seq, ...], num_running: int
     free -= book + reserve
     budget -= num_tokens
     spent += cost
-  return Choice(tuple(seqs), tuple(tokens), tuple(blocks)), free, budget
+  return Choice(tuple(seqs), tuple(tokens), tuple(blocks)), free, budget, spent
 
 
-def _admit(config: SchedulerConfig, waiting: tuple[Seq, ...], num_running: int, free: int,
-           budget: int) -> Choice:
-  """Starts waiting requests in queue order while their first chunk fits."""
-  seqs, tokens, blocks = [], [], []
-  for seq in waiting:
+def _admit(config: SchedulerConfig, state: SchedulerState, num_running: int, free: int,
+           budget: int, spent: int) -> Choice:
+  """Starts waiting requests in queue order while their first chunk fits (after their hits)."""
+  block_size = config.block_size
+  link_budget = policies.kv_link_budget(config.link_bytes_per_step, config.kv_link_share)
+  device_cache, host_cache = state.device_cache, state.host_cache
+  pinned: set[int] = set()  # unreferenced cached blocks that requests admitted here will share
+  seqs, tokens, blocks, device_hits, host_hits, passed = [], [], [], [], [], []
+  for seq in state.waiting:
     if num_running + len(seqs) >= config.max_running or budget == 0:
       break
-    num_tokens = min(seq.num_uncomputed, budget)
-    book = allocator.blocks_for(num_tokens, config.block_size)
-    if not _fits(free, book, config, num_running + len(seqs)):
+    on_device = on_host = skipped = 0
+    shared: tuple[int, ...] = ()
+    if seq.hashes and not seq.request.skip_prefix_cache:
+      usable = seq.hashes[:(seq.seq_len - 1) // block_size]
+      on_device = prefix.num_hits(device_cache, usable)
+      shared = tuple(b for b in prefix.hit_blocks(device_cache, usable[:on_device])
+                     if not device_cache.refcount(b) and b not in pinned)
+      if config.host_tier:
+        on_host = prefix.num_hits(host_cache, usable, on_device)
+        cost = on_host * config.block_bytes
+        if on_host and not (_load_pays(state.rates, on_host, config)
+                            and (not spent or spent + cost <= link_budget)):
+          on_host, skipped = 0, on_host
+    computed = (on_device + on_host) * block_size
+    load = on_host and config.prefetch_swap_in  # copy this step, compute from the next
+    num_tokens = 0 if load else min(seq.seq_len - computed, budget)
+    book = allocator.blocks_for(computed + num_tokens, block_size) - on_device
+    reserve = 1 if load else 0  # room for the next step's first computed block
+    if not _fits(free, book + reserve + len(shared), config, num_running + len(seqs)):
       break
     seqs.append(seq)
     tokens.append(num_tokens)
     blocks.append(book)
-    free -= book
+    device_hits.append(on_device)
+    host_hits.append(on_host)
+    passed.append(skipped)
+    pinned.update(shared)
+    free -= book + reserve + len(shared)
     budget -= num_tokens
-  return Choice(tuple(seqs), tuple(tokens), tuple(blocks))
+    spent += on_host * config.block_bytes
+  return Choice(tuple(seqs), tuple(tokens), tuple(blocks), tuple(device_hits), tuple(host_hits),
+                tuple(passed))
+
+
+def _load_pays(rates: Rates | None, num_blocks: int, config: SchedulerConfig) -> bool:
+  """Whether loading `num_blocks` host-tier blocks is faster than recomputing them."""
+  if rates is None:
+    return True
+  load = rates.swap_latency_s + num_blocks * config.block_bytes / rates.link_bytes_per_s
+  return load < num_blocks * config.block_size / rates.prefill_tokens_per_s

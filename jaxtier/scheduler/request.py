@@ -42,6 +42,8 @@ class Request:
     prompt_token_ids: the prompt (empty when only its length is known, as in the simulator).
     params: the sampling parameters (a `jaxtier.SamplingParams`; opaque to the scheduler).
     seed: the sampling seed.
+    skip_prefix_cache: never reuse cached KV for this prompt (a request that wants the
+      log-probabilities of its prompt tokens must compute them all); its blocks are still cached.
   """
   request_id: RequestId
   prompt_len: int
@@ -52,6 +54,7 @@ class Request:
   prompt_token_ids: tuple[int, ...] = ()
   params: Any = None
   seed: int = 0
+  skip_prefix_cache: bool = False
 
   @classmethod
   def of(cls, request_id: RequestId, prompt_token_ids: Sequence[int], params: Any, seed: int,
@@ -98,6 +101,8 @@ class Seq(typing.NamedTuple):
   num_computed: int
   num_generated: int
   blocks: tuple[int, ...]  # [blocks] in token order: its block table
+  hashes: tuple[bytes, ...] = ()  # [full prompt blocks] chained block hashes (prefix caching on)
+  num_registered: int = 0  # leading blocks already offered to the device prefix cache
 
   @property
   def request_id(self) -> RequestId:

@@ -1,11 +1,13 @@
 """Scheduler state, the events that change it and the plans it hands to the engine: all plain data.
 
 Executing a plan. The engine applies the fields of a `Plan` in this order:
-  1. `swap_out`: copy each device block to its host block (device -> host).
+  1. `swap_out` and `writeback`: copy each device block to its host block (device -> host).
   2. `swap_in`: copy each host block to its device block (host -> device).
   3. compute `prefill` and `decode`: each sequence computes tokens [start, end) into its block table.
   4. `prefetch`: copy host -> device, overlapping step 3; it must finish before the next plan's step 1.
-Device blocks freed by this plan's swap-outs may be the destinations of step 2 or 4 or be written in
+`writeback` copies prefix-cache blocks evicted from the device to the host tier; host-tier hits are
+copies like any swap-in (in `prefetch`, or `swap_in` without prefetching), `cache_loads` of them.
+Device blocks freed by this plan's swap-outs and write-backs may be the destinations of step 2 or 4 or be written in
 step 3, which is why step 1 goes first. `free_device` / `free_host` list the blocks that became free
 since the previous plan (finished, aborted, swapped out or dropped requests); they need no copy.
 Then the engine reports the step with a `StepFinished` event before asking for the next plan.
@@ -14,6 +16,7 @@ Then the engine reports the step with a `StepFinished` event before asking for t
 import dataclasses
 
 from jaxtier.scheduler import allocator
+from jaxtier.scheduler import prefix
 from jaxtier.scheduler.config import SchedulerConfig
 from jaxtier.scheduler.request import FINISHED, Ended, Request, RequestId, Seq
 
@@ -51,7 +54,25 @@ class Abort:
   request_id: RequestId
 
 
-Event = Arrive | StepFinished | Abort
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """What the engine measured, for choosing between loading a host-tier prefix hit and recomputing
+  it: loading h blocks costs `swap_latency_s + h * block_bytes / link_bytes_per_s`, recomputing
+  them `h * block_size / prefill_tokens_per_s`."""
+  link_bytes_per_s: float
+  prefill_tokens_per_s: float
+  swap_latency_s: float = 0.0
+
+  def __post_init__(self):
+    for name in ("link_bytes_per_s", "prefill_tokens_per_s"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"{name}={value!r}: expected a number > 0")
+    if not (isinstance(self.swap_latency_s, (int, float)) and self.swap_latency_s >= 0):
+      raise ValueError(f"swap_latency_s={self.swap_latency_s!r}: expected a number >= 0")
+
+
+Event = Arrive | StepFinished | Abort | Rates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +108,11 @@ class Plan:
   free_host: tuple[int, ...]
   preempted: tuple[tuple[RequestId, str], ...]  # (request, "swap" or "recompute")
   ended: tuple[Ended, ...]  # requests that ended since the previous plan
-  kv_swap_bytes: int  # high-priority link bytes: all swap and prefetch copies
+  kv_swap_bytes: int  # high-priority link bytes: all swap, write-back and prefetch copies
   weight_prefetch_bytes: int  # low-priority link bytes granted to weight prefetch
+  writeback: tuple[tuple[int, int], ...] = ()  # [pairs] (device block, host block): cache evictions
+  cache_loads: int = 0  # pairs of swap_in + prefetch that load host-tier prefix hits
+  hits: tuple[tuple[RequestId, int, int], ...] = ()  # admitted now: (request, device, host tokens)
 
   @property
   def num_tokens(self) -> int:
@@ -106,6 +130,14 @@ class Counters:
   preemptions: tuple[tuple[str, int], ...] = ()
   finished: tuple[tuple[str, int], ...] = ()
   aborted: tuple[tuple[str, int], ...] = ()
+  prefix_query_tokens: int = 0  # prompt tokens of admissions that looked the prefix cache up
+  device_hit_tokens: int = 0
+  host_hit_tokens: int = 0
+  host_hit_recomputed_tokens: int = 0  # host-tier hits recomputed because that was cheaper
+  writeback_blocks: int = 0
+  cache_load_blocks: int = 0
+  device_cache_evictions: int = 0
+  host_cache_evictions: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +151,8 @@ class SchedulerState:
     ended, freed_device, freed_host: what happened since the last plan, reported in the next one.
     in_flight: the plan the engine is running, until its StepFinished arrives.
     next_order: arrival order of the next request.
+    device_cache, host_cache: the prefix-cache index of each pool (empty with caching off).
+    rates: the engine's latest measured rates, or None.
   """
   config: SchedulerConfig
   device: allocator.BlockPool
@@ -132,6 +166,9 @@ class SchedulerState:
   in_flight: Plan | None = None
   next_order: int = 0
   counters: Counters = Counters()
+  device_cache: prefix.TierIndex = prefix.EMPTY_INDEX
+  host_cache: prefix.TierIndex = prefix.EMPTY_INDEX
+  rates: Rates | None = None
 
 
 def initial_state(config: SchedulerConfig) -> SchedulerState:

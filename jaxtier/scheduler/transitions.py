@@ -18,11 +18,12 @@ from collections.abc import Iterable
 
 from jaxtier.scheduler import allocator
 from jaxtier.scheduler import policies
+from jaxtier.scheduler import prefix
 from jaxtier.scheduler.planning import schedule
 from jaxtier.scheduler.request import (ABORT_CLIENT, ABORT_TOO_LARGE, ABORTED, FINISH_LENGTH,
                                        FINISHED, Ended, Request, Seq)
-from jaxtier.scheduler.state import (Abort, Arrive, Event, Plan, SchedulerState, StepFinished, find,
-                                     with_ended)
+from jaxtier.scheduler.state import (Abort, Arrive, Event, Plan, Rates, SchedulerState, StepFinished,
+                                     find, with_ended)
 
 
 def step(state: SchedulerState, events: Iterable[Event] = ()) -> tuple[SchedulerState, Plan]:
@@ -40,7 +41,9 @@ def apply_event(state: SchedulerState, event: Event) -> SchedulerState:
     return _step_finished(state, event)
   if isinstance(event, Abort):
     return _abort(state, event)
-  raise ValueError(f"event={event!r}: expected an Arrive, StepFinished or Abort")
+  if isinstance(event, Rates):
+    return dataclasses.replace(state, rates=event)
+  raise ValueError(f"event={event!r}: expected an Arrive, StepFinished, Abort or Rates")
 
 
 def _arrive(state: SchedulerState, request: Request) -> SchedulerState:
@@ -55,7 +58,10 @@ def _arrive(state: SchedulerState, request: Request) -> SchedulerState:
               f"blocks of {config.block_size} tokens; a request may hold at most "
               f"{config.request_block_cap}")
     return with_ended(state, (Ended(request.request_id, ABORTED, ABORT_TOO_LARGE, detail),))
-  seq = Seq(request, order, 0, 0, ())
+  hashes = ()
+  if config.enable_prefix_caching and request.prompt_token_ids:
+    hashes = prefix.block_hashes(request.prompt_token_ids, config.block_size)
+  seq = Seq(request, order, 0, 0, (), hashes)
   at = bisect.bisect(state.waiting, policies.queue_key(seq), key=policies.queue_key)
   return dataclasses.replace(state, waiting=state.waiting[:at] + (seq,) + state.waiting[at:])
 
@@ -69,27 +75,43 @@ def _step_finished(state: SchedulerState, event: StepFinished) -> SchedulerState
   sampling = set(plan.decode.request_ids)
   sampling.update(i for i, s in zip(plan.prefill.request_ids, plan.prefill.samples) if s)
   stopped = _check_finished(state, event, sampling)
-  running, ended, released = [], [], []
+  block_size = state.config.block_size
+  device, cache = state.device, state.device_cache
+  running, ended, releasing, registered = [], [], [], []
   for seq in state.running:
     request = seq.request
     end = scheduled.get(request.request_id)
     if end is not None:
       sampled = end == request.prompt_len + seq.num_generated
-      generated = seq.num_generated + sampled
-      seq = Seq(request, seq.order, end, generated, seq.blocks)
+      seq = Seq(request, seq.order, end, seq.num_generated + sampled, seq.blocks, seq.hashes,
+                seq.num_registered)
+    # The step wrote these blocks' KV (or, for a prefetched swap-in, copied it): share them now.
+    if seq.num_registered < len(seq.hashes) and seq.num_computed >= (seq.num_registered + 1) * block_size:
+      full = min(seq.num_computed // block_size, len(seq.hashes))
+      for i in range(seq.num_registered, full):
+        cache, added = prefix.register(cache, seq.blocks[i], seq.hashes[i], referenced=True)
+        if added:
+          registered.append(seq.blocks[i])
+      seq = seq._replace(num_registered=full)
+    if end is not None:
       reason = stopped.get(request.request_id)
-      if reason is None and generated >= request.max_tokens:
+      if reason is None and seq.num_generated >= request.max_tokens:
         reason = FINISH_LENGTH
       if reason is not None:
         ended.append(Ended(request.request_id, FINISHED, reason))
-        released.extend(seq.blocks)
+        releasing.append(seq.blocks)
         continue
     running.append(seq)
-  device = state.device
+  if registered:
+    device = allocator.reassign(device, registered, prefix.CACHED)
+  released = []
+  for blocks in releasing:
+    cache, private = prefix.release(cache, blocks)
+    released.extend(private)
   if released:
     device, _ = allocator.update(device, release=released)
-  state = dataclasses.replace(state, running=tuple(running), device=device, in_flight=None,
-                              freed_device=state.freed_device + tuple(released))
+  state = dataclasses.replace(state, running=tuple(running), device=device, device_cache=cache,
+                              in_flight=None, freed_device=state.freed_device + tuple(released))
   return with_ended(state, tuple(ended)) if ended else state
 
 
@@ -116,9 +138,33 @@ def _abort(state: SchedulerState, event: Abort) -> SchedulerState:
   remaining = tuple(s for s in getattr(state, place) if s.request_id != event.request_id)
   state = dataclasses.replace(state, **{place: remaining})
   if place == "running":
-    device, _ = allocator.update(state.device, release=seq.blocks)
-    state = dataclasses.replace(state, device=device, freed_device=state.freed_device + seq.blocks)
+    cache, private = prefix.release(state.device_cache, seq.blocks)
+    device, _ = allocator.update(state.device, release=private)
+    state = dataclasses.replace(state, device=device, device_cache=cache,
+                                freed_device=state.freed_device + private)
   elif place == "swapped":
     host, _ = allocator.update(state.host, release=seq.blocks)
     state = dataclasses.replace(state, host=host, freed_host=state.freed_host + seq.blocks)
   return with_ended(state, (Ended(seq.request_id, ABORTED, ABORT_CLIENT),))
+
+
+def reset_prefix_cache(state: SchedulerState) -> SchedulerState:
+  """Forgets every cached block that no request references, in both tiers, and frees them.
+
+  Blocks shared by running requests stay cached until those requests let go of them. Called after
+  the pools' contents are lost (a failed step) or by a user who wants a cold cache.
+  """
+  if state.in_flight is not None:
+    raise ValueError(f"plan {state.in_flight.step} is in flight: expected its StepFinished before "
+                     "resetting the prefix cache")
+  device_cache, device_blocks = prefix.drop_unreferenced(state.device_cache)
+  host_cache, host_blocks = prefix.drop_unreferenced(state.host_cache)
+  device, host = state.device, state.host
+  if device_blocks:
+    device, _ = allocator.update(device, release=device_blocks)
+  if host_blocks:
+    host, _ = allocator.update(host, release=host_blocks)
+  return dataclasses.replace(state, device=device, host=host, device_cache=device_cache,
+                             host_cache=host_cache,
+                             freed_device=state.freed_device + device_blocks,
+                             freed_host=state.freed_host + host_blocks)

@@ -159,7 +159,7 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
         model=served_model_name, chat=chat, streams=streams,
         stops=[p.stop for _ in prompt_ids for p in params],
         prompt_tokens=sum(len(ids) for ids in prompt_ids), logprobs=body.logprob_counts()[0],
-        echo=echoes, generated=not scored)
+        echo=echoes, generated=not scored, per_prompt=len(params))
     if body.stream:
       return StreamingResponse(serving.events(choices, llm.tokenizer, body.include_usage),
                                media_type="text/event-stream")

@@ -25,6 +25,12 @@ _GAUGES = (  # (name, help, key of the engine's stats)
     ("jaxtier_requests_swapped", "preempted requests whose KV is in the host pool", "swapped"),
     ("jaxtier_kv_device_blocks_total", "blocks of the device KV pool", "device_blocks_total"),
     ("jaxtier_kv_host_blocks_total", "blocks of the pinned-host KV pool", "host_blocks_total"),
+    ("jaxtier_kv_device_blocks_cached", "device KV blocks held by the prefix cache (shared or "
+     "evictable)", "device_blocks_cached"),
+    ("jaxtier_kv_host_blocks_cached", "host KV blocks held by the prefix cache's host tier",
+     "host_blocks_cached"),
+    ("jaxtier_kv_host_blocks_swapped", "host KV blocks held by swapped-out requests",
+     "host_blocks_swapped"),
 )
 _COUNTERS = (
     ("jaxtier_model_steps", "engine steps run", "steps"),
@@ -36,6 +42,8 @@ _COUNTERS = (
     ("jaxtier_swap_in_bytes", "KV bytes swapped in", "swap_in_bytes"),
     ("jaxtier_swap_seconds", "time the swap programs took (measured off the engine thread)",
      "swap_seconds"),
+    ("jaxtier_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+     "prefix_query_tokens"),
 )
 
 
@@ -50,7 +58,8 @@ class _EngineCollector:
     figures = stats.engine
     for name, text, key in _GAUGES:
       yield GaugeMetricFamily(name, text, value=figures[key])
-    yield GaugeMetricFamily("jaxtier_kv_device_blocks_used", "device KV blocks in use",
+    yield GaugeMetricFamily("jaxtier_kv_device_blocks_used", "device KV blocks requests use "
+                            "(cached blocks no request uses count as free)",
                             value=figures["device_blocks_total"] - figures["device_blocks_free"])
     yield GaugeMetricFamily("jaxtier_kv_host_blocks_used", "host KV blocks in use",
                             value=figures["host_blocks_total"] - figures["host_blocks_free"])
@@ -63,6 +72,21 @@ class _EngineCollector:
     for mode, count in sorted(figures["preemptions"].items()):
       preemptions.add_metric([mode], count)
     yield preemptions
+    hits = CounterMetricFamily("jaxtier_prefix_cache_hits", "prompt tokens found in the prefix "
+                               "cache, by tier", labels=["tier"])
+    rates = GaugeMetricFamily("jaxtier_prefix_cache_hit_rate", "hit tokens over looked-up tokens "
+                              "since the start, by tier", labels=["tier"])
+    for tier in ("device", "host"):
+      hits.add_metric([tier], figures[f"prefix_{tier}_hit_tokens"])
+      rates.add_metric([tier], figures[f"prefix_{tier}_hit_rate"])
+    yield hits
+    yield rates
+    moved = CounterMetricFamily("jaxtier_prefix_cache_host_bytes", "KV bytes the host tier of the "
+                                "prefix cache moved: writeback (device -> host), load (host -> "
+                                "device)", labels=["direction"])
+    moved.add_metric(["writeback"], figures["prefix_writeback_bytes"])
+    moved.add_metric(["load"], figures["prefix_load_bytes"])
+    yield moved
     yield CounterMetricFamily(
         "jaxtier_weight_transfer_bytes", "weight bytes streamed from host memory to the device "
         "(host-resident weight bytes per model call times model calls)",

@@ -31,6 +31,7 @@ class Choices:
   logprobs: int | None = None  # top tokens per log-probability entry; None: no logprobs
   echo: list["Echo"] | None = None  # per choice, the prompt its text starts with
   generated: bool = True  # False: the prompt is only scored (max_tokens=0), its token dropped
+  per_prompt: int = 1  # choices of each prompt (n); the streams are prompt-major
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +97,16 @@ async def collect(streams: list[AsyncIterator[RequestUpdate]]) -> list[Completio
   return [done[i] for i in range(len(streams))]
 
 
-def _usage(choices: Choices, completions: list[Completion]) -> dict[str, int]:
+def _usage(choices: Choices, completions: list[Completion]) -> dict:
+  """OpenAI's usage; `prompt_tokens_details.cached_tokens` counts each prompt's tokens served by
+  the prefix cache once, like `prompt_tokens` (the most any of its choices found)."""
   generated = sum(len(c.token_ids) for c in completions) if choices.generated else 0
+  n = choices.per_prompt
+  cached = sum(max(c.num_cached_tokens for c in completions[i:i + n])
+               for i in range(0, len(completions), n))
   return {"prompt_tokens": choices.prompt_tokens, "completion_tokens": generated,
-          "total_tokens": choices.prompt_tokens + generated}
+          "total_tokens": choices.prompt_tokens + generated,
+          "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _logprobs(choices: Choices, tokens: list[TokenLogprobs] | None) -> dict[str, list] | None:
@@ -216,7 +223,7 @@ async def events(choices: Choices, tokenizer: Tokenizer, include_usage: bool
   if choices.chat:
     for i in range(len(choices.streams)):
       yield sse(_chunk(choices, i, "", None, role=True))
-  finished: list[Completion] = []
+  finished: dict[int, Completion] = {}
   try:
     async for index, update in merge(choices.streams):
       echo = streamed[index].echo(update)
@@ -227,7 +234,7 @@ async def events(choices: Choices, tokenizer: Tokenizer, include_usage: bool
         if text:
           yield sse(_chunk(choices, index, text, None, tokens))
       else:
-        finished.append(update.completion)
+        finished[index] = update.completion
         text, tokens = streamed[index].finish(update)
         reason = update.completion.finish_reason if choices.generated else "length"
         yield sse(_chunk(choices, index, text, reason, tokens))
@@ -237,5 +244,5 @@ async def events(choices: Choices, tokenizer: Tokenizer, include_usage: bool
     if include_usage:
       yield sse({"id": choices.id, "created": choices.created, "model": choices.model,
                  "object": "chat.completion.chunk" if choices.chat else "text_completion",
-                 "choices": [], "usage": _usage(choices, finished)})
+                 "choices": [], "usage": _usage(choices, [finished[i] for i in sorted(finished)])})
   yield DONE
