@@ -48,7 +48,8 @@ flags.adopt_module_key_flags(engine_flags)
 
 PROG = os.path.basename(sys.argv[0])
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "stop")
-SWAP_STATS = ("swap_out_count", "swap_in_count", "swap_out_bytes", "swap_in_bytes", "swap_seconds")
+SUMMARY_STATS = ("swap_out_count", "swap_in_count", "swap_out_bytes", "swap_in_bytes", "swap_seconds",
+              "prefix_device_hit_rate", "prefix_host_hit_rate")
 MAX_REPORTED = 20
 
 
@@ -280,7 +281,7 @@ def main(argv):
   summary = {**run, "seconds": round(seconds, 3),
              "tokens_per_s": round(run["generated_tokens"] / seconds, 2) if seconds else 0.0,
              "invalid_records": invalid}
-  summary.update((k, stats[k]) for k in SWAP_STATS if k in stats)
+  summary.update((k, stats[k]) for k in SUMMARY_STATS if k in stats)
   print(f"summary: {json.dumps(summary, default=_json_number)}", file=sys.stderr)
 
 

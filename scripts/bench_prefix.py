@@ -193,6 +193,10 @@ def run_mode(engine, conversations: list[Conversation]) -> dict:
       "host_hit_rate": rate(delta("prefix_host_hit_tokens"), delta("prefix_query_tokens")),
       "host_hits_recomputed_tokens": delta("prefix_host_hit_recomputed_tokens"),
       "writeback_bytes": delta("prefix_writeback_bytes"), "load_bytes": delta("prefix_load_bytes"),
+      # Write-through would copy every block when it is registered: each registered block is
+      # either still cached or was evicted since.
+      "write_through_bytes": (delta("prefix_device_evictions") + delta("device_blocks_cached"))
+      * after["block_bytes"] if after["host_prefix_caching"] else 0,
       "device_evictions": delta("prefix_device_evictions"),
       "host_evictions": delta("prefix_host_evictions"),
       "swap_out_count": delta("swap_out_count"), "swap_seconds": delta("swap_seconds"),

@@ -128,6 +128,7 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client):
   prompt = list(range(5, 45))  # 40 tokens: 2 full blocks of 16 can be reused (never the last)
   request = dict(prompt=prompt, max_tokens=2, temperature=0, ignore_eos=True)
   complete(client, **request)
+  before = metric_values(client)
   for stream in (False, True):
     if stream:
       with client.stream("POST", "/v1/completions", json={
@@ -138,6 +139,12 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client):
     else:
       usage = complete(client, **request)["usage"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 32}
+  after = metric_values(client)
+  moved = lambda name: after[name] - before.get(name, 0)
+  assert moved("jaxtier_prefix_cache_hits_total{tier=device}") == 64
+  assert moved("jaxtier_prefix_cache_queries_total") == 80
+  assert after["jaxtier_kv_device_blocks_cached"] >= 2
+  assert "jaxtier_prefix_cache_host_bytes_total{direction=load}" in after
 
 
 def test_single_prompt_forms_equal_llm_generate(client, llm):
