@@ -251,3 +251,54 @@ def test_batch_script_offload_flags_give_the_same_outputs(tmp_path):
   assert offloaded == resident and '"host_weight_bytes": 166656' in proc.stderr
   proc, _ = run("c.jsonl", "--offload_tail_layers=some")
   assert proc.returncode != 0 and "offload_tail_layers='some': expected 'auto' or an int" in proc.stderr
+
+
+class GatedBlock(nnx.Module):
+  """A research model's layer, unrelated to jaxtier's decoder: a gated residual MLP that also
+  counts how often it ran (a second carry leaf)."""
+
+  def __init__(self, width: int, rngs: nnx.Rngs):
+    self.up = nnx.Linear(width, 2 * width, rngs=rngs)
+    self.down = nnx.Linear(width, width, rngs=rngs)
+    self.scale = nnx.Param(jnp.ones((width,)))
+
+  def __call__(self, x, bias):
+    a, b = jnp.split(self.up(x), 2, axis=-1)
+    return x + self.scale * self.down(jax.nn.silu(a) * b) + bias
+
+
+def _stacked_blocks(num: int, width: int) -> GatedBlock:
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(key):
+    return GatedBlock(width, nnx.Rngs(key))
+  return make(jax.random.split(jax.random.key(1), num))
+
+
+def _block_fn(layer, carry, j, bias):
+  x, count = carry
+  return layer(x, bias * (j + 1)), count + 1
+
+
+@pytest.mark.parametrize("num, depth", [(5, 1), (6, 2), (3, 3)])
+def test_a_research_models_own_stack_offloads_through_a_layer_function(num, depth):
+  stack = _stacked_blocks(num, 16)
+  x = jax.random.normal(jax.random.key(2), (3, 16))
+  bias = jnp.float32(0.01)
+  graphdef, state = nnx.split(stack)
+
+  def reference(carry):  # the resident loop: layer j is a slice of the resident stack
+    for j in range(num):
+      layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[j], state))
+      carry = _block_fn(layer, carry, j, bias)
+    return carry
+
+  want_x, want_count = reference((x, jnp.int32(0)))
+  offloaded = offload.OffloadedStack(stack, _block_fn, depth)
+  assert offload.memory_kinds(nnx.state(offloaded.layers)) == {offload.PINNED_HOST}
+  run = nnx.jit(lambda module, carry, b: module(carry, b))
+  got_x, got_count = run(offloaded, (x, jnp.int32(0)), bias)
+  np.testing.assert_allclose(np.asarray(got_x), np.asarray(want_x), rtol=1e-5, atol=1e-5)
+  assert int(got_count) == num
+  assert offload.memory_kinds(nnx.state(offloaded.layers)) == {offload.PINNED_HOST}
+  with pytest.raises(ValueError, match="prefetch_depth"):
+    offload.OffloadedStack(stack, _block_fn, num + 1)

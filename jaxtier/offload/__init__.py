@@ -12,11 +12,12 @@ from jaxtier.offload.placement import (DEVICE, PINNED_HOST, bytes_by_memory_kind
                                        memory_kinds, to_memory_kind, tree_bytes)
 from jaxtier.offload.planner import (ModelBytes, OffloadPlan, depth_for, kv_reservation, plan,
                                      scheduler_link_fields, simulate_step)
-from jaxtier.offload.prefetch import (MAX_DEPTH, OffloadedLayers, offload_tail,
-                                      prefetch_scan_layers, tail_group)
+from jaxtier.offload.prefetch import (MAX_DEPTH, OffloadedLayers, OffloadedStack, offload_tail,
+                                      prefetch_scan, prefetch_scan_layers, tail_group)
 
 __all__ = [
     "DEVICE", "Hardware", "MAX_DEPTH", "ModelBytes", "OffloadPlan", "OffloadedLayers",
+    "OffloadedStack", "prefetch_scan",
     "PINNED_HOST", "PRESETS", "bytes_by_memory_kind", "depth_for", "kv_reservation",
     "layer_seconds", "layer_sharding", "memory_kinds", "offload_tail", "plan", "plan_on",
     "prefetch_scan_layers", "preset", "scheduler_link_fields", "simulate_step", "tail_group",

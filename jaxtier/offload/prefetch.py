@@ -1,7 +1,10 @@
 """Offloaded tail layers: stacked parameters in host memory, streamed to the device d layers ahead.
 
-`prefetch_scan_layers` has the contract of `jaxtier.model.scan_layers` (its reference) for a stack
-whose parameters live in `pinned_host` memory. Layer j of the stack computes from a device copy that
+`prefetch_scan` runs any stack of NNX layers (parameters with a leading [layers] axis) through a
+layer function `(layer, carry, j) -> carry`, with the stack's parameters in `pinned_host` memory;
+`prefetch_scan_layers` is its form for jaxtier's decoder layers, with the contract of
+`jaxtier.model.scan_layers` (its reference). `OffloadedStack` holds any such stack in host memory,
+so a research model can offload its own tail. Layer j of the stack computes from a device copy that
 was fetched while layer j - d computed:
 
     queue = fetch(0), ..., fetch(d - 1)              # prologue
@@ -25,7 +28,7 @@ In the text above n is the number of layers and d the prefetch depth. Shape lege
 names: b batch, t tokens, h hidden size, d head dim (rotary tables).
 """
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +40,7 @@ from jaxtier.offload import placement
 
 MAX_DEPTH = MAX_PREFETCH_DEPTH
 ORDERS = ("auto", "data", "none")
+LayerFn = Callable[[nnx.Module, Any, Any], Any]  # (layer, carry, j) -> carry
 
 
 def check_depth(depth: int, num_layers: int) -> int:
@@ -78,15 +82,19 @@ def _fetcher(host_state: nnx.State, device_shardings: Sequence[Any] | None, orde
   return fetch
 
 
-def prefetch_scan_layers(graphdef: nnx.GraphDef, host_state: nnx.State, x_bth, cos_btd, sin_btd,
-                         cache, pos_bt, meta, first_layer: int = 0, depth: int = 1, *,
-                         device_shardings: Sequence[Any] | None = None, order: str = "auto"):
-  """Runs a stack of layers whose parameters live in host memory, prefetching `depth` layers ahead.
+def prefetch_scan(layer_fn: LayerFn, graphdef: nnx.GraphDef, host_state: nnx.State, carry,
+                  depth: int = 1, *, device_shardings: Sequence[Any] | None = None,
+                  order: str = "auto"):
+  """Runs `carry` through a stack of layers whose parameters live in host memory.
 
-  Same arguments and results as `jaxtier.model.scan_layers`, plus `depth` (1 to 4, at most the
-  number of layers), `device_shardings` (one per leaf of `host_state`, in `jax.tree.leaves`
-  order: where a fetched layer lands; default: each stack's own sharding in "device" memory; must
-  be given under `jit` when the leaves are traced) and `order` (see the module docstring).
+  Any stacked NNX layer works: `graphdef` and `host_state` are `nnx.split` of a module whose
+  parameters have a leading [layers] axis, and `layer_fn(layer, carry, j) -> carry` applies one
+  layer (the module merged from layer j's device copy; j is an int or a traced int32 index into
+  the stack). The reference is the same loop over resident layers. `depth` (1 to 4, at most the
+  number of layers): layers fetched ahead; `device_shardings` (one per leaf of `host_state`, in
+  `jax.tree.leaves` order): where a fetched layer lands, default each stack's own sharding in
+  "device" memory, and required under `jit` when the leaves are traced; `order`: see the module
+  docstring (the fetch index is tied to the first array leaf of the carry).
   """
   num = jax.tree.leaves(host_state)[0].shape[0]
   check_depth(depth, num)
@@ -94,33 +102,82 @@ def prefetch_scan_layers(graphdef: nnx.GraphDef, host_state: nnx.State, x_bth, c
     raise ValueError(f"order={order!r}: expected one of {ORDERS}")
   fetch = _fetcher(host_state, device_shardings, order)
 
-  def substep(x, cache, queue, j):
+  def substep(carry, queue, j):
     if not isinstance(j, int) or j + depth < num:
-      queue = queue + [fetch(j + depth, x)]
-    layer = nnx.merge(graphdef, queue[0])
-    x, cache = layer(x, cos_btd, sin_btd, cache, jnp.int32(first_layer) + j, pos_bt, meta)
-    return x, cache, queue[1:]
+      queue = queue + [fetch(j + depth, jax.tree.leaves(carry)[0])]
+    carry = layer_fn(nnx.merge(graphdef, queue[0]), carry, j)
+    return carry, queue[1:]
 
   lead = (num - depth) % (depth + 1)
   groups = (num - depth) // (depth + 1)
   queue = [fetch(j, None) for j in range(depth)]
   for j in range(lead):
-    x_bth, cache, queue = substep(x_bth, cache, queue, j)
+    carry, queue = substep(carry, queue, j)
 
-  def body(carry, group):
-    x, cache, slots = carry
+  def body(state, group):
+    carry, slots = state
     queue, start = list(slots), lead + group * (depth + 1)
     for k in range(depth + 1):
-      x, cache, queue = substep(x, cache, queue, start + k)
-    return (x, cache, tuple(queue)), None
+      carry, queue = substep(carry, queue, start + k)
+    return (carry, tuple(queue)), None
 
   if groups:
-    (x_bth, cache, slots), _ = jax.lax.scan(body, (x_bth, cache, tuple(queue)),
-                                            jnp.arange(groups, dtype=jnp.int32))
+    (carry, slots), _ = jax.lax.scan(body, (carry, tuple(queue)),
+                                     jnp.arange(groups, dtype=jnp.int32))
     queue = list(slots)
   for j in range(num - depth, num):
-    x_bth, cache, queue = substep(x_bth, cache, queue, j)
-  return x_bth, cache
+    carry, queue = substep(carry, queue, j)
+  return carry
+
+
+def prefetch_scan_layers(graphdef: nnx.GraphDef, host_state: nnx.State, x_bth, cos_btd, sin_btd,
+                         cache, pos_bt, meta, first_layer: int = 0, depth: int = 1, *,
+                         device_shardings: Sequence[Any] | None = None, order: str = "auto"):
+  """`prefetch_scan` for jaxtier's decoder layers: the contract of `jaxtier.model.scan_layers`.
+
+  Same arguments and results as `scan_layers`, plus `depth`, `device_shardings` and `order` (see
+  `prefetch_scan`).
+  """
+
+  def decoder(layer, carry, j):
+    x, cache = carry
+    return layer(x, cos_btd, sin_btd, cache, jnp.int32(first_layer) + j, pos_bt, meta)
+
+  return prefetch_scan(decoder, graphdef, host_state, (x_bth, cache), depth,
+                       device_shardings=device_shardings, order=order)
+
+
+class OffloadedStack(nnx.Module):
+  """Any stack of layers (one NNX module with a leading [layers] axis on its parameters), kept in
+  host memory and run by `prefetch_scan`: `stack(carry, *args)` applies
+  `layer_fn(layer, carry, j, *args)` for j = 0..n-1, each layer fetched `depth` ahead.
+
+  Construction copies the parameters into `memory_kind` and fixes where each fetched layer lands.
+  """
+
+  def __init__(self, layers: nnx.Module, layer_fn, depth: int,
+               memory_kind: str = placement.PINNED_HOST, order: str = "auto"):
+    graphdef, state = nnx.split(layers)
+    leaves = jax.tree.leaves(state)
+    check_depth(depth, leaves[0].shape[0])
+    if order not in ORDERS:
+      raise ValueError(f"order={order!r}: expected one of {ORDERS}")
+    placement.check_memory_kind(memory_kind)
+    self.device_shardings = tuple(placement.layer_sharding(a.sharding, placement.DEVICE)
+                                  for a in leaves)
+    self.layers = nnx.merge(graphdef, placement.to_memory_kind(state, memory_kind))
+    self.layer_fn, self.depth, self.order = layer_fn, depth, order
+
+  @property
+  def num_layers(self) -> int:
+    return jax.tree.leaves(nnx.state(self.layers))[0].shape[0]
+
+  def __call__(self, carry, *args):
+    graphdef, stacked = nnx.split(self.layers)
+    layer_fn = self.layer_fn
+    return prefetch_scan(lambda layer, c, j: layer_fn(layer, c, j, *args), graphdef, stacked,
+                         carry, self.depth, device_shardings=self.device_shardings,
+                         order=self.order)
 
 
 class OffloadedLayers(nnx.Module):
