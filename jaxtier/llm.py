@@ -159,13 +159,19 @@ class LLM:
     return None
 
   def _resolve_offload(self) -> offload_auto.Resolved:
+    """The offload to run. "auto" plans against the paged pool the engine will allocate: the
+    explicit pool size when one is given, else the smallest pool that can run (one max_model_len
+    sequence), since the default pool takes whatever device memory the weights leave. So nothing
+    is offloaded while the weights, the activations and that minimal pool fit in
+    `gpu_memory_utilization` of the device memory."""
     args = self.args
-    full = self.max_num_seqs * blocks_for(self.max_model_len, args.block_size) * self.block_bytes
+    minimal = blocks_for(self.max_model_len, args.block_size) * self.block_bytes
     kv_reserve = self._explicit_pool_bytes()
+    memory = self._device_memory_bytes()
     return offload_auto.resolve(
         self.loaded.model, args.dtype, args.offload_tail_layers, args.prefetch_depth,
-        memory_bytes=self._device_memory_bytes(),
-        kv_reserve_bytes=full if kv_reserve is None else kv_reserve,
+        memory_bytes=None if memory is None else int(memory * args.gpu_memory_utilization),
+        kv_reserve_bytes=minimal if kv_reserve is None else kv_reserve,
         activation_reserve_bytes=self._activation_reserve_bytes(),
         batch=pow2_bucket(self.max_num_seqs), context=self.max_model_len)
 

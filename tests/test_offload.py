@@ -170,6 +170,24 @@ def test_auto_offload_uses_the_planner_only_with_a_device_memory_budget():
   assert tight.memory_report()["host_weight_bytes"] == tight.offload.plan.host_weight_bytes
 
 
+def test_auto_offload_offloads_nothing_when_weights_and_a_minimal_pool_fit():
+  # Tiny model: 365,376 weight bytes, 115,888 activation reserve, 36,864 bytes of KV for one
+  # 64-token sequence, 73,728 for max_num_seqs=2 of them. 90% of 600 kB fits the weights with one
+  # sequence's pool but not with two whole sequences reserved.
+  kwargs = dict(offload_tail_layers="auto", max_num_seqs=2, max_model_len=64)
+  fits = jaxtier.LLM(fixture_path("tiny_llama"), device_memory_gb=0.0006, **kwargs)
+  assert fits.offload.offload_tail_layers == 0
+  assert fits.memory_report()["host_weight_bytes"] == 0
+  pool = fits.memory_report()["device_kv_blocks"]
+  assert pool * fits.block_bytes <= 0.9 * 600_000 - 365_376 - 115_888 and pool >= 4
+  out = fits.generate([[5, 6, 7]], GREEDY)[0]
+  assert len(out.token_ids) == GREEDY.max_tokens
+  # A pool asked for explicitly is planned as it is: two sequences do not fit beside the weights.
+  sized = jaxtier.LLM(fixture_path("tiny_llama"), device_memory_gb=0.0006, num_device_blocks=8,
+                      **kwargs)
+  assert sized.offload.offload_tail_layers > 0
+
+
 def _decode_step_args(model, num, depth):
   graphdef, state = nnx.split(offload.offload_tail(model, num, depth))
   c = model.config
