@@ -59,7 +59,33 @@ SICK = {
         requests_aborted={"client_abort": 1, "host_pool_full": 0, "exceeds_kv_capacity": 2}),
     doctor.SYMPTOM_RECOMPUTE: with_(preemption_mode="recompute",
                                     preemptions={"swap": 0, "recompute": 10}),
+    doctor.SYMPTOM_PREFIX_EVICTED: with_(prefix_caching=True, host_prefix_caching=False,
+                                         prefix_device_evictions=400, prefix_device_hit_tokens=8000,
+                                         prefix_host_hit_tokens=0),
 }
+
+
+def test_prefix_evicted_boundaries_and_tiers():
+  base = dict(prefix_caching=True, host_prefix_caching=False, prefix_device_hit_tokens=1024,
+              prefix_host_hit_tokens=0)
+  # 64 evicted blocks of 16 tokens over 1024 hit tokens: 1.0 evicted token per hit token.
+  assert symptoms(with_(**base, prefix_device_evictions=64)) == [doctor.SYMPTOM_PREFIX_EVICTED]
+  assert symptoms(with_(**base, prefix_device_evictions=63)) == []
+  # 32 evicted tokens per 64 hit tokens is the 0.5 boundary; fewer evictions per hit: healthy.
+  assert symptoms(with_(**{**base, "prefix_device_hit_tokens": 4096},
+                        prefix_device_evictions=128)) == [doctor.SYMPTOM_PREFIX_EVICTED]
+  assert symptoms(with_(**{**base, "prefix_device_hit_tokens": 4097},
+                        prefix_device_evictions=128)) == []
+  # With the host tier, device evictions are write-backs, not losses: only host evictions count.
+  tiered = with_(**{**base, "host_prefix_caching": True}, prefix_device_evictions=500,
+                 prefix_host_evictions=0)
+  assert symptoms(tiered) == []
+  finding, = doctor.diagnose(with_(**{**base, "host_prefix_caching": True},
+                                   prefix_host_evictions=100))
+  assert "num_host_blocks" in finding.remedy and finding.figures["prefix_host_evictions"] == 100
+  finding, = doctor.diagnose(with_(**base, prefix_device_evictions=100))
+  assert "host_prefix_caching" in finding.remedy
+  assert symptoms(with_(**{**base, "prefix_caching": False}, prefix_device_evictions=100)) == []
 
 
 def test_healthy_run_has_no_symptoms():
@@ -208,6 +234,7 @@ REQUIRED = {
     doctor.SYMPTOM_PREFETCH: ("offload_tail_layers", "offload_compute_step_seconds"),
     doctor.SYMPTOM_KV_CAPACITY: ("requests_aborted",),
     doctor.SYMPTOM_RECOMPUTE: ("preemptions", "prompt_tokens", "requests_finished"),
+    doctor.SYMPTOM_PREFIX_EVICTED: ("prefix_caching", "prefix_device_evictions", "block_size"),
 }
 
 

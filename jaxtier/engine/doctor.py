@@ -13,6 +13,7 @@ non-finite does not apply, so stats from older or partial runs never raise.
 | prefetch not hidden                     | deeper prefetch_depth, or fewer offload_tail_layers |
 | requests exceed KV capacity             | a larger device pool, or a lower max_tokens         |
 | recompute preemptions with long prompts | preemption_mode=swap                                |
+| prefixes evicted before reuse           | host_prefix_caching, or a larger device/host pool   |
 
 The thresholds are the module constants below; every comparison is inclusive (a figure equal to its
 threshold triggers the row). The per-step trace (JSONL, one object per step) is read by
@@ -34,6 +35,7 @@ SYMPTOM_HOST_FULL = "host pool full"
 SYMPTOM_PREFETCH = "prefetch not hidden"
 SYMPTOM_KV_CAPACITY = "requests exceed KV capacity"
 SYMPTOM_RECOMPUTE = "recompute preemptions with long prompts"
+SYMPTOM_PREFIX_EVICTED = "prefixes evicted before reuse"
 
 # Many small swaps. A run needs at least MIN_SWAPS swap-outs before the pattern means anything; it
 # then applies when requests are swapped out at least SWAPS_PER_REQUEST times each on average (one
@@ -73,6 +75,14 @@ KV_CAPACITY_ABORTS = 1
 MIN_RECOMPUTES = 4
 RECOMPUTE_SHARE = 0.5
 LONG_PROMPT_TOKENS = 512.0
+
+# Prefixes evicted before reuse: with prefix caching on, at least MIN_PREFIX_EVICTIONS cached
+# blocks were evicted from the last tier that holds them (the device without the host tier, else
+# the host tier), and they were at least PREFIX_EVICTIONS_PER_HIT of the blocks' worth of tokens
+# the cache served (evictions x block_size over hit tokens): the cache throws away about as much
+# as it serves, so repeated prefixes are being recomputed.
+MIN_PREFIX_EVICTIONS = 64
+PREFIX_EVICTIONS_PER_HIT = 0.5
 
 # Width of the report's wrapped lines.
 REPORT_WIDTH = 100
@@ -295,8 +305,42 @@ def recompute_long_prompts(stats: Mapping) -> Finding | None:
                "prompt_tokens_per_request": prompt_mean})
 
 
+def prefix_evicted(stats: Mapping) -> Finding | None:
+  """Prefixes evicted before reuse: the prefix cache's last tier evicts about as much as it serves."""
+  if stats.get("prefix_caching") is not True:
+    return None
+  host_tier = stats.get("host_prefix_caching") is True
+  key = "prefix_host_evictions" if host_tier else "prefix_device_evictions"
+  evictions, block_size = number(stats, key), number(stats, "block_size")
+  hits = (number(stats, "prefix_device_hit_tokens") or 0) + (number(stats, "prefix_host_hit_tokens")
+                                                             or 0)
+  if evictions is None or not block_size or evictions < MIN_PREFIX_EVICTIONS:
+    return None
+  per_hit = _ratio(evictions * block_size, hits)
+  if per_hit < PREFIX_EVICTIONS_PER_HIT:
+    return None
+  figures = {key: evictions, "prefix_hit_tokens": hits, "evicted_tokens_per_hit_token": per_hit}
+  for extra in ("prefix_device_hit_rate", "prefix_host_hit_rate", "device_blocks_total",
+                "host_blocks_total"):
+    if number(stats, extra) is not None:
+      figures[extra] = number(stats, extra)
+  if host_tier:
+    cause = ("The host tier of the prefix cache is full: it drops cached prefixes (oldest "
+             "first) about as fast as requests reuse them, and swapped-out requests take its "
+             "blocks first.")
+    remedy = ("Give the host pool more blocks (num_host_blocks or swap_space_gb), or the device "
+              "pool more (num_device_blocks or kv_cache_memory_gb).")
+  else:
+    cause = ("The device pool cannot hold the prefixes requests come back to, and without the "
+             "host tier an evicted prefix is recomputed.")
+    remedy = ("Keep evicted prefixes in host memory (host_prefix_caching=True with a host pool: "
+              "num_host_blocks or swap_space_gb), or give the device pool more blocks.")
+  return Finding(symptom=SYMPTOM_PREFIX_EVICTED, cause=cause, remedy=remedy, figures=figures)
+
+
 ROWS: tuple[Callable[[Mapping], Finding | None], ...] = (
-    small_swaps, swap_time, host_full, prefetch_exposed, kv_capacity, recompute_long_prompts)
+    small_swaps, swap_time, host_full, prefetch_exposed, kv_capacity, recompute_long_prompts,
+    prefix_evicted)
 
 
 def diagnose(stats: dict) -> tuple[Finding, ...]:

@@ -387,14 +387,17 @@ class Engine:
     totals.max_swap_bytes_per_step = max(totals.max_swap_bytes_per_step,
                                          swap_blocks * self.block_bytes)
     m = scheduler.metrics(self._state)
-    self._peak["device"] = max(self._peak["device"], m.device_blocks_used)
-    self._peak["host"] = max(self._peak["host"], m.host_blocks_used)
+    # Peaks count blocks requests hold: cached blocks give way on demand.
+    self._peak["device"] = max(self._peak["device"],
+                               m.device_blocks_used - m.device_blocks_evictable)
+    self._peak["host"] = max(self._peak["host"], m.host_blocks_used - m.host_blocks_cached)
     if self._trace is not None:
       self._trace.write(json.dumps({
           "step": plan.step, "time": round(time.perf_counter() - self._started, 6),
           "step_seconds": round(seconds, 6), "running": m.num_running, "waiting": m.num_waiting,
-          "swapped": m.num_swapped, "device_blocks_used": m.device_blocks_used,
-          "host_blocks_used": m.host_blocks_used, "swap_out_blocks": len(plan.swap_out),
+          "swapped": m.num_swapped,
+          "device_blocks_used": m.device_blocks_used - m.device_blocks_evictable,
+          "host_blocks_used": m.host_blocks_used - m.host_blocks_cached, "swap_out_blocks": len(plan.swap_out),
           "swap_in_blocks": len(plan.swap_in) + len(plan.prefetch),
           "swap_out_bytes": len(plan.swap_out) * self.block_bytes,
           "swap_in_bytes": (len(plan.swap_in) + len(plan.prefetch)) * self.block_bytes,
