@@ -96,3 +96,23 @@ def test_engine_with_staggered_arrivals_equals_the_contiguous_driver(smollm_llm)
   assert [done[i] for i in range(len(prompts))] == [r.token_ids for r in reference]
   stats = smollm_llm.stats()
   assert stats["device_blocks_free"] == stats["device_blocks_total"]
+
+
+def test_prefix_cached_chat_turns_equal_the_contiguous_driver(smollm_llm):
+  """Chats sharing a long system prompt: later ones reuse its cached blocks (and the first turn's,
+  for the follow-up) and still give the contiguous driver's tokens."""
+  params = jaxtier.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+  system = {"role": "system", "content": " ".join(
+      ["You answer questions about the solar system, briefly and exactly."] * 12)}
+  first = [system, {"role": "user", "content": "Which planet is largest?"}]
+  chats = [first, [system, {"role": "user", "content": "How far is the Moon?"}],
+           first + [{"role": "assistant", "content": "Jupiter."},
+                    {"role": "user", "content": "And the smallest?"}]]
+  ids = [smollm_llm.chat_token_ids(chat) for chat in chats]
+  reference = smollm_llm.run_batch([smollm_llm.make_request(p, params) for p in ids])
+  outputs = [smollm_llm.generate([p], params)[0] for p in ids]  # one after another
+  assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+  block = smollm_llm.args.block_size
+  shared = min(i for i, (a, b) in enumerate(zip(ids[0], ids[1])) if a != b)
+  assert outputs[1].num_cached_tokens == shared // block * block > 0
+  assert outputs[2].num_cached_tokens >= (len(ids[0]) - 1) // block * block
