@@ -42,6 +42,7 @@ from jaxtier.kvcache import PagedCacheConfig, PagedKVCache, device_pool_bytes, h
 from jaxtier.logprobs import MAX_LOGPROBS, LogprobDict
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler.allocator import blocks_for
+from jaxtier.scheduler.metrics import prefix_figures
 from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED
 from jaxtier.tokenizer import Tokenizer
 
@@ -455,25 +456,13 @@ class Engine:
     }
 
   def _prefix_stats(self, m: scheduler.Metrics) -> dict:
-    """The prefix cache's figures: hits per tier (tokens, and rates over the prompt tokens looked
-    up), bytes the host tier moved, and how its blocks split between cache and swapped requests.
-    Free block counts above include cached blocks no request uses (they are evicted on demand)."""
-    queried = m.prefix_query_tokens
+    """The prefix cache's figures (`scheduler.metrics.prefix_figures`) and how the pools' blocks
+    split between cache and requests. Free block counts above include cached blocks no request
+    uses (they are evicted on demand)."""
     return {
         "prefix_caching": self.config.enable_prefix_caching,
         "host_prefix_caching": self.scheduler_config.host_tier,
-        "prefix_query_tokens": queried,
-        "prefix_device_hit_tokens": m.device_hit_tokens,
-        "prefix_host_hit_tokens": m.host_hit_tokens,
-        "prefix_device_hit_rate": m.device_hit_tokens / queried if queried else 0.0,
-        "prefix_host_hit_rate": m.host_hit_tokens / queried if queried else 0.0,
-        "prefix_host_hit_recomputed_tokens": m.host_hit_recomputed_tokens,
-        "prefix_writeback_blocks": m.writeback_blocks,
-        "prefix_writeback_bytes": m.writeback_blocks * self.block_bytes,
-        "prefix_load_blocks": m.cache_load_blocks,
-        "prefix_load_bytes": m.cache_load_blocks * self.block_bytes,
-        "prefix_device_evictions": m.device_cache_evictions,
-        "prefix_host_evictions": m.host_cache_evictions,
+        **prefix_figures(m, self.block_bytes),
         "device_blocks_cached": m.device_blocks_cached,
         "device_blocks_cached_in_use": m.device_blocks_cached - m.device_blocks_evictable,
         "host_blocks_cached": m.host_blocks_cached,

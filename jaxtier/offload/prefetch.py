@@ -130,6 +130,12 @@ def prefetch_scan(layer_fn: LayerFn, graphdef: nnx.GraphDef, host_state: nnx.Sta
   return carry
 
 
+def _decoder_step(layer, carry, j, first_layer, cos_btd, sin_btd, pos_bt, meta):
+  """The layer function of jaxtier's decoder layers: carry is (hidden state, cache)."""
+  x, cache = carry
+  return layer(x, cos_btd, sin_btd, cache, jnp.int32(first_layer) + j, pos_bt, meta)
+
+
 def prefetch_scan_layers(graphdef: nnx.GraphDef, host_state: nnx.State, x_bth, cos_btd, sin_btd,
                          cache, pos_bt, meta, first_layer: int = 0, depth: int = 1, *,
                          device_shardings: Sequence[Any] | None = None, order: str = "auto"):
@@ -138,13 +144,11 @@ def prefetch_scan_layers(graphdef: nnx.GraphDef, host_state: nnx.State, x_bth, c
   Same arguments and results as `scan_layers`, plus `depth`, `device_shardings` and `order` (see
   `prefetch_scan`).
   """
-
-  def decoder(layer, carry, j):
-    x, cache = carry
-    return layer(x, cos_btd, sin_btd, cache, jnp.int32(first_layer) + j, pos_bt, meta)
-
-  return prefetch_scan(decoder, graphdef, host_state, (x_bth, cache), depth,
-                       device_shardings=device_shardings, order=order)
+  return prefetch_scan(
+      lambda layer, carry, j: _decoder_step(layer, carry, j, first_layer, cos_btd, sin_btd,
+                                            pos_bt, meta),
+      graphdef, host_state, (x_bth, cache), depth, device_shardings=device_shardings,
+      order=order)
 
 
 class OffloadedStack(nnx.Module):
@@ -180,35 +184,20 @@ class OffloadedStack(nnx.Module):
                          order=self.order)
 
 
-class OffloadedLayers(nnx.Module):
-  """Layers [first, first + n): stacked parameters in host memory, run by `prefetch_scan_layers`.
+class OffloadedLayers(OffloadedStack):
+  """Layers [first, first + n) of jaxtier's decoder as an `OffloadedStack`: stacked parameters in
+  host memory, called like `jaxtier.model.LayerStack`.
 
-  A layer group for `jaxtier.model.GroupedTransformer` (see `tail_group`). Construction copies the
-  parameters of `layers` into `memory_kind`; where each fetched layer lands is fixed then too.
+  A layer group for `jaxtier.model.GroupedTransformer` (see `tail_group`).
   """
 
   def __init__(self, layers: DecoderLayer, first: int, depth: int,
                memory_kind: str = placement.PINNED_HOST, order: str = "auto"):
-    graphdef, state = nnx.split(layers)
-    leaves = jax.tree.leaves(state)
-    check_depth(depth, leaves[0].shape[0])
-    if order not in ORDERS:
-      raise ValueError(f"order={order!r}: expected one of {ORDERS}")
-    placement.check_memory_kind(memory_kind)
-    self.device_shardings = tuple(placement.layer_sharding(a.sharding, placement.DEVICE)
-                                  for a in leaves)
-    self.layers = nnx.merge(graphdef, placement.to_memory_kind(state, memory_kind))
-    self.first, self.depth, self.order = first, depth, order
-
-  @property
-  def num_layers(self) -> int:
-    return jax.tree.leaves(nnx.state(self.layers))[0].shape[0]
+    super().__init__(layers, _decoder_step, depth, memory_kind, order)
+    self.first = first
 
   def __call__(self, x_bth, cos_btd, sin_btd, cache, pos_bt, meta):
-    graphdef, stacked = nnx.split(self.layers)
-    return prefetch_scan_layers(graphdef, stacked, x_bth, cos_btd, sin_btd, cache, pos_bt, meta,
-                                self.first, self.depth, device_shardings=self.device_shardings,
-                                order=self.order)
+    return super().__call__((x_bth, cache), self.first, cos_btd, sin_btd, pos_bt, meta)
 
 
 def tail_group(depth: int, memory_kind: str = placement.PINNED_HOST, order: str = "auto"):

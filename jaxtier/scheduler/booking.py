@@ -68,10 +68,12 @@ def book(state: SchedulerState, decision: Decision) -> tuple[SchedulerState, Pla
   # Admitted requests share their device hits before anything is evicted.
   device_hits = [prefix.hit_blocks(device_cache, seq.hashes[:n]) if n else ()
                  for seq, n in zip(admit.seqs, admit.device_hits)]
-  device_cache = prefix.acquire(device_cache, (b for table in device_hits for b in table))
   host_hits = [prefix.hit_blocks(host_cache, seq.hashes[d:d + n]) if n else ()
                for seq, d, n in zip(admit.seqs, admit.device_hits, admit.host_hits)]
-  host_cache = prefix.touch(host_cache, (b for table in host_hits for b in table))
+  if any(device_hits):
+    device_cache = prefix.acquire(device_cache, (b for table in device_hits for b in table))
+  if any(host_hits):
+    host_cache = prefix.touch(host_cache, (b for table in host_hits for b in table))
   growing = [(seq.request_id, g) for seq, g in zip(p.kept, p.kept_growth) if g]
   wants = growing + _wants(swap_in) + _wants(admit)
   short = sum(n for _, n in wants) - state.device.num_free - len(device_release)

@@ -60,3 +60,24 @@ def metrics(state: SchedulerState) -> Metrics:
       writeback_blocks=counters.writeback_blocks, cache_load_blocks=counters.cache_load_blocks,
       device_cache_evictions=counters.device_cache_evictions,
       host_cache_evictions=counters.host_cache_evictions)
+
+
+def prefix_figures(m: Metrics, block_bytes: int) -> dict:
+  """The prefix cache's figures, as the engine's stats and the simulator's report name them: hit
+  tokens and rates per tier (over the prompt tokens looked up), host hits recomputed, write-back
+  and load blocks and bytes, evictions per tier."""
+  query = m.prefix_query_tokens
+  return {
+      "prefix_query_tokens": query,
+      "prefix_device_hit_tokens": m.device_hit_tokens,
+      "prefix_host_hit_tokens": m.host_hit_tokens,
+      "prefix_device_hit_rate": m.device_hit_tokens / query if query else 0.0,
+      "prefix_host_hit_rate": m.host_hit_tokens / query if query else 0.0,
+      "prefix_host_hit_recomputed_tokens": m.host_hit_recomputed_tokens,
+      "prefix_writeback_blocks": m.writeback_blocks,
+      "prefix_writeback_bytes": m.writeback_blocks * block_bytes,
+      "prefix_load_blocks": m.cache_load_blocks,
+      "prefix_load_bytes": m.cache_load_blocks * block_bytes,
+      "prefix_device_evictions": m.device_cache_evictions,
+      "prefix_host_evictions": m.host_cache_evictions,
+  }

@@ -21,7 +21,7 @@ import random
 from collections.abc import Iterable
 
 from jaxtier.scheduler.config import SchedulerConfig
-from jaxtier.scheduler.metrics import metrics
+from jaxtier.scheduler.metrics import metrics, prefix_figures
 from jaxtier.scheduler.request import FINISHED, Request, RequestId
 from jaxtier.scheduler.state import Arrive, Plan, Rates, StepFinished, initial_state
 from jaxtier.scheduler.transitions import step
@@ -413,21 +413,9 @@ def _report(config: SchedulerConfig, cost: CostModel, requests: list[Request], s
 
 
 def _prefix_report(config: SchedulerConfig, cost: CostModel, usage) -> dict:
-  query = usage.prefix_query_tokens
-  return {
-      "enable_prefix_caching": config.enable_prefix_caching,
-      "host_prefix_caching": config.host_prefix_caching,
-      "prefix_query_tokens": query,
-      "prefix_device_hit_tokens": usage.device_hit_tokens,
-      "prefix_host_hit_tokens": usage.host_hit_tokens,
-      "prefix_device_hit_rate": usage.device_hit_tokens / query if query else 0.0,
-      "prefix_host_hit_rate": usage.host_hit_tokens / query if query else 0.0,
-      "prefix_host_hit_recomputed_tokens": usage.host_hit_recomputed_tokens,
-      "prefix_writeback_blocks": usage.writeback_blocks,
-      "prefix_load_blocks": usage.cache_load_blocks,
-      "prefix_writeback_bytes": usage.writeback_blocks * cost.block_bytes,
-      "prefix_load_bytes": usage.cache_load_blocks * cost.block_bytes,
-  }
+  return {"enable_prefix_caching": config.enable_prefix_caching,
+          "host_prefix_caching": config.host_prefix_caching,
+          **prefix_figures(usage, cost.block_bytes)}
 
 
 def _percentiles(values: list[float]) -> dict:
