@@ -1,42 +1,70 @@
 """Batch inference: JSONL in, JSONL out, each result written as soon as it finishes; rerunning
-resumes where it stopped.
+resumes where it stopped; several JAX processes can share the input, data parallel.
 
 Each input line is {"id": ..., "prompt": ...} or {"id": ..., "messages": [{"role", "content"}...]},
-checked by the rules of the HTTP server (`jaxtier.server.records`) before the model loads; token ids
-and prompt lengths are checked for every record once the tokenizer is loaded, before anything is
-generated (--on_bad_record says whether an invalid record stops the run or is skipped). Each output
-line is {"id", "text", "token_ids", "finish_reason"}, appended and synced to disk when its record
-finishes (records finish out of input order). Records whose id is already in the output file are
-skipped, so an interrupted run continues when started again with the same flags. The last line on
-stderr is `summary: {...}` (JSON).
+checked by the rules of the HTTP server (`jaxtier.server.records`) before the model loads (every
+process checks the whole file); token ids and prompt lengths are checked for every record to
+generate once the tokenizer is loaded, before anything is generated (--on_bad_record says whether
+an invalid record stops the run or is skipped). Each output line is {"id", "text", "token_ids",
+"finish_reason"}, appended and synced to disk when its record finishes (records finish out of input
+order).
+
+Input: `jaxtier.batch_input`, a Grain data source over the file's non-blank lines. With
+--num_processes=N, process i takes records i, i + N, i + 2N, ... (a Grain iterator sharded by JAX
+process) and runs its own engine on its own local devices.
+
+Output: with one process, --output, in finish order. With N processes, process i writes
+`<output>.part-<i>-of-<N>`; once every process is done, process 0 merges the parts into --output
+in input order: the records and texts of a one-process run (on several hosts, --output must be on
+a filesystem they share).
+
+Resume: beside each output file is `<file>.checkpoint.json`, replaced atomically after every
+record written: the Grain iterator state at the low-water mark (every record read before it is
+written), the records finished after it, and the file's length then. Started again with the same
+flags, a process cuts its file back to that length, restores the iterator and skips the finished
+records, so a killed run neither redoes finished records nor writes duplicates. Records appended to
+the input since are generated too; any other change to the input, or another --num_processes, is
+an error (delete the output and its checkpoint to start over).
+
+The last line on stderr is `summary: {...}` (JSON), one per process; with N processes, process 0
+then prints `totals: {...}` over all of them, and each process writes its own part of
+--stats_json and --trace_path.
 
   python scripts/batch_infer.py --input=examples/prompts.jsonl --output=out.jsonl
+  python scripts/batch_infer.py --input=examples/prompts.jsonl --output=out.jsonl \\
+      --num_processes=2 --process_id=0 --coordinator_address=localhost:12345  # and process_id=1
 """
 
-import itertools
+import dataclasses
+import glob
 import json
 import os
+import re
 import sys
 import time
-from typing import Any, Iterator, NoReturn
+from typing import Any, NoReturn
 
 from absl import app, flags
+import grain
 import jinja2
+import numpy as np
 from tqdm import tqdm
 
 import jaxtier
-from jaxtier import engine_flags
+from jaxtier import batch_input, engine_flags
 from jaxtier.server.records import BatchRecord, parse_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", None, "input JSONL file", required=True)
-flags.DEFINE_string("output", None, "output JSONL file (appended to; existing ids are skipped)",
-                    required=True)
+flags.DEFINE_string("output", None, "output JSONL file (appended to and resumed from its "
+                    "checkpoint, <output>.checkpoint.json; with --num_processes > 1, written by "
+                    "process 0 from the processes' parts at the end)", required=True)
 flags.DEFINE_enum("on_bad_record", "fail", ["fail", "skip"], "what an invalid record does: 'fail' "
                   "reports the invalid records and exits before generating anything; 'skip' "
                   "reports them and generates the others")
 flags.DEFINE_string("stats_json", None, "optional file written at the end with the engine's "
-                    "statistics (`LLM.stats()`), where the engine provides them")
+                    "statistics (`LLM.stats()`), where the engine provides them (with "
+                    "--num_processes > 1, one per process: <stats_json>.part-<i>-of-<n>)")
 flags.DEFINE_integer("max_tokens", 64, "maximum generated tokens per record")
 flags.DEFINE_float("temperature", 0.0, "sampling temperature; 0 is greedy")
 flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass")
@@ -44,12 +72,21 @@ flags.DEFINE_integer("top_k", -1, "top-k sampling; <= 0 disables it")
 flags.DEFINE_integer("seed", None, "sampling seed; the record on the i-th non-blank input line "
                      "(from 0) uses seed + i")
 flags.DEFINE_multi_string("stop", [], "stop string (repeat the flag for several)")
+flags.DEFINE_integer("num_processes", 1, "JAX processes sharing the input, data parallel: process "
+                     "i generates records i, i + num_processes, ... on its local devices")
+flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes); required "
+                     "when --num_processes > 1")
+flags.DEFINE_string("coordinator_address", None, "host:port where process 0 serves JAX's "
+                    "coordination service (e.g. localhost:12345); required when "
+                    "--num_processes > 1")
 flags.adopt_module_key_flags(engine_flags)
 
 PROG = os.path.basename(sys.argv[0])
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "stop")
 SUMMARY_STATS = ("swap_out_count", "swap_in_count", "swap_out_bytes", "swap_in_bytes", "swap_seconds",
               "prefix_device_hit_rate", "prefix_host_hit_rate")
+SUMMED = ("requests", "prompt_tokens", "generated_tokens", "invalid_records", "swap_out_count",
+          "swap_in_count", "swap_out_bytes", "swap_in_bytes", "swap_seconds")
 MAX_REPORTED = 20
 
 
@@ -81,40 +118,48 @@ def check_sampling_flags() -> None:
     engine_flags.usage_error(str(e))
 
 
+def check_process_flags() -> None:
+  """Ends the script with one line if --num_processes, --process_id or --coordinator_address do not
+  describe one process of a run."""
+  count, index = FLAGS.num_processes, FLAGS.process_id
+  if count < 1:
+    engine_flags.usage_error(f"--num_processes={count}: must be >= 1")
+  if count > 1 and index is None:
+    engine_flags.usage_error(f"--process_id is required with --num_processes={count}")
+  if index is not None and not 0 <= index < count:
+    engine_flags.usage_error(f"--process_id={index}: must be in [0, {count}) "
+                             f"(--num_processes={count})")
+  if count > 1 and not FLAGS.coordinator_address:
+    engine_flags.usage_error(f"--coordinator_address is required with --num_processes={count} "
+                             "(host:port of process 0, e.g. localhost:12345)")
+
+
 def sampling_params(ordinal: int) -> jaxtier.SamplingParams:
   seed = None if FLAGS.seed is None else (FLAGS.seed + ordinal) % 2**32
   return jaxtier.SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                                 top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=seed, stop=FLAGS.stop)
 
 
-def input_lines(path: str) -> Iterator[tuple[int, int, str]]:
-  """(line number from 1, ordinal among non-blank lines from 0, text) of each non-blank line."""
-  with open(path) as f:
-    ordinals = itertools.count()
-    for number, line in enumerate(f, 1):
-      if line.strip():
-        yield number, next(ordinals), line
-
-
-def check_records(path: str) -> tuple[dict[int, tuple[int, str]], dict[int, str]]:
-  """Reads every line of `path` once, keeping only line numbers and ids.
+def check_records(source: batch_input.JsonlSource) -> tuple[dict[int, str], dict[int, str]]:
+  """Reads every record of the input once, keeping only ids.
 
   Returns:
-    ({line number: (ordinal, id key)} of the valid records, {line number: problem} of the invalid
-    and duplicate ones).
+    ({ordinal: id key} of the valid records, {line number: problem} of the invalid and duplicate
+    ones).
   """
   valid, keys, errors = {}, set(), {}
-  for number, ordinal, line in input_lines(path):
+  for ordinal in range(len(source)):
+    line = source[ordinal]
     try:
-      record = parse_record(line)
+      record = parse_record(line.text)
     except ValueError as e:
-      errors[number] = str(e)
+      errors[line.number] = str(e)
       continue
     if record.key in keys:
-      errors[number] = f"duplicate id {record.id!r}"
+      errors[line.number] = f"duplicate id {record.id!r}"
       continue
     keys.add(record.key)
-    valid[number] = (ordinal, record.key)
+    valid[ordinal] = record.key
   return valid, errors
 
 
@@ -133,43 +178,139 @@ def handle_bad_records(path: str, errors: dict[int, str], when: str) -> None:
         file=sys.stderr)
 
 
-def done_ids(path: str) -> set[str]:
-  """Ids already in the output file. A last line cut short by a killed run is removed."""
-  if not os.path.isfile(path):
-    return set()
-  ids, complete = set(), 0
-  with open(path, "rb") as f:
-    for number, line in enumerate(f, 1):
-      if not line.endswith(b"\n"):
-        break
-      complete += len(line)
-      if not line.strip():
-        continue
-      try:
-        ids.add(str(json.loads(line)["id"]))
-      except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError):
-        fail(f"--output={path}: line {number} is not an output record; not appending to this file")
-  if complete < os.path.getsize(path):
-    print(f"{PROG}: removing an incomplete last line from {path}", file=sys.stderr)
+def start_processes() -> grain.sharding.ShardOptions:
+  """This process's shard of the input. With --num_processes > 1 it first joins the other processes
+  (`jax.distributed.initialize`, before anything touches JAX devices); its shard is then that of
+  its JAX process (`ShardByJaxProcess`), and its engine uses `jax.local_devices()`."""
+  if FLAGS.num_processes == 1:
+    return grain.sharding.NoSharding()
+  import jax  # pylint: disable=g-import-not-at-top  (JAX loads only once a script runs)
+  try:
+    jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
+                               num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+  except (RuntimeError, ValueError) as e:
+    fail(f"--coordinator_address={FLAGS.coordinator_address}: could not join the other "
+         f"processes: {str(e).strip().splitlines()[0]}")
+  return grain.sharding.ShardByJaxProcess()
+
+
+def all_gather_json(value: Any) -> list[Any]:
+  """`value` (JSON) of every process, in process order; also a barrier. Two `process_allgather`s:
+  the encoded lengths, then the bytes padded to the longest (uint8: no 64-bit JAX types needed)."""
+  if FLAGS.num_processes == 1:
+    return [value]
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  data = np.frombuffer(json.dumps(value, default=_json_number).encode(), np.uint8)
+  lengths = multihost_utils.process_allgather(np.array([len(data)], np.int32)).reshape(-1)
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[:len(data)] = data
+  rows = multihost_utils.process_allgather(padded)
+  return [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths)]
+
+
+def process_label(shard: grain.sharding.ShardOptions) -> str:
+  """'process i of n: ' before a process's messages when there are several, else ''."""
+  return "" if shard.shard_count == 1 else f"process {shard.shard_index} of {shard.shard_count}: "
+
+
+def part_path(path: str, process_id: int, num_processes: int) -> str:
+  """The file one process writes for a file named by a flag: that file itself with one process,
+  else `<path>.part-<i>-of-<n>`."""
+  return path if num_processes == 1 else f"{path}.part-{process_id}-of-{num_processes}"
+
+
+def output_paths(output: str, process_id: int, num_processes: int) -> tuple[str, str]:
+  """(output file, checkpoint file) of one process: its part of --output and
+  `<part>.checkpoint.json`."""
+  path = part_path(output, process_id, num_processes)
+  return path, f"{path}.checkpoint.json"
+
+
+def llm_kwargs(shard: grain.sharding.ShardOptions) -> dict[str, Any]:
+  """The engine's arguments; with several processes each appends its own --trace_path part."""
+  kwargs = engine_flags.llm_kwargs()
+  if kwargs.get("trace_path"):
+    kwargs["trace_path"] = part_path(kwargs["trace_path"], shard.shard_index, shard.shard_count)
+  return kwargs
+
+
+def check_process_count(output: str, num_processes: int) -> None:
+  """Exits if --output has checkpoints of a run with another --num_processes: their records would
+  be generated again, and a merge would replace a one-process run's output."""
+  counts = {1} if os.path.exists(output_paths(output, 0, 1)[1]) else set()
+  for path in glob.glob(f"{glob.escape(output)}.part-*-of-*.checkpoint.json"):
+    match = re.fullmatch(r".*\.part-\d+-of-(\d+)\.checkpoint\.json", path)
+    if match:
+      counts.add(int(match.group(1)))
+  counts.discard(num_processes)
+  if counts:
+    fail(f"--output={output} has checkpoints of a run with --num_processes="
+         f"{' and '.join(map(str, sorted(counts)))}; rerun with that, or delete its files to start "
+         "over")
+
+
+def resume_point(paths: tuple[str, str], source: batch_input.JsonlSource,
+                 shard: grain.sharding.ShardOptions) -> batch_input.Checkpoint:
+  """Where this process continues: its checkpoint, checked against the input, the shard and its
+  output file; the start of the shard when there is neither. Changes no file."""
+  path, checkpoint_path = paths
+  try:
+    checkpoint = batch_input.load_checkpoint(checkpoint_path)
+  except ValueError as e:
+    fail(f"{e}; delete it and {path} to start over")
+  size = os.path.getsize(path) if os.path.exists(path) else 0
+  if checkpoint is None:
+    if size:
+      fail(f"{path} exists but has no checkpoint {checkpoint_path}, so which of its records are "
+           "complete is unknown; move it away to start over")
+    return batch_input.start_checkpoint(source, shard)
+  problem = batch_input.checkpoint_mismatch(checkpoint, source, shard)
+  if problem:
+    fail(f"{checkpoint_path} does not fit --input={source.path}: {problem}; delete it and {path} "
+         "to start over")
+  if size < checkpoint.output_bytes:
+    fail(f"{path} has {size} bytes, fewer than the {checkpoint.output_bytes} its checkpoint "
+         f"{checkpoint_path} counts: it was changed outside this job")
+  return checkpoint
+
+
+def begin_output(paths: tuple[str, str], resume: batch_input.Checkpoint) -> None:
+  """Makes the output file agree with `resume`: the checkpoint saved first (a new run), or the file
+  cut back to the bytes the checkpoint counts (what a killed run wrote after it)."""
+  path, checkpoint_path = paths
+  if not os.path.exists(checkpoint_path):
+    batch_input.save_checkpoint(checkpoint_path, resume)
+  if os.path.exists(path) and os.path.getsize(path) > resume.output_bytes:
+    print(f"{PROG}: removing {os.path.getsize(path) - resume.output_bytes} bytes written to {path} "
+          "after its last checkpoint", file=sys.stderr)
     with open(path, "rb+") as f:
-      f.truncate(complete)
+      f.truncate(resume.output_bytes)
       os.fsync(f.fileno())
-  return ids
 
 
-def token_id_errors(llm: jaxtier.LLM, path: str, todo: dict[int, int]) -> dict[int, str]:
-  """Tokenizes every record to generate; returns {line number: problem} for those the engine
-  rejects (token ids outside the vocabulary, prompts that leave no room in the context window, chat
-  template errors)."""
+def parse_again(path: str, line: batch_input.InputLine) -> BatchRecord:
+  """The record on a line checked before: an error now means the file changed."""
+  try:
+    return parse_record(line.text)
+  except ValueError as e:
+    fail(f"{path} changed during the run: line {line.number}: {e}")
+
+
+def token_id_errors(llm: jaxtier.LLM, source: batch_input.JsonlSource,
+                    todo: dict[int, int]) -> dict[int, str]:
+  """Tokenizes every record to generate ({ordinal: line number}); returns {ordinal: problem} for
+  those the engine rejects (token ids outside the vocabulary, prompts that leave no room in the
+  context window, chat template errors)."""
   errors = {}
-  for number, _, record in records(path, todo):
+  for ordinal in todo:
+    record = parse_again(source.path, source[ordinal])
     try:
       if record.messages is None:
         llm.prompt_token_ids(record.prompt)
       else:
         llm.chat_token_ids(record.conversation())
     except (ValueError, TypeError, jinja2.TemplateError) as e:
-      errors[number] = str(e).replace("prompt 0 ", "prompt ", 1)
+      errors[ordinal] = str(e).replace("prompt 0 ", "prompt ", 1)
   return errors
 
 
@@ -184,27 +325,16 @@ def check_unchanged(path: str, fingerprint: tuple[int, int]) -> None:
     fail(f"{path} changed during the run; nothing more was generated")
 
 
-def records(path: str, todo: dict[int, int]) -> Iterator[tuple[int, int, BatchRecord]]:
-  """(line number, ordinal, record) of the lines in `todo`, read from `path` again."""
-  for number, ordinal, line in input_lines(path):
-    if number in todo:
-      try:
-        record = parse_record(line)
-      except ValueError as e:
-        fail(f"{path} changed during the run: line {number}: {e}")
-      yield number, ordinal, record
-
-
-def write_stats(llm: jaxtier.LLM | None) -> dict[str, Any]:
-  """`llm.stats()` (written to --stats_json when given), or {} where the engine has none."""
+def write_stats(llm: jaxtier.LLM | None, path: str | None) -> dict[str, Any]:
+  """`llm.stats()` (written to `path`, this process's --stats_json, when given), or {} where the
+  engine has none."""
   if llm is None or not hasattr(llm, "stats"):
-    if FLAGS.stats_json:
-      print(f"{PROG}: no engine statistics to write to --stats_json={FLAGS.stats_json}",
-            file=sys.stderr)
+    if path:
+      print(f"{PROG}: no engine statistics to write to --stats_json={path}", file=sys.stderr)
     return {}
   stats = llm.stats()
-  if FLAGS.stats_json:
-    with open(FLAGS.stats_json, "w") as f:
+  if path:
+    with open(path, "w") as f:
       json.dump(stats, f, indent=1, default=_json_number)
       f.write("\n")
   return stats
@@ -216,73 +346,199 @@ def _json_number(value: Any) -> Any:
   raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def generate(llm: jaxtier.LLM, path: str, todo: dict[int, int]) -> dict[str, Any]:
-  """Generates the records on the lines in `todo`, appending each output line as its record
-  finishes; returns the run's counts and seconds."""
+def generate(llm: jaxtier.LLM | None, source: batch_input.JsonlSource,
+             shard: grain.sharding.ShardOptions, resume: batch_input.Checkpoint,
+             todo: dict[int, int], paths: tuple[str, str],
+             stop_after: int | None = None) -> dict[str, Any] | None:
+  """Reads the shard from `resume` on and generates its records in `todo` ({ordinal: line number};
+  the others are invalid or were finished before), appending each output line as its record
+  finishes and then saving the checkpoint. Returns the run's counts and seconds; None if it stopped
+  after `stop_after` records, as a killed run would (no final checkpoint). `llm` is None only when
+  `todo` is empty."""
+  path, checkpoint_path = paths
+  begin_output(paths, resume)
+  progress = batch_input.Progress(resume.iterator_state, resume.finished_after)
+  lines = batch_input.read_tracked(batch_input.shard_iterator(source, shard, resume.iterator_state),
+                                   progress)
   in_flight: dict[int, str | int] = {}
+  output_bytes = resume.output_bytes
 
-  def items() -> Iterator[tuple[int, Any, jaxtier.SamplingParams]]:
-    for number, ordinal, record in records(path, todo):
-      in_flight[number] = record.id
-      yield number, record.engine_input(), sampling_params(ordinal)
+  def save(complete: bool = False) -> None:
+    state, finished_after = progress.position()
+    batch_input.save_checkpoint(checkpoint_path, dataclasses.replace(
+        resume, input_bytes=source.size, input_sha256=source.sha256, iterator_state=state,
+        finished_after=finished_after, output_bytes=output_bytes, complete=complete))
+
+  def items():
+    for line in lines:
+      if line.ordinal not in todo:
+        progress.finish(line.ordinal)
+        continue
+      record = parse_again(source.path, line)
+      in_flight[line.ordinal] = record.id
+      yield line.ordinal, record.engine_input(), sampling_params(line.ordinal)
 
   counts = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0}
   start = time.perf_counter()
-  with open(FLAGS.output, "a") as out, tqdm(total=len(todo), unit="record", desc="batch") as bar:
-    for number, result in llm.generate_stream(items(), use_tqdm=False):
-      out.write(json.dumps({"id": in_flight.pop(number), "text": result.text,
-                            "token_ids": list(result.token_ids),
-                            "finish_reason": result.finish_reason}) + "\n")
+  # Without an engine there is nothing to generate: iterating `items()` only reads the shard.
+  results = llm.generate_stream(items(), use_tqdm=False) if llm is not None else items()
+  desc = "batch" if shard.shard_count == 1 else f"batch {shard.shard_index}/{shard.shard_count}"
+  with open(path, "ab") as out, tqdm(total=len(todo), unit="record", desc=desc) as bar:
+    for ordinal, result in results:
+      data = (json.dumps({"id": in_flight.pop(ordinal), "text": result.text,
+                          "token_ids": list(result.token_ids),
+                          "finish_reason": result.finish_reason}) + "\n").encode()
+      out.write(data)
       out.flush()
       os.fsync(out.fileno())
+      output_bytes += len(data)
+      progress.finish(ordinal)
+      save()
       counts["requests"] += 1
       counts["prompt_tokens"] += len(result.prompt_token_ids)
       counts["generated_tokens"] += len(result.token_ids)
       bar.update(1)
+      if counts["requests"] == stop_after:
+        results.close()
+        return None
+  save(complete=True)
   return {**counts, "seconds": time.perf_counter() - start}
 
 
-def main(argv):
-  if len(argv) > 1:
-    engine_flags.usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
-  engine_flags.prepare()
-  check_sampling_flags()
-  if not os.path.isfile(FLAGS.input):
-    engine_flags.usage_error(f"--input={FLAGS.input} does not exist")
-  fingerprint = input_fingerprint(FLAGS.input)
-
-  valid, errors = check_records(FLAGS.input)
-  handle_bad_records(FLAGS.input, errors, "found before loading the model")
-  invalid = len(errors)
-  done = done_ids(FLAGS.output)
-  todo = {number: ordinal for number, (ordinal, key) in valid.items() if key not in done}
-  print(f"{len(valid)} records, {len(valid) - len(todo)} already in {FLAGS.output}, "
-        f"{len(todo)} to generate", file=sys.stderr)
-
-  llm, run = None, {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0}
-  if todo:
+def merge_parts(output: str, num_processes: int, source: batch_input.JsonlSource,
+                valid: dict[int, str]) -> int:
+  """Process 0, once every process is done: the records of every part in input order, written to
+  `output` atomically. Returns how many there are."""
+  ordinals = {key: ordinal for ordinal, key in valid.items()}
+  rows = []
+  for process_id in range(num_processes):
+    path, checkpoint_path = output_paths(output, process_id, num_processes)
     try:
-      llm = jaxtier.LLM(**engine_flags.llm_kwargs())
+      checkpoint = batch_input.load_checkpoint(checkpoint_path)
     except ValueError as e:
       fail(str(e))
-    if llm.offload.offload_tail_layers:
-      print(f"memory: {json.dumps(llm.memory_report())}", file=sys.stderr)
-    check_unchanged(FLAGS.input, fingerprint)
-    errors = token_id_errors(llm, FLAGS.input, todo)
-    handle_bad_records(FLAGS.input, errors, "found by the tokenizer")
-    invalid += len(errors)
-    for number in errors:
-      del todo[number]
-    check_unchanged(FLAGS.input, fingerprint)
-    run = generate(llm, FLAGS.input, todo)
+    if checkpoint is None or not os.path.exists(path):
+      fail(f"{path} of process {process_id} is not here to merge: with processes on several "
+           "hosts, --output must be on a filesystem they share")
+    if not checkpoint.complete or checkpoint.input_sha256 != source.sha256:
+      fail(f"{path} of process {process_id} is not a finished part of --input={source.path}")
+    with open(path, "rb") as f:
+      data = f.read(checkpoint.output_bytes)
+    rows += [(ordinals[str(json.loads(line)["id"])], line) for line in data.splitlines()]
+  rows.sort()
+  temporary = f"{output}.tmp"
+  with open(temporary, "wb") as f:
+    f.writelines(line + b"\n" for _, line in rows)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(temporary, output)
+  return len(rows)
 
-  stats = write_stats(llm)
+
+def summarize(run: dict[str, Any], invalid: int, stats: dict[str, Any]) -> dict[str, Any]:
+  """One process's summary line: its counts, seconds, tokens/s, invalid records and engine stats."""
   seconds = run["seconds"]
   summary = {**run, "seconds": round(seconds, 3),
              "tokens_per_s": round(run["generated_tokens"] / seconds, 2) if seconds else 0.0,
              "invalid_records": invalid}
   summary.update((k, stats[k]) for k in SUMMARY_STATS if k in stats)
+  return summary
+
+
+def totals(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+  """Every process's summary added up; seconds are the slowest process's, so tokens/s is the
+  run's."""
+  total = {k: sum(s.get(k, 0) for s in summaries) for k in SUMMED}
+  seconds = max(s["seconds"] for s in summaries)
+  return {"processes": len(summaries), **total, "seconds": seconds,
+          "tokens_per_s": round(total["generated_tokens"] / seconds, 2) if seconds else 0.0}
+
+
+def main(argv, stop_after: int | None = None):
+  """The job. `stop_after` (for tests calling it in process, one process only) returns after that
+  many records are written, as a killed run would."""
+  if len(argv) > 1:
+    engine_flags.usage_error(f"unexpected arguments: {' '.join(argv[1:])}")
+  engine_flags.prepare()
+  check_sampling_flags()
+  check_process_flags()
+  if not os.path.isfile(FLAGS.input):
+    engine_flags.usage_error(f"--input={FLAGS.input} does not exist")
+  fingerprint = input_fingerprint(FLAGS.input)
+  with batch_input.JsonlSource(FLAGS.input) as source:
+    run_job(source, fingerprint, stop_after)
+
+
+def records_to_do(source: batch_input.JsonlSource, shard: grain.sharding.ShardOptions,
+                  resume: batch_input.Checkpoint, valid: dict[int, str]) -> dict[int, int]:
+  """{ordinal: line number} of the valid records the shard's iterator still reads from `resume`,
+  less those finished after its low-water mark."""
+  finished = set(resume.finished_after)
+  return {line.ordinal: line.number
+          for line in batch_input.shard_iterator(source, shard, resume.iterator_state)
+          if line.ordinal in valid and line.ordinal not in finished}
+
+
+def drop_token_id_errors(llm: jaxtier.LLM | None, source: batch_input.JsonlSource,
+                         todo: dict[int, int]) -> int:
+  """Removes from `todo` the records the tokenizer rejects and returns how many. Every process
+  checks its own records; under --on_bad_record=fail all of them exit if any found one."""
+  errors = token_id_errors(llm, source, todo) if llm is not None else {}
+  found = sum(all_gather_json(len(errors)))
+  if found and not errors and FLAGS.on_bad_record == "fail":
+    fail(f"{FLAGS.input}: {found} invalid record(s) found by the tokenizer in other processes' "
+         "shards; nothing was generated (--on_bad_record=skip generates the others)")
+  handle_bad_records(FLAGS.input, {todo[o]: problem for o, problem in errors.items()},
+                     "found by the tokenizer")
+  for ordinal in errors:
+    del todo[ordinal]
+  return len(errors)
+
+
+def run_job(source: batch_input.JsonlSource, fingerprint: tuple[int, int],
+            stop_after: int | None) -> None:
+  """Checks the records, joins the other processes, generates this process's shard from its
+  checkpoint on and prints its summary; process 0 of several then merges the parts."""
+  valid, errors = check_records(source)
+  handle_bad_records(FLAGS.input, errors, "found before loading the model")
+  check_process_count(FLAGS.output, FLAGS.num_processes)
+  shard = start_processes()
+  label = process_label(shard)
+  paths = output_paths(FLAGS.output, shard.shard_index, shard.shard_count)
+  resume = resume_point(paths, source, shard)
+  todo = records_to_do(source, shard, resume, valid)
+  mine = batch_input.shard_ordinals(len(source), shard)
+  records = sum(1 for ordinal in mine if ordinal in valid)
+  print(f"{label}{records} records, {records - len(todo)} already in {paths[0]}, {len(todo)} to "
+        "generate", file=sys.stderr)
+
+  llm = None
+  if todo:
+    try:
+      llm = jaxtier.LLM(**llm_kwargs(shard))
+    except ValueError as e:
+      fail(str(e))
+    if llm.offload.offload_tail_layers:
+      print(f"{label}memory: {json.dumps(llm.memory_report())}", file=sys.stderr)
+    check_unchanged(FLAGS.input, fingerprint)
+  invalid = len(mine) - records + drop_token_id_errors(llm, source, todo)
+  check_unchanged(FLAGS.input, fingerprint)
+  run = generate(llm, source, shard, resume, todo, paths, stop_after)
+  if run is None:
+    return
+
+  stats_json = FLAGS.stats_json and part_path(FLAGS.stats_json, shard.shard_index,
+                                              shard.shard_count)
+  summary = summarize(run, invalid, write_stats(llm, stats_json))
+  if shard.shard_count > 1:
+    summary["process_id"] = shard.shard_index
   print(f"summary: {json.dumps(summary, default=_json_number)}", file=sys.stderr)
+  summaries = all_gather_json(summary)  # also waits until every part is finished
+  if shard.shard_count > 1 and shard.shard_index == 0:
+    merged = merge_parts(FLAGS.output, shard.shard_count, source, valid)
+    print(f"{label}merged {merged} records of {shard.shard_count} parts into {FLAGS.output}",
+          file=sys.stderr)
+    print(f"totals: {json.dumps(totals(summaries))}", file=sys.stderr)
 
 
 if __name__ == "__main__":

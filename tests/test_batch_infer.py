@@ -1,6 +1,7 @@
-"""scripts/batch_infer.py end to end on the tiny Llama: outputs against the offline API, resuming,
-bad records (before the model loads and once the tokenizer is loaded), flag errors, --help; and
-the record rules of `jaxtier.server.records` in process."""
+"""scripts/batch_infer.py end to end on the tiny Llama: outputs against the offline API, resuming
+(records appended to the input, a line cut short after the last checkpoint), bad records (before
+the model loads and once the tokenizer is loaded), flag errors, --help; and the record rules of
+`jaxtier.server.records` in process."""
 
 import json
 import os
@@ -100,27 +101,29 @@ def test_outputs_match_the_offline_api_skipping_bad_and_finished_records(tmp_pat
   bad_after_load = {"id": "long", "prompt": [5] * 70}
   lines = [json.dumps(r) for r in good[:3]] + [json.dumps(bad_before_load)]
   lines += [json.dumps(r) for r in good[3:5]] + [json.dumps(bad_after_load), json.dumps(good[5])]
-  finished = {"id": "done", "text": "written before", "token_ids": [1], "finish_reason": "stop"}
-  (tmp_path / "out.jsonl").write_text(json.dumps(finished) + "\n" + '{"id": "cut", "te')
+  flags = ("--on_bad_record=skip", "--max_num_seqs=2", "--max_model_len=64", "--max_tokens=6")
+  proc, finished = run(tmp_path, lines[:3], *flags)  # an earlier run finished the first three
+  assert proc.returncode == 0, proc.stderr
+  with open(tmp_path / "out.jsonl", "a") as out:
+    out.write('{"id": "cut", "te')  # a line cut short by a killed run, after its last checkpoint
   stats_json = tmp_path / "stats.json"
-  proc, rows = run(tmp_path, lines, "--on_bad_record=skip", "--max_num_seqs=2",
-                   "--max_model_len=64", "--max_tokens=6", f"--stats_json={stats_json}")
+  proc, rows = run(tmp_path, lines, *flags, f"--stats_json={stats_json}")
   assert proc.returncode == 0, proc.stderr
   assert "line 4: prompt: is an empty string" in proc.stderr
   assert "line 7: prompt has 70 tokens; the context window max_model_len is 64" in proc.stderr
-  assert rows[0] == finished
+  assert "3 already in" in proc.stderr and "after its last checkpoint" in proc.stderr
+  assert rows[:3] == finished
   assert sorted(map(str, (r["id"] for r in rows))) == sorted(str(r["id"]) for r in good)
-  generated = [r for r in good if r["id"] != "done"]
   totals = summary(proc.stderr)
-  assert totals["requests"] == len(generated) and totals["invalid_records"] == 2
-  assert totals["generated_tokens"] == sum(len(r["token_ids"]) for r in rows[1:])
+  assert totals["requests"] == len(good) - 3 and totals["invalid_records"] == 2
+  assert totals["generated_tokens"] == sum(len(r["token_ids"]) for r in rows[3:])
   engine_stats = hasattr(jaxtier.LLM, "stats")
   assert ("swap_out_bytes" in totals) == engine_stats == stats_json.exists()
 
   llm = jaxtier.LLM(fixture_path("tiny_llama"), max_model_len=64)
   params = jaxtier.SamplingParams(max_tokens=6, temperature=0)
   by_id = {r["id"]: r for r in rows}
-  for record in generated:
+  for record in good:
     if "prompt" in record:
       reference = llm.generate(record["prompt"], params)[0]
     else:
