@@ -112,6 +112,8 @@ class EngineArgs:
     offload_tail_layers: last layers kept in pinned host memory, an int or "auto" (the planner).
     prefetch_depth: layers the offloaded tail is fetched ahead, 1 to 4 or "auto".
     device_memory_gb: device memory for the planner and the default pool sizing; None: reported.
+    tensor_parallel_size: devices the model, both KV pools and the offloaded tail are sharded over
+      (a `tp` mesh of this process's first devices; see `jaxtier.sharding`).
     trace_path: where to append a per-step JSONL trace (None: no trace).
   """
   model: str = "smollm2-135m-instruct"
@@ -136,6 +138,7 @@ class EngineArgs:
   offload_tail_layers: int | str = 0
   prefetch_depth: int | str = "auto"
   device_memory_gb: float | None = None
+  tensor_parallel_size: int = 1
   trace_path: str | None = None
 
   def __post_init__(self):
@@ -170,6 +173,7 @@ class EngineArgs:
     check_choice("layer_execution", self.layer_execution, LAYER_EXECUTIONS)
     check_offload(self.offload_tail_layers, self.prefetch_depth)
     check_positive("device_memory_gb", self.device_memory_gb)
+    check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 4096)
     if self.trace_path is not None and not (isinstance(self.trace_path, str) and self.trace_path):
       raise ValueError(f"trace_path={self.trace_path!r}: expected a file path or None")
 

@@ -56,6 +56,8 @@ flags.DEFINE_string("prefetch_depth", "auto", "layers the offloaded tail is fetc
                     "'auto'")
 flags.DEFINE_float("device_memory_gb", None, "device memory for offload_tail_layers=auto and the "
                    "default KV pool, GB; default: what the device reports (nothing on CPU)")
+flags.DEFINE_integer("tensor_parallel_size", 1, "devices the model and KV pools are sharded over "
+                     "(tensor parallel, split by heads; must divide the model's kv heads)")
 flags.DEFINE_string("trace_path", None, "append a per-step JSONL trace of the engine here (read "
                     "by scripts/doctor.py)")
 

@@ -9,7 +9,8 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxtier import checkpoint, offload
+from jaxtier import checkpoint, offload, sharding
+from jaxtier.checkpoint import placed
 from jaxtier.buckets import pow2_bucket
 from jaxtier.engine import doctor
 from jaxtier.engine.engine import Engine, EngineConfig
@@ -17,7 +18,6 @@ from jaxtier.engine_args import CPU_DEFAULT_KV_GB, GB, LAYER_EXECUTIONS, EngineA
 from jaxtier.generate import Completion, StepUpdate, generate_batch
 from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.logprobs import LogprobDict
-from jaxtier.model import GroupedTransformer
 from jaxtier.offload import auto as offload_auto
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler import Request
@@ -88,8 +88,11 @@ class LLM:
       num_device_blocks / kv_cache_memory_gb, num_host_blocks / swap_space_gb, kv_cache_dtype
       ("auto", "float32", "bfloat16", "int8"), preemption_mode, watermark, victim_policy,
       enable_prefix_caching, host_prefix_caching, seed,
-      layer_execution, offload_tail_layers, prefetch_depth, device_memory_gb, trace_path. Bad
-      values raise ValueError before any model loads.
+      layer_execution, offload_tail_layers, prefetch_depth, device_memory_gb,
+      tensor_parallel_size, trace_path. Bad values raise ValueError before any weight loads.
+
+  Loading is placement-first (`jaxtier.checkpoint.placed`): each tensor goes straight to its
+  device shard or, for the offloaded tail, to pinned host memory.
 
   With offloaded layers on CPU, call `jaxtier.cpu_allocator.retain_freed_memory()` first: the d + 1
   fetched layers are step temporaries, which glibc maps afresh (page-faulting) every step once they
@@ -99,26 +102,29 @@ class LLM:
   def __init__(self, model: str, **engine_args):
     self.args = EngineArgs(model=model, **engine_args)
     args = self.args
-    self.loaded = checkpoint.load(model, args.dtype)
+    self.mesh = sharding.make_mesh(args.tensor_parallel_size)
+    opened = checkpoint.open_checkpoint(model)
+    try:
+      self.config = opened.config
+      self._check_model(self.config)
+      self.max_model_len = args.max_model_len or self.config.max_position_embeddings
+      self.max_num_seqs = args.max_num_seqs
+      self.kv_cache_dtype = args.resolved_kv_cache_dtype()
+      self.cache_dtype = checkpoint.resolve_dtype(args.dtype)  # the reference driver's KV dtype
+      self.block_bytes = kv_block_bytes(self.config.num_layers, self.config.num_kv_heads,
+                                        self.config.head_dim, self.kv_cache_dtype, args.block_size)
+      self.layer_execution = resolve_layer_execution(args.layer_execution)
+      self.offload = self._resolve_offload()
+      self.layout = placed.Layout.of(self.config.num_layers, self.offload.offload_tail_layers,
+                                     self.offload.prefetch_depth or 1, self.layer_execution,
+                                     self.mesh)
+    except BaseException:
+      opened.close()
+      raise
+    self.loaded = checkpoint.load_opened(opened, args.dtype, self.layout)
     self.model_name = model
     self.tokenizer = self.loaded.tokenizer
-    self.config = self.loaded.model.config
-    limit = self.config.max_position_embeddings
-    if args.max_model_len is not None and args.max_model_len > limit:
-      raise ValueError(f"max_model_len={args.max_model_len}: expected at most {limit}, the "
-                       "context window of this model")
-    check_offload(args.offload_tail_layers, args.prefetch_depth, self.config.num_layers)
-    self.max_model_len = args.max_model_len or limit
-    self.max_num_seqs = args.max_num_seqs
-    self.kv_cache_dtype = args.resolved_kv_cache_dtype()
-    self.cache_dtype = checkpoint.resolve_dtype(args.dtype)  # the reference driver's KV dtype
-    self.block_bytes = kv_block_bytes(self.config.num_layers, self.config.num_kv_heads,
-                                      self.config.head_dim, self.kv_cache_dtype, args.block_size)
-    self.layer_execution = resolve_layer_execution(args.layer_execution)
-    self.offload = self._resolve_offload()
-    model = self._arrange_layers(self.loaded.model)
-    self.loaded = dataclasses.replace(self.loaded, model=model)  # frees the stack it came from
-    self.graphdef, self.state = nnx.split(model)
+    self.graphdef, self.state = nnx.split(self.loaded.model)
     num_device_blocks, num_host_blocks = self._pool_blocks()
     self.engine_config = EngineConfig(
         max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -140,6 +146,20 @@ class LLM:
       self._engine = Engine(nnx.merge(self.graphdef, self.state), self.tokenizer,
                             self.engine_config)
     return self._engine
+
+  def _check_model(self, config) -> None:
+    """The checks that need the model's config, before any weight is read."""
+    args = self.args
+    limit = config.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > limit:
+      raise ValueError(f"max_model_len={args.max_model_len}: expected at most {limit}, the "
+                       "context window of this model")
+    check_offload(args.offload_tail_layers, args.prefetch_depth, config.num_layers)
+    sharding.check_tensor_parallel(config, args.tensor_parallel_size)
+
+  @property
+  def tensor_parallel_size(self) -> int:
+    return sharding.tp_size(self.mesh)
 
   def _device_memory_bytes(self) -> int | None:
     if self.args.device_memory_gb is not None:
@@ -169,9 +189,11 @@ class LLM:
     kv_reserve = self._explicit_pool_bytes()
     memory = self._device_memory_bytes()
     return offload_auto.resolve(
-        self.loaded.model, args.dtype, args.offload_tail_layers, args.prefetch_depth,
+        self.config, args.dtype, args.offload_tail_layers, args.prefetch_depth,
         memory_bytes=None if memory is None else int(memory * args.gpu_memory_utilization),
-        kv_reserve_bytes=minimal if kv_reserve is None else kv_reserve,
+        kv_reserve_bytes=((minimal if kv_reserve is None else kv_reserve)
+                          // self.tensor_parallel_size),
+        tensor_parallel_size=self.tensor_parallel_size,
         activation_reserve_bytes=self._activation_reserve_bytes(),
         batch=pow2_bucket(self.max_num_seqs), context=self.max_model_len)
 
@@ -183,9 +205,10 @@ class LLM:
     if explicit is not None:
       device = explicit // block_bytes
     elif memory is not None:
-      weights = offload.bytes_by_memory_kind(self.state).get(offload.DEVICE, 0)
+      # Per device: each holds its shard of the weights and 1 / tp of every block's kv heads.
+      weights = offload.bytes_per_device(self.state).get(offload.DEVICE, 0)
       free = memory * args.gpu_memory_utilization - weights - self._activation_reserve_bytes()
-      device = int(free // block_bytes)
+      device = int(free // (block_bytes // self.tensor_parallel_size))
     else:
       full = self.max_num_seqs * blocks_for(self.max_model_len, args.block_size)
       device = min(full, int(CPU_DEFAULT_KV_GB * GB // block_bytes))
@@ -204,25 +227,18 @@ class LLM:
       host = device
     return device, host
 
-  def _arrange_layers(self, model):
-    """The model as it runs: offloaded tail and/or unrolled layers, else the stacked scan."""
-    if self.offload.offload_tail_layers:
-      return offload.offload_tail(model, self.offload.offload_tail_layers,
-                                  self.offload.prefetch_depth, self.layer_execution)
-    if self.layer_execution == "unrolled":
-      return GroupedTransformer(model, [(self.config.num_layers, "unrolled")])
-    return model
-
   def memory_report(self) -> dict[str, int]:
     """Where the weights and the KV cache live, and what crosses the host link every step.
 
     Weight bytes are counted from the placement of the model state; KV bytes are the engine's
     device and pinned-host pools (blocks x `kv_block_bytes`, allocated on the engine's first use).
+    Totals are over all devices; `*_per_device` are one device's share under tensor parallelism.
     Every step streams all host-resident weights once (`weight_transfer_bytes_per_step`);
     `kv_swap_bytes_per_step` is the mean over the steps run so far (`kv_swap_bytes_max_step` the
     largest).
     """
     by_kind = offload.bytes_by_memory_kind(self.state)
+    per_device, tp = offload.bytes_per_device(self.state), self.tensor_parallel_size
     host = sum(v for k, v in by_kind.items() if k != offload.DEVICE)
     n, depth = self.offload.offload_tail_layers, self.offload.prefetch_depth
     layer_bytes = host // n if n else 0
@@ -237,7 +253,12 @@ class LLM:
             "kv_swap_bytes_per_step": int(stats.get("kv_swap_bytes_per_step", 0)),
             "kv_swap_bytes_max_step": stats.get("kv_swap_bytes_max_step", 0),
             "prefetch_buffer_bytes": (depth + 1) * layer_bytes if n else 0,
-            "offload_tail_layers": n, "prefetch_depth": depth}
+            "offload_tail_layers": n, "prefetch_depth": depth,
+            "tensor_parallel_size": tp,
+            "device_weight_bytes_per_device": per_device.get(offload.DEVICE, 0),
+            "host_weight_bytes_per_device": sum(v for k, v in per_device.items()
+                                                if k != offload.DEVICE),
+            "device_kv_bytes_per_device": c.num_device_blocks * self.block_bytes // tp}
 
   def stats(self) -> dict:
     """The engine's figures (swaps, preemptions, pools, requests, compiles; see `Engine.stats`)

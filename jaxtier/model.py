@@ -94,6 +94,13 @@ class FusedDecoderLayer(DecoderLayer):
   """A DecoderLayer with its q/k/v and gate/up kernels concatenated: the same arithmetic in three
   fewer matmuls per layer, which matters where each matmul is a separate kernel call (CPU decode)."""
 
+  # Each fused parameter is its parts' parameters concatenated along the last (output) axis.
+  PARTS = {
+      "qkv_kernel": (("q_proj", "kernel"), ("k_proj", "kernel"), ("v_proj", "kernel")),
+      "qkv_bias": (("q_proj", "bias"), ("k_proj", "bias"), ("v_proj", "bias")),
+      "gate_up_kernel": (("gate_proj", "kernel"), ("up_proj", "kernel")),
+  }
+
   def __init__(self, layer: DecoderLayer):  # pylint: disable=super-init-not-called
     self.shape = layer.shape
     self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
@@ -207,11 +214,13 @@ class UnrolledLayers(nnx.Module):
 
   XLA on CPU copies the slice of stacked weights that each scan iteration reads, so for resident
   layers this form moves a third of the bytes a scan does; on GPU and TPU the scan needs no copy.
-  The layers are held fused (`FusedDecoderLayer`): fewer, larger matmuls per step.
+  With `fused` the layers are held fused (`FusedDecoderLayer`, layers given fused already are kept):
+  fewer, larger matmuls per step. Tensor-parallel models are not fused (see `jaxtier.sharding`).
   """
 
-  def __init__(self, layers: list[DecoderLayer], first: int):
-    self.layers = nnx.List([FusedDecoderLayer(layer) for layer in layers])
+  def __init__(self, layers: list[DecoderLayer], first: int, fused: bool = True):
+    self.layers = nnx.List([FusedDecoderLayer(layer) if fused and type(layer) is DecoderLayer
+                            else layer for layer in layers])
     self.first = first
 
   @property
@@ -240,13 +249,16 @@ class GroupedTransformer(Transformer):
   `groups` is a sequence of (num_layers, mode) covering all layers in order; mode is "scan",
   "unrolled" or a factory `(stacked_layers, first) -> group` for another group kind (for example
   `jaxtier.offload.tail_group(depth)`), where `stacked_layers` is a DecoderLayer with a leading
-  [num_layers] axis and the group is called like `LayerStack`. The parameters are copied out of the
-  stacked model; outputs equal the stacked model's.
+  [num_layers] axis and the group is called like `LayerStack`; or a group module already built
+  (`jaxtier.checkpoint.placed` builds every group straight from the checkpoint). The parameters are
+  copied out of the stacked model; outputs equal the stacked model's. `model` needs only `config`,
+  `embed`, `final_norm`, `inv_freq` (and `lm_head` unless tied), plus `layers` for the groups it
+  slices.
   """
 
-  def __init__(self, model: Transformer, groups):
+  def __init__(self, model: Transformer, groups, fused: bool = True):
     sizes = [n for n, _ in groups]
-    if sum(sizes) != model.config.num_layers or min(sizes) < 1:
+    if not sizes or sum(sizes) != model.config.num_layers or min(sizes) < 1:
       raise ValueError(f"layer groups {list(groups)} must have positive sizes adding up to "
                        f"num_layers={model.config.num_layers}")
     self.config = model.config
@@ -255,15 +267,18 @@ class GroupedTransformer(Transformer):
       self.lm_head = model.lm_head
     parts, first = [], 0
     for n, mode in groups:
-      if mode == "scan":
+      if isinstance(mode, nnx.Module):
+        parts.append(mode)
+      elif mode == "scan":
         parts.append(LayerStack(_layer_slice(model, first, first + n), first))
       elif mode == "unrolled":
-        parts.append(UnrolledLayers([_single_layer(model, i) for i in range(first, first + n)], first))
+        parts.append(UnrolledLayers([_single_layer(model, i) for i in range(first, first + n)],
+                                    first, fused))
       elif callable(mode):
         parts.append(mode(_layer_slice(model, first, first + n), first))
       else:
-        raise ValueError(f"layer group mode {mode!r} is not supported; expected 'scan', 'unrolled' "
-                         "or a group factory")
+        raise ValueError(f"layer group mode {mode!r} is not supported; expected 'scan', "
+                         "'unrolled', a group factory or a group module")
       first += n
     self.groups = nnx.List(parts)
 

@@ -212,7 +212,7 @@ def main(argv):
   del argv
   retained = FLAGS.retain_freed_memory and cpu_allocator.retain_freed_memory()
   offloaded, depths = [int(n) for n in FLAGS.offloaded], [int(d) for d in FLAGS.depths]
-  common = {"backend": jax.default_backend(), "device": str(jax.devices()[0]),
+  common = {"backend": jax.default_backend(), "device": str(jax.local_devices()[0]),
             "order": FLAGS.order, "rounds": FLAGS.rounds, "steps_per_round": FLAGS.steps,
             "context": FLAGS.context, "retain_freed_memory": retained}
   if FLAGS.mode == "device":

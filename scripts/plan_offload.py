@@ -1,9 +1,10 @@
 """How many tail layers to offload and how deep to prefetch, for a model on a device: JSON out.
 
 The model is a registry name or path (`--model`), or raw numbers (`--num_layers`, `--layer_gb`,
-`--other_gb`). Device memory, link bandwidth and per-layer compute time come from flags, from a
-hardware preset (`--hardware`; compute time by roofline for the step `--batch` x `--tokens` after
-`--context` cached tokens), or are measured on this machine (`--measure`). The KV reservation is
+`--other_gb`); `--tensor_parallel_size` plans one device's share of a sharded model. Device
+memory, link bandwidth and per-layer compute time come from flags, from a hardware preset
+(`--hardware`; compute time by roofline for the step `--batch` x `--tokens` after `--context`
+cached tokens), or are measured on this machine (`--measure`). The KV reservation is
 `--kv_reserve_gb` or `--concurrency` x `--context_len` tokens. The plan's advice, in plain words,
 goes to stderr; `--all_presets` plans the same step on every preset.
 
@@ -13,14 +14,12 @@ goes to stderr; `--all_presets` plans the same step on every preset.
 """
 
 import json
-import os
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxtier import checkpoint, offload
-from jaxtier.checkpoint import hf, orbax_io, registry
+from jaxtier import checkpoint, offload, sharding
 from jaxtier.offload import measure
 
 FLAGS = flags.FLAGS
@@ -46,26 +45,30 @@ flags.DEFINE_integer("tokens", 1, "step shape: new tokens per sequence (1: decod
 flags.DEFINE_integer("context", 1024, "step shape: cached tokens per sequence")
 flags.DEFINE_integer("offload_tail_layers", None, "fix n; the plan then only picks the depth")
 flags.DEFINE_float("kv_swap_gb_per_step", 0.0, "KV swap bytes per step, which use the link first")
+flags.DEFINE_integer("tensor_parallel_size", 1, "plan one device of a tensor-parallel group: its "
+                     "share of the weights and KV (--model only)", lower_bound=1)
 
 
 def model_bytes() -> tuple[offload.ModelBytes, object]:
-  """(ModelBytes, a loaded model or None) from --model or the raw-number flags."""
+  """(per-device ModelBytes, the model's config or None) from --model or the raw-number flags;
+  a model's config is read from its checkpoint's metadata, without loading weights."""
   if FLAGS.model is None:
     if FLAGS.num_layers is None or FLAGS.layer_gb is None:
       raise app.UsageError("give --model, or --num_layers and --layer_gb")
     return offload.ModelBytes(FLAGS.num_layers, round(FLAGS.layer_gb * GB),
                               round(FLAGS.other_gb * GB)), None
-  manifest = registry.find_manifest(FLAGS.model)
-  path = os.path.join(registry.model_dir(manifest), "orbax") if manifest else FLAGS.model
-  if FLAGS.measure or not (orbax_io.is_orbax_dir(path) or os.path.isfile(
-      os.path.join(path, "config.json"))):
-    model = checkpoint.load_model(FLAGS.model, FLAGS.dtype)[0]
-    return offload.ModelBytes.from_config(model.config, FLAGS.dtype), model
-  config = orbax_io.read_config(path) if orbax_io.is_orbax_dir(path) else hf.read_config(path)
-  return offload.ModelBytes.from_config(config, FLAGS.dtype), None
+  opened = checkpoint.open_checkpoint(FLAGS.model)
+  opened.close()
+  try:
+    sharding.check_tensor_parallel(opened.config, FLAGS.tensor_parallel_size)
+    return offload.ModelBytes.from_config(opened.config, FLAGS.dtype,
+                                          tensor_parallel_size=FLAGS.tensor_parallel_size), \
+        opened.config
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
 
 
-def plan_args(m: offload.ModelBytes, model, hardware) -> dict:
+def plan_args(m: offload.ModelBytes, config, hardware) -> dict:
   """plan() keyword arguments from the flags, the preset and measurements."""
   def pick(flag_value, scale, preset_value, name):
     if flag_value is not None:
@@ -74,8 +77,10 @@ def plan_args(m: offload.ModelBytes, model, hardware) -> dict:
       raise app.UsageError(f"--{name} is needed (or --hardware / --measure)")
     return preset_value
   measured_link = measure.link_bytes_per_s() if FLAGS.measure else None
-  measured_compute = (measure.layer_compute_s(model, FLAGS.batch, FLAGS.tokens,
-                                                      FLAGS.context) if FLAGS.measure else None)
+  if FLAGS.measure and config is None:
+    raise app.UsageError("--measure needs --model (it times a layer of that model)")
+  measured_compute = (measure.layer_compute_s(config, FLAGS.dtype, FLAGS.batch, FLAGS.tokens,
+                                              FLAGS.context) if FLAGS.measure else None)
   roofline = hardware and offload.layer_seconds(m, hardware, FLAGS.batch, FLAGS.tokens,
                                                 FLAGS.context)
   if FLAGS.kv_reserve_gb is not None:
@@ -107,13 +112,13 @@ def apply_config_defaults() -> None:
 def main(argv):
   del argv
   apply_config_defaults()
-  m, model = model_bytes()
+  m, config = model_bytes()
   names = sorted(offload.PRESETS) if FLAGS.all_presets else [FLAGS.hardware]
   out = {}
   try:
     for name in names:
       hardware = offload.preset(name) if name else None
-      p = offload.plan(m, **plan_args(m, model, hardware))
+      p = offload.plan(m, **plan_args(m, config, hardware))
       out[name or "given"] = p.to_dict() | {"scheduler": offload.scheduler_link_fields(p)}
       print(f"[{name or 'given'}] {p.message()}", file=sys.stderr)
   except ValueError as e:

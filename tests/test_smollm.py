@@ -116,3 +116,19 @@ def test_prefix_cached_chat_turns_equal_the_contiguous_driver(smollm_llm):
   shared = min(i for i, (a, b) in enumerate(zip(ids[0], ids[1])) if a != b)
   assert outputs[1].num_cached_tokens == shared // block * block > 0
   assert outputs[2].num_cached_tokens >= (len(ids[0]) - 1) // block * block
+
+
+def test_tensor_parallel_3_equals_tp1_resident_offloaded_and_swapping():
+  """TP=3 (9 query heads, 3 kv heads: one kv head per device) in an 8-device subprocess: greedy
+  tokens equal TP=1 resident, with 10 offloaded layers, and swapping under a 5-block pool."""
+  from test_tensor_parallel import run_worker  # pylint: disable=import-outside-toplevel
+  results = run_worker("smollm2-135m-instruct", 3, "plain", "offload", "pressure", max_tokens=16)
+  for case, rows in results.items():
+    assert rows["tp3"]["tokens"] == rows["tp1"]["tokens"], case
+    assert rows["tp3"]["collectives"]["all-reduce"] == 2 * 30 - (12 if case == "offload" else 0)
+  offloaded = results["offload"]["tp3"]
+  assert offloaded["offload_tail_layers"] == 10 and offloaded["tail_kinds"] == ["pinned_host"]
+  layer_bytes, norm_bytes = offloaded["transfers"]["per_call"] // 10, 2 * 576 * 4
+  assert offloaded["transfers"]["per_device"] == 10 * ((layer_bytes - norm_bytes) // 3 + norm_bytes)
+  assert results["pressure"]["tp3"]["swap_out_count"] > 0
+  assert results["pressure"]["tp3"]["device_pool_spec"][0] == "tp"

@@ -8,8 +8,8 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtier.checkpoint import gguf_file, hf, orbax_io, registry
-from jaxtier.checkpoint.params import model_from_params, params_from_model
+from jaxtier.checkpoint import gguf_file, hf, orbax_io, placed, registry
+from jaxtier.checkpoint.params import TensorSource, params_from_model
 from jaxtier.config import ModelConfig
 from jaxtier.model import Transformer
 from jaxtier.tokenizer import Tokenizer, load_tokenizer_dir
@@ -34,12 +34,25 @@ def resolve_dtype(dtype) -> jnp.dtype:
   return DTYPES[name]
 
 
-def _read(path: str) -> tuple[str, ModelConfig, dict, Tokenizer]:
+@dataclasses.dataclass
+class Opened:
+  """A checkpoint opened for reading: its config and tokenizer, its tensors not read yet."""
+  kind: str  # "gguf", "hf", "orbax"
+  path: str
+  config: ModelConfig
+  tokenizer: Tokenizer
+  source: TensorSource
+
+  def close(self) -> None:
+    self.source.close()
+
+
+def _open_path(path: str) -> Opened:
   if os.path.isdir(path):
     if orbax_io.is_orbax_dir(path):
-      return ("orbax",) + orbax_io.load(path)
+      return Opened("orbax", path, *orbax_io.open_source(path))
     config = hf.read_config(path)
-    return "hf", config, hf.read_params(path, config), load_tokenizer_dir(path)
+    return Opened("hf", path, config, load_tokenizer_dir(path), hf.HFSource(path, config))
   if os.path.isfile(path):
     with open(path, "rb") as f:
       magic = f.read(4)
@@ -47,51 +60,71 @@ def _read(path: str) -> tuple[str, ModelConfig, dict, Tokenizer]:
       raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}, expected b'GGUF'); "
                        "expected a registry name, a Hugging Face directory, a .gguf file or a "
                        "jaxtier Orbax directory")
-    return ("gguf",) + gguf_file.load(path)
+    return Opened("gguf", path, *gguf_file.open_source(path))
   raise FileNotFoundError(f"{path!r} is neither a registered model ({registry.known_models()}) "
                           "nor an existing file or directory")
 
 
-def _registered(manifest: registry.Manifest) -> tuple[str, str, ModelConfig, dict, Tokenizer]:
-  """(path, kind, config, params, tokenizer) of a registered model from its Orbax copy in the
-  cache; the first load fetches the weights and converts them, holding the entry's lock (a
-  process that waited for it finds the copy made)."""
+def _registered(manifest: registry.Manifest) -> Opened:
+  """A registered model's Orbax copy in the cache; the first open fetches the weights and converts
+  them (in host memory, never on a device), holding the entry's lock (a process that waited for it
+  finds the copy made)."""
   path = os.path.join(registry.model_dir(manifest), "orbax")
+  converted_from = None
   if not orbax_io.is_orbax_dir(path):
     with registry.entry_lock(manifest):
       if not orbax_io.is_orbax_dir(path):
         weights = registry.fetch(manifest)
         registry.progress(f"converting {weights} to Orbax at {path} ...")
         start = time.perf_counter()
-        kind, config, params, tokenizer = _read(weights)
+        opened = _open_path(weights)
+        with opened.source:
+          params = opened.source.read_all()
         partial = path + ".partial"
         for stale in (partial, path):  # left by a process that died while converting
           shutil.rmtree(stale, ignore_errors=True)
-        orbax_io.save(partial, config, params, tokenizer)
+        orbax_io.save(partial, opened.config, params, opened.tokenizer)
+        del params
         os.rename(partial, path)
         registry.progress(f"converted ({registry.megabytes(path)}) in "
                           f"{time.perf_counter() - start:.1f} s")
-        return path, kind, config, params, tokenizer
-  return (path, "orbax") + orbax_io.load(path)
+        converted_from = opened.kind
+  opened = _open_path(path)
+  opened.kind = converted_from or opened.kind  # the first load reports the format it converted
+  return opened
 
 
-def load(source: str, dtype="float32") -> Loaded:
-  """Loads a model and its tokenizer.
+def open_checkpoint(source: str) -> Opened:
+  """Opens a registry name (its weights are fetched and checksummed once, converted to an Orbax
+  copy once, and later opens read that copy), a Hugging Face directory, a .gguf file, or a
+  directory written by `orbax_io.save`. Reads metadata only; close it (or `load` from it)."""
+  manifest = registry.find_manifest(source)
+  return _open_path(source) if manifest is None else _registered(manifest)
 
-  `source` is a registry name (its weights are fetched and checksummed once, converted to an Orbax
-  copy once, and later loads come from that copy), a Hugging Face directory, a .gguf file, or a
-  directory written by `orbax_io.save`.
+
+def load(source: str, dtype="float32", layout: placed.Layout | None = None,
+         observe: placed.Observer | None = None) -> Loaded:
+  """Loads a model and its tokenizer, each tensor straight into its placement.
+
+  `source`: see `open_checkpoint`. `layout` (default: one stacked scan on this process's first
+  device) arranges and places the model (`jaxtier.checkpoint.placed`); `observe(name, array)` is
+  called after each tensor is placed.
   """
   dtype = resolve_dtype(dtype)
   start = time.perf_counter()
-  manifest = registry.find_manifest(source)
-  if manifest is None:
-    kind, config, params, tokenizer = _read(source)
-    path = source
-  else:
-    path, kind, config, params, tokenizer = _registered(manifest)
-  model = model_from_params(config, params, dtype, source=path)
-  return Loaded(model, tokenizer, kind, path, time.perf_counter() - start)
+  opened = open_checkpoint(source)
+  return load_opened(opened, dtype, layout, observe, start)
+
+
+def load_opened(opened: Opened, dtype, layout: placed.Layout | None = None,
+                observe: placed.Observer | None = None, start: float | None = None) -> Loaded:
+  """`load` from an opened checkpoint (which it closes)."""
+  dtype = resolve_dtype(dtype)
+  start = time.perf_counter() if start is None else start
+  layout = layout or placed.Layout(((opened.config.num_layers, "scan"),))
+  with opened.source:
+    model = placed.build(opened.config, opened.source, dtype, layout, observe)
+  return Loaded(model, opened.tokenizer, opened.kind, opened.path, time.perf_counter() - start)
 
 
 def load_model(source: str, dtype="float32") -> tuple[Transformer, Tokenizer]:
@@ -106,4 +139,5 @@ def save_orbax(directory: str, model: Transformer, tokenizer: Tokenizer) -> None
   orbax_io.save(directory, model.config, params, tokenizer)
 
 
-__all__ = ["Loaded", "load", "load_model", "save_orbax", "resolve_dtype"]
+__all__ = ["Loaded", "Opened", "load", "load_model", "load_opened", "open_checkpoint", "save_orbax",
+           "resolve_dtype"]

@@ -11,7 +11,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from jaxtier.checkpoint.params import Path, stack_layers
+from jaxtier.checkpoint.params import Path, TensorSource, check_layers_present, is_layer_path
 from jaxtier.config import ModelConfig
 from jaxtier.tokenizer import Tokenizer
 
@@ -100,29 +100,68 @@ def _dequantize(tensor, path: str) -> np.ndarray:
                      "this gguf package cannot dequantize") from None
 
 
+class GGUFSource(TensorSource):
+  """The tensors of a GGUF file (memory mapped), each dequantized to float32 when read and laid
+  out as the model's parameters (q/k rows unpermuted for Llama, linear weights [in, out])."""
+  kind = "gguf"
+
+  def __init__(self, reader: gguf.GGUFReader, config: ModelConfig, path: str):
+    super().__init__(path)
+    self._config = config
+    self._globals, self._shapes = {}, {}
+    per_layer: dict[Path, list] = {}
+    for tensor in reader.tensors:
+      name = tensor.name
+      shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+      if name.startswith("blk."):
+        _, layer, sub = name.split(".", 2)
+        if sub not in _LAYER_NAMES:
+          raise ValueError(f"{path}: unexpected tensor {name!r}")
+        if not 0 <= int(layer) < config.num_layers:
+          raise ValueError(f"{path}: tensor {name} is for layer {layer}, but the file has "
+                           f"{config.num_layers} layers")
+        model_path = _LAYER_NAMES[sub]
+        per_layer.setdefault(model_path, [None] * config.num_layers)[int(layer)] = (sub, tensor)
+        self._shapes[model_path] = (config.num_layers,) + (shape[::-1] if len(shape) == 2
+                                                           and sub.endswith("weight") else shape)
+      elif name in _GLOBAL_NAMES:
+        self._globals[_GLOBAL_NAMES[name]] = tensor
+        self._shapes[_GLOBAL_NAMES[name]] = shape
+      elif name != "rope_freqs.weight":
+        raise ValueError(f"{path}: unexpected tensor {name!r}")
+    check_layers_present(per_layer, config.num_layers, path)
+    self._layers = per_layer
+
+  def shapes(self) -> dict[Path, tuple[int, ...]]:
+    return dict(self._shapes)
+
+  def _layer(self, sub: str, tensor) -> np.ndarray:
+    array = _dequantize(tensor, self.where)
+    if self._config.architecture == "llama" and sub.startswith(("attn_q", "attn_k")):
+      array = unpermute_rotary(array, self._config.num_heads if sub.startswith("attn_q")
+                               else self._config.num_kv_heads)
+    if sub.endswith("weight") and array.ndim == 2:
+      array = array.T  # [out, in] -> [in, out]
+    return array
+
+  def read(self, path: Path, layers=None) -> np.ndarray:
+    if is_layer_path(path):
+      slots = self._layers[path]
+      layers = range(len(slots)) if layers is None else layers
+      return np.stack([self._layer(*slots[i]) for i in layers])
+    return _dequantize(self._globals[path], self.where)
+
+
 def read_params(reader: gguf.GGUFReader, config: ModelConfig, path: str) -> dict[Path, np.ndarray]:
   """All tensors, dequantized to float32 and laid out as the model's parameters."""
-  per_layer: dict[Path, list] = {}
-  params: dict[Path, np.ndarray] = {}
-  for tensor in reader.tensors:
-    name = tensor.name
-    if name.startswith("blk."):
-      _, layer, sub = name.split(".", 2)
-      if sub not in _LAYER_NAMES:
-        raise ValueError(f"{path}: unexpected tensor {name!r}")
-      array = _dequantize(tensor, path)
-      if config.architecture == "llama" and sub.startswith(("attn_q", "attn_k")):
-        array = unpermute_rotary(array, config.num_heads if sub.startswith("attn_q")
-                                 else config.num_kv_heads)
-      if sub.endswith("weight") and array.ndim == 2:
-        array = array.T  # [out, in] -> [in, out]
-      per_layer.setdefault(_LAYER_NAMES[sub], [None] * config.num_layers)[int(layer)] = array
-    elif name in _GLOBAL_NAMES:
-      params[_GLOBAL_NAMES[name]] = _dequantize(tensor, path)
-    elif name != "rope_freqs.weight":
-      raise ValueError(f"{path}: unexpected tensor {name!r}")
-  params.update(stack_layers(per_layer, config.num_layers, path))
-  return params
+  return GGUFSource(reader, config, path).read_all()
+
+
+def open_source(path: str) -> tuple[ModelConfig, Tokenizer, GGUFSource]:
+  """Config, tensor source and tokenizer of a GGUF file (no tensor data read yet)."""
+  reader = open_gguf(path)
+  config = read_config(reader, path)
+  return config, read_tokenizer(reader, path), GGUFSource(reader, config, path)
 
 
 def _pre_tokenizer(pre: str | None):
@@ -167,6 +206,5 @@ def read_tokenizer(reader: gguf.GGUFReader, path: str) -> Tokenizer:
 
 def load(path: str) -> tuple[ModelConfig, dict[Path, np.ndarray], Tokenizer]:
   """Config, float32 parameters and tokenizer of a GGUF file."""
-  reader = open_gguf(path)
-  config = read_config(reader, path)
-  return config, read_params(reader, config, path), read_tokenizer(reader, path)
+  config, tokenizer, source = open_source(path)
+  return config, source.read_all(), tokenizer

@@ -7,7 +7,8 @@ import re
 import numpy as np
 import safetensors
 
-from jaxtier.checkpoint.params import HF_GLOBAL_NAMES, HF_LAYER_NAMES, Path, stack_layers
+from jaxtier.checkpoint.params import (HF_GLOBAL_NAMES, HF_LAYER_NAMES, Path, TensorSource,
+                                       check_layers_present, is_layer_path)
 from jaxtier.config import ModelConfig, config_from_hf
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -47,33 +48,69 @@ def _layer_tensor(name: str, array: np.ndarray) -> np.ndarray:
   return array.T if name.endswith("proj.weight") else array
 
 
-def read_params(directory: str, config: ModelConfig) -> dict[Path, np.ndarray]:
-  """Reads all shards into model parameter paths; linear weights are transposed to [in, out]."""
-  per_layer: dict[Path, list] = {}
-  params: dict[Path, np.ndarray] = {}
-  for shard in safetensors_files(directory):
-    try:
-      handle = safetensors.safe_open(shard, framework="numpy")
-    except Exception as e:  # safetensors raises its own error types for a corrupt header
-      raise ValueError(f"{shard} is not a readable safetensors file: {e}") from None
-    with handle as f:
-      for name in f.keys():
-        array = np.asarray(f.get_tensor(name), dtype=np.float32)
+class HFSource(TensorSource):
+  """The tensors of a Hugging Face directory's safetensors shards, read one at a time (memory
+  mapped); linear weights are transposed to [in, out]."""
+  kind = "hf"
+
+  def __init__(self, directory: str, config: ModelConfig):
+    super().__init__(directory)
+    self._handles, self._names, self._shapes = [], {}, {}
+    per_layer: dict[Path, list] = {}
+    for shard in safetensors_files(directory):
+      try:
+        handle = safetensors.safe_open(shard, framework="numpy")
+      except Exception as e:  # safetensors raises its own error types for a corrupt header
+        self.close()
+        raise ValueError(f"{shard} is not a readable safetensors file: {e}") from None
+      self._handles.append(handle)
+      for name in handle.keys():
+        shape = tuple(handle.get_slice(name).get_shape())
         match = _LAYER_RE.match(name)
         if match and match.group(2) in HF_LAYER_NAMES:
           layer, sub = int(match.group(1)), match.group(2)
           if layer >= config.num_layers:
+            self.close()
             raise ValueError(f"{shard}: tensor {name} is for layer {layer}, but the config has "
                              f"{config.num_layers} layers")
-          slots = per_layer.setdefault(HF_LAYER_NAMES[sub], [None] * config.num_layers)
-          slots[layer] = _layer_tensor(sub, array)
+          path = HF_LAYER_NAMES[sub]
+          per_layer.setdefault(path, [None] * config.num_layers)[layer] = (handle, name)
+          self._shapes[path] = (config.num_layers,) + (shape[::-1] if sub.endswith("proj.weight")
+                                                       else shape)
         elif name in HF_GLOBAL_NAMES:
-          params[HF_GLOBAL_NAMES[name]] = array
-        elif name.endswith("rotary_emb.inv_freq"):
-          continue
-        else:
+          if config.tie_word_embeddings and HF_GLOBAL_NAMES[name] == ("lm_head",):
+            continue
+          self._names[HF_GLOBAL_NAMES[name]] = (handle, name)
+          self._shapes[HF_GLOBAL_NAMES[name]] = shape
+        elif not name.endswith("rotary_emb.inv_freq"):
+          self.close()
           raise ValueError(f"{shard}: unexpected tensor {name!r} for a {config.architecture} model")
-  if config.tie_word_embeddings:
-    params.pop(("lm_head",), None)
-  params.update(stack_layers(per_layer, config.num_layers, directory))
-  return params
+    try:
+      check_layers_present(per_layer, config.num_layers, directory)
+    except ValueError:
+      self.close()
+      raise
+    self._layers = per_layer
+
+  def shapes(self) -> dict[Path, tuple[int, ...]]:
+    return dict(self._shapes)
+
+  def _get(self, handle, name: str) -> np.ndarray:
+    array = np.asarray(handle.get_tensor(name), dtype=np.float32)
+    return _layer_tensor(name, array) if _LAYER_RE.match(name) else array
+
+  def read(self, path: Path, layers=None) -> np.ndarray:
+    if is_layer_path(path):
+      slots = self._layers[path]
+      layers = range(len(slots)) if layers is None else layers
+      return np.stack([self._get(*slots[i]) for i in layers])
+    return self._get(*self._names[path])
+
+  def close(self) -> None:
+    self._handles = []  # the shards' memory maps close when their handles are collected
+
+
+def read_params(directory: str, config: ModelConfig) -> dict[Path, np.ndarray]:
+  """Reads all shards into model parameter paths; linear weights are transposed to [in, out]."""
+  with HFSource(directory, config) as source:
+    return source.read_all()

@@ -1,11 +1,15 @@
-"""Between checkpoint tensors and the model: one naming scheme, one function that builds the model.
+"""Between checkpoint tensors and the model: one naming scheme, tensor sources, a reference builder.
 
-Loaders produce a flat dict from parameter paths (as in `nnx.to_pure_dict` of a Transformer, for
-example `("layers", "q_proj", "kernel")`) to numpy arrays, with layer tensors already stacked along a
-leading layer axis and linear kernels laid out [in, out].
+Parameter paths are those of `nnx.to_pure_dict` of a Transformer, for example
+`("layers", "q_proj", "kernel")`; layer tensors are stacked along a leading layer axis and linear
+kernels laid out [in, out]. Each checkpoint format is a `TensorSource`: it lists every tensor's path
+and shape from the file's metadata and reads one tensor (or some layers of one) at a time, so the
+placement-first loader (`jaxtier.checkpoint.placed`) never holds the whole model anywhere.
+`model_from_params` builds a model from a whole dict on the default device: the reference the
+placed loader is tested against.
 """
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +44,80 @@ HF_GLOBAL_NAMES: dict[str, Path] = {
 DERIVED: frozenset[Path] = frozenset({("inv_freq",)})
 
 
+class TensorSource:
+  """Tensors of one checkpoint, by parameter path, read on demand as float32 numpy arrays.
+
+  `shapes()` gives every path's full shape (layer tensors stacked: [num_layers, ...]) without
+  reading data. `read(path, layers)` reads a global tensor, or the listed layers of a layer tensor
+  stacked in that order (`layers=None`: all). `place(path, sharding, dtype)` may put a whole tensor
+  straight into its placement (a format that can, like Orbax, reads each shard into its device
+  memory); it returns None when the format cannot, and the loader reads and places it itself.
+  """
+  kind = "checkpoint"
+
+  def __init__(self, where: str):
+    self.where = where
+
+  def shapes(self) -> dict[Path, tuple[int, ...]]:
+    raise NotImplementedError
+
+  def read(self, path: Path, layers: Sequence[int] | None = None) -> np.ndarray:
+    raise NotImplementedError
+
+  def place(self, path: Path, sharding, dtype) -> jax.Array | None:
+    del path, sharding, dtype
+    return None
+
+  def read_all(self) -> dict[Path, np.ndarray]:
+    """Every tensor (the whole model in host memory: for converting formats)."""
+    return {path: self.read(path) for path in self.shapes()}
+
+  def close(self) -> None:
+    pass
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def is_layer_path(path: Path) -> bool:
+  return path[0] == "layers"
+
+
+def check_layers_present(found: Mapping[Path, Sequence[object]], num_layers: int,
+                         source: str) -> None:
+  """Raises ValueError naming the layers a layer tensor lacks (`found[path][i]` None)."""
+  for path, slots in found.items():
+    missing = [i for i, s in enumerate(slots) if s is None]
+    if missing:
+      raise ValueError(f"{source}: tensor {'/'.join(path)} is missing for layers {missing} of "
+                       f"{num_layers}")
+
+
+def check_shapes(config: ModelConfig, shapes: Mapping[Path, Sequence[int]], dtype,
+                 source: str) -> None:
+  """Raises ValueError when a source's tensors are not exactly those of the model `config` gives."""
+  expected = expected_shapes(config, dtype)
+  missing = sorted("/".join(p) for p in expected.keys() - shapes.keys())
+  unexpected = sorted("/".join(p) for p in shapes.keys() - expected.keys())
+  if missing or unexpected:
+    raise ValueError(f"{source}: parameters do not match a {config.architecture} model with this "
+                     f"config; missing {missing}, unexpected {unexpected}")
+  for path, shape in expected.items():
+    if tuple(shapes[path]) != tuple(shape):
+      raise ValueError(f"{source}: parameter {'/'.join(path)} has shape {tuple(shapes[path])}, "
+                       f"expected {tuple(shape)}")
+
+
+def expected_shapes(config: ModelConfig, dtype) -> dict[Path, tuple[int, ...]]:
+  """Every checkpoint parameter's path and shape for `config` (derived ones excluded)."""
+  _, state = abstract_model(config, dtype)
+  return {p: tuple(s.shape) for p, s in _flatten(nnx.to_pure_dict(state)).items()
+          if p not in DERIVED}
+
+
 def abstract_model(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
   """The model's graph and its state of ShapeDtypeStructs, without allocating parameters."""
   abstract = nnx.eval_shape(lambda: Transformer(config, dtype, rngs=nnx.Rngs(0)))
@@ -68,20 +146,12 @@ def _unflatten(flat: Mapping[Path, object]) -> dict:
 def model_from_params(config: ModelConfig, params: Mapping[Path, np.ndarray], dtype,
                       source: str = "checkpoint") -> Transformer:
   """Builds a Transformer from loaded tensors, checking that names and shapes are exactly right."""
+  check_shapes(config, {p: a.shape for p, a in params.items()}, dtype, source)
   graphdef, state = abstract_model(config, dtype)
-  expected = {p: s for p, s in _flatten(nnx.to_pure_dict(state)).items() if p not in DERIVED}
-  missing = sorted("/".join(p) for p in expected.keys() - params.keys())
-  unexpected = sorted("/".join(p) for p in params.keys() - expected.keys())
-  if missing or unexpected:
-    raise ValueError(f"{source}: parameters do not match a {config.architecture} model with this "
-                     f"config; missing {missing}, unexpected {unexpected}")
   values = {}
-  for path, spec in expected.items():
-    array = params[path]
-    if tuple(array.shape) != tuple(spec.shape):
-      raise ValueError(f"{source}: parameter {'/'.join(path)} has shape {tuple(array.shape)}, "
-                       f"expected {tuple(spec.shape)}")
-    values[path] = jnp.asarray(array, dtype=spec.dtype)
+  for path, spec in _flatten(nnx.to_pure_dict(state)).items():
+    if path not in DERIVED:
+      values[path] = jnp.asarray(params[path], dtype=spec.dtype)
   values[("inv_freq",)] = jnp.asarray(config.inv_freq())
   nnx.replace_by_pure_dict(state, _unflatten(values))
   return nnx.merge(graphdef, state)
@@ -91,16 +161,3 @@ def params_from_model(model: Transformer) -> dict[Path, jax.Array]:
   """The model's parameters as a flat dict (the inverse of `model_from_params`)."""
   flat = _flatten(nnx.to_pure_dict(nnx.state(model)))
   return {p: v for p, v in flat.items() if p not in DERIVED}
-
-
-def stack_layers(per_layer: Mapping[Path, list[np.ndarray]], num_layers: int,
-                 source: str) -> dict[Path, np.ndarray]:
-  """Stacks per-layer tensors along a new leading axis, checking every layer is present."""
-  out = {}
-  for path, arrays in per_layer.items():
-    missing = [i for i, a in enumerate(arrays) if a is None]
-    if missing:
-      raise ValueError(f"{source}: tensor {'/'.join(path)} is missing for layers {missing} of "
-                       f"{num_layers}")
-    out[path] = np.stack(arrays)
-  return out

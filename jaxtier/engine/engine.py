@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxtier import scheduler
+from jaxtier import scheduler, sharding
 from jaxtier.buckets import pow2_buckets_up_to
 from jaxtier.detokenize import RequestProgress
 from jaxtier.engine import batch as batching
@@ -145,7 +145,8 @@ class Engine:
     self.vocab_size = c.vocab_size
     self.table_width = batching.table_width(config.max_model_len, config.block_size)
     graphdef, state = nnx.split(model)
-    self.cache = PagedKVCache.create(self.cache_config)
+    self.mesh = sharding.mesh_of(state)
+    self.cache = PagedKVCache.create(self.cache_config, mesh=self.mesh)
     self.runner = Runner(graphdef, state, self.cache, config.swap_impl)
     self._state = scheduler.initial_state(self.scheduler_config)
     self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
@@ -319,7 +320,7 @@ class Engine:
     # The failed plan's blocks were never written, and the pools may be lost: forget the cache.
     self._state = scheduler.reset_prefix_cache(self._state)
     if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
-      self.cache = PagedKVCache.create(self.cache_config)
+      self.cache = PagedKVCache.create(self.cache_config, mesh=self.mesh)
 
   def _step_logprobs(self, arrays: batching.StepArrays):
     """Dispatches one call whose rows may ask for log-probabilities (the plain step if none

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtier import sharding
 from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_pallas,
                                               paged_attention_reference)
@@ -117,28 +118,35 @@ class PagedMetadata:
     return cls(jnp.asarray(tables, jnp.int32))
 
 
-def _platform(sharding) -> str:
-  return next(iter(sharding.device_set)).platform
+def _platform(target) -> str:
+  return next(iter(target.device_set)).platform
 
 
-def _zeros(shape, dtype, sharding) -> jax.Array:
-  if sharding.memory_kind == "device":
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+def _zeros(shape, dtype, target) -> jax.Array:
+  if target.memory_kind == "device":
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=target)()
   # A host array made by a jit with host out_shardings carries a device aval in jax 0.10.2 (later
   # jits would return it in device memory), so it is put from numpy. np.zeros maps untouched zero
   # pages: the temporary costs no memory. On CPU that put aliases the numpy buffer, which donation
   # cannot reuse: the first swap would silently reallocate the pool, so copy it once here.
-  host = jax.device_put(np.zeros(shape, dtype), sharding)
-  if _platform(sharding) == "cpu":
-    host = jax.device_put(host, sharding, may_alias=False)
+  host = jax.device_put(np.zeros(shape, dtype), target)
+  if _platform(target) == "cpu":
+    host = jax.device_put(host, target, may_alias=False)
   return host
 
 
-def _allocate(leading: tuple[int, ...], config: PagedCacheConfig, sharding) -> KVBlocks:
+def _scale_sharding(values):
+  if isinstance(values, jax.sharding.NamedSharding):
+    return sharding.scale_sharding(values)
+  return values
+
+
+def _allocate(leading: tuple[int, ...], config: PagedCacheConfig, target) -> KVBlocks:
   shape = leading + (config.block_size,)
-  value_dtype = storage_dtype(config.kv_cache_dtype, _platform(sharding))
-  values = [_zeros(shape + (config.head_dim,), value_dtype, sharding) for _ in range(2)]
-  scales = [_zeros(shape, SCALE_DTYPE, sharding) if config.quantized else None for _ in range(2)]
+  value_dtype = storage_dtype(config.kv_cache_dtype, _platform(target))
+  values = [_zeros(shape + (config.head_dim,), value_dtype, target) for _ in range(2)]
+  scales = [_zeros(shape, SCALE_DTYPE, _scale_sharding(target)) if config.quantized else None
+            for _ in range(2)]
   return KVBlocks(*values, *scales)
 
 
@@ -150,15 +158,20 @@ class PagedKVCache:
   config: PagedCacheConfig = flax.struct.field(pytree_node=False)
 
   @classmethod
-  def create(cls, config: PagedCacheConfig, device: jax.Device | None = None) -> "PagedKVCache":
-    """Allocates both pools (zeros) on `device` (default: the first device)."""
-    device = device or jax.devices()[0]
-    if config.attention_impl == "pallas" and device.platform != "gpu":
-      raise ValueError(f"attention_impl='pallas' needs a GPU, got a {device.platform} device "
+  def create(cls, config: PagedCacheConfig, device: jax.Device | None = None,
+             mesh: jax.sharding.Mesh | None = None) -> "PagedKVCache":
+    """Allocates both pools (zeros) over `mesh` (split by kv heads, see `jaxtier.sharding`), or
+    on `device` (default: this process's first device)."""
+    if mesh is None:
+      mesh = sharding.make_mesh(1, [device or jax.local_devices()[0]])
+    platform = mesh.devices.flat[0].platform
+    if config.attention_impl == "pallas" and platform != "gpu":
+      raise ValueError(f"attention_impl='pallas' needs a GPU, got a {platform} device "
                        "(use 'pallas_interpret' to run the kernel on CPU)")
     k, l = config.num_kv_heads, config.num_layers
-    dev = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    if k % sharding.tp_size(mesh):
+      raise ValueError(f"num_kv_heads={k} does not split over {sharding.tp_size(mesh)} devices")
+    dev, host = sharding.kv_pool_shardings(mesh)
     return cls(_allocate((k, l, config.num_blocks), config, dev),
                _allocate((config.host_blocks, k, l), config, host), config)
 

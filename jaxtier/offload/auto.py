@@ -15,7 +15,6 @@ import dataclasses
 import jax
 
 from jaxtier.config import ModelConfig
-from jaxtier.model import Transformer
 from jaxtier.offload import measure
 from jaxtier.offload.planner import ModelBytes, OffloadPlan, plan
 from jaxtier.engine_args import check_offload
@@ -32,7 +31,7 @@ class Resolved:
 
 def device_memory_bytes(device: jax.Device | None = None) -> int | None:
   """The device's memory limit as its allocator reports it, or None (CPU reports nothing)."""
-  stats = (device or jax.devices()[0]).memory_stats() or {}
+  stats = (device or jax.local_devices()[0]).memory_stats() or {}
   return stats.get("bytes_limit")
 
 
@@ -44,26 +43,29 @@ def activation_reserve_bytes(config: ModelConfig, batch: int, context: int, item
   return scores + mlp + batch * config.vocab_size * 4
 
 
-def resolve(model: Transformer, dtype: str, offload_tail_layers, prefetch_depth, *,
+def resolve(config: ModelConfig, dtype: str, offload_tail_layers, prefetch_depth, *,
             memory_bytes: int | None, kv_reserve_bytes: int, activation_reserve_bytes: int,
-            batch: int, context: int) -> Resolved:
-  """Turns the two engine arguments into numbers (see the module docstring).
+            batch: int, context: int, tensor_parallel_size: int = 1) -> Resolved:
+  """Turns the two engine arguments into numbers (see the module docstring), before any weight
+  is loaded.
 
-  `batch` and `context` give the decode step whose layer time is measured.
+  `batch` and `context` give the decode step whose layer time is measured (on a layer of random
+  weights). Under tensor parallelism every figure is per device: `memory_bytes` and
+  `kv_reserve_bytes` are one device's, and the model's bytes are its per-device shard.
   """
-  check_offload(offload_tail_layers, prefetch_depth, model.config.num_layers)
+  check_offload(offload_tail_layers, prefetch_depth, config.num_layers)
   if offload_tail_layers == 0 or (offload_tail_layers == "auto" and memory_bytes is None):
     return Resolved(0, 0)
   cpu = jax.default_backend() == "cpu"
   if offload_tail_layers != "auto" and (prefetch_depth != "auto" or cpu):
     depth = 1 if prefetch_depth == "auto" else prefetch_depth
     return Resolved(offload_tail_layers, check_depth(depth, offload_tail_layers))
-  bytes_ = ModelBytes.from_config(model.config, dtype)
+  bytes_ = ModelBytes.from_config(config, dtype, tensor_parallel_size=tensor_parallel_size)
   fixed_depth = prefetch_depth if prefetch_depth != "auto" else (1 if cpu else None)
   assumed = bytes_.weight_bytes + kv_reserve_bytes + activation_reserve_bytes
   result = plan(bytes_, device_memory_bytes=memory_bytes or assumed,
                 link_bytes_per_s=measure.link_bytes_per_s(),
-                layer_compute_s=measure.layer_compute_s(model, batch, 1, context),
+                layer_compute_s=measure.layer_compute_s(config, dtype, batch, 1, context),
                 kv_reserve_bytes=kv_reserve_bytes,
                 activation_reserve_bytes=activation_reserve_bytes,
                 offload_tail_layers=None if offload_tail_layers == "auto" else offload_tail_layers,

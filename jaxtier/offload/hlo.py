@@ -49,6 +49,8 @@ class PlacementReport:
   transfers: tuple[Transfer, ...]
   host_compute: tuple[str, ...]  # "op : type" of ops that read host-kind operands
   host_arguments: dict[int, int]  # main argument index -> bytes, for host-kind arguments
+  # main argument index -> how many shards a device holds one of (1: unsharded), host-kind only
+  host_argument_shards: dict[int, int] = dataclasses.field(default_factory=dict)
 
   def to_device(self, in_loop: bool | None = None) -> tuple[Transfer, ...]:
     """Transfers to device memory; `in_loop` True/False keeps those inside/outside loops."""
@@ -57,6 +59,12 @@ class PlacementReport:
 
   def to_device_bytes_per_call(self) -> int:
     return sum(t.bytes_per_call for t in self.to_device())
+
+  def to_device_bytes_per_device(self) -> int:
+    """Bytes one device receives per call: each transfer slices one host argument along its
+    unsharded layer axis, so a device moves 1 / shards of it (its own shard)."""
+    return sum(t.bytes_per_call // self.host_argument_shards.get(t.sources[0], 1)
+               for t in self.to_device())
 
 
 def exported_text(fn: Callable, *args, platform: str = "cuda") -> str:
@@ -116,6 +124,11 @@ class _Walker:
     self.used: set = set()
     self.events: list[tuple] = []  # ("issue", id) and ("use", tag), in program order
     self.loops: list[int | None] = []
+    self.shards: dict[int, int] = {}
+    self.mesh_axes = {name: int(size) for name, size in
+                      re.findall(r'"(\w+)"=(\d+)', " ".join(
+                          str(op) for op in module.body.operations
+                          if op.operation.name == "sdy.mesh"))}
 
   def run_main(self) -> dict[int, int]:
     """Walks @main; returns {index: bytes} of its host-kind arguments."""
@@ -127,6 +140,8 @@ class _Walker:
       attrs = ir.DictAttr(arg_attrs[i])
       if "mhlo.memory_kind" in attrs and ir.StringAttr(attrs["mhlo.memory_kind"]).value != "device":
         host[i] = _nbytes(arg)[1]
+        if "sdy.sharding" in attrs:
+          self.shards[i] = _shard_count(str(attrs["sdy.sharding"]), self.mesh_axes)
       tags.append(frozenset({("h", i)}) if i in host else frozenset())
     self.walk_block(block, tags, {})
     return host
@@ -231,10 +246,17 @@ class _Walker:
     return None
 
 
+def _shard_count(sharding: str, mesh_axes: dict[str, int]) -> int:
+  """Shards of an `#sdy.sharding<@mesh, [{}, {"tp"}, ...]>`: the product of the sizes of the mesh
+  axes its dimensions name."""
+  dims = sharding[sharding.index("[") + 1:sharding.rindex("]")]
+  return math.prod(mesh_axes.get(name, 1) for name in re.findall(r'"(\w+)"', dims))
+
+
 def placement_report(mlir_text: str) -> PlacementReport:
   """Counts the memory-kind transfers of an exported module (see the module docstring)."""
   with make_ir_context():
     walker = _Walker(ir.Module.parse(mlir_text))
     host = walker.run_main()
   return PlacementReport(tuple(Transfer(**t) for t in walker.transfers),
-                         tuple(walker.host_compute), host)
+                         tuple(walker.host_compute), host, walker.shards)

@@ -5,6 +5,7 @@ All are medians over repeats after a warm-up. On CPU the "link" is a memcpy betw
 one memory and the layer runs on the CPU: the numbers are real but say nothing about a GPU.
 """
 
+import dataclasses
 import statistics
 import time
 
@@ -14,7 +15,8 @@ import numpy as np
 from flax import nnx
 
 from jaxtier.kvcache import ContiguousKVCache
-from jaxtier.model import Transformer, rotary_tables
+from jaxtier.config import ModelConfig
+from jaxtier.model import make_layer_stack, rotary_tables
 from jaxtier.offload import placement
 
 
@@ -48,24 +50,26 @@ def matmul_flops_per_s(repeats: int = 5) -> tuple[float, int]:
 def link_bytes_per_s(nbytes: int = 64 * 2**20, repeats: int = 5,
                      device: jax.Device | None = None) -> float:
   """Bandwidth of `jax.device_put` from pinned host memory to device memory, bytes per second."""
-  device = device or jax.devices()[0]
+  device = device or jax.local_devices()[0]
   host = jax.sharding.SingleDeviceSharding(device, memory_kind=placement.PINNED_HOST)
   source = jax.device_put(np.ones(nbytes // 4, np.float32), host)
   target = host.with_memory_kind(placement.DEVICE)
   return source.nbytes / _median_seconds(lambda: jax.device_put(source, target), repeats)
 
 
-def layer_compute_s(model: Transformer, batch: int, tokens: int, context: int,
+def layer_compute_s(config: ModelConfig, dtype, batch: int, tokens: int, context: int,
                     repeats: int = 5) -> float:
-  """Seconds one decoder layer of `model` takes for `batch` x `tokens` new tokens after `context`
-  cached ones (its first layer, resident, jitted alone)."""
-  c = model.config
-  graphdef, stacked = nnx.split(model.layers)
+  """Seconds one decoder layer of a `config` model in `dtype` takes for `batch` x `tokens` new
+  tokens after `context` cached ones: a layer of random weights (the time does not depend on
+  their values, and no checkpoint needs to be loaded), resident and jitted alone."""
+  c = config
+  one = dataclasses.replace(config, num_layers=1)
+  graphdef, stacked = nnx.split(make_layer_stack(one, jnp.dtype(dtype), nnx.Rngs(0)))
   layer_state = jax.tree.map(lambda a: a[0], stacked)
   dtype = jax.tree.leaves(stacked)[0].dtype
   cache = ContiguousKVCache.create(1, batch, context + tokens, c.num_kv_heads, c.head_dim, dtype)
   pos_bt = jnp.broadcast_to(jnp.arange(context, context + tokens, dtype=jnp.int32), (batch, tokens))
-  cos_btd, sin_btd = rotary_tables(model.inv_freq[...], pos_bt)
+  cos_btd, sin_btd = rotary_tables(jnp.asarray(c.inv_freq()), pos_bt)
   x_bth = jnp.ones((batch, tokens, c.hidden_size), dtype)
 
   @jax.jit

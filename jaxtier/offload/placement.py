@@ -8,6 +8,7 @@ are still real, transfer speed is not (a transfer between kinds compiles to noth
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 DEVICE = "device"
@@ -17,10 +18,10 @@ HOST_KINDS = ("pinned_host", "unpinned_host")
 
 def check_memory_kind(kind: str, name: str = "memory_kind") -> str:
   """Returns `kind` if the default device offers it; raises ValueError naming `name` otherwise."""
-  kinds = tuple(m.kind for m in jax.devices()[0].addressable_memories())
+  kinds = tuple(m.kind for m in jax.local_devices()[0].addressable_memories())
   if kind not in kinds:
-    raise ValueError(f"{name}={kind!r} is not a memory kind of {jax.devices()[0]}; expected one "
-                     f"of {kinds}")
+    raise ValueError(f"{name}={kind!r} is not a memory kind of {jax.local_devices()[0]}; "
+                     f"expected one of {kinds}")
   return kind
 
 
@@ -45,6 +46,17 @@ def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
   for a in jax.tree.leaves(tree):
     kind = a.sharding.memory_kind
     out[kind] = out.get(kind, 0) + a.size * a.dtype.itemsize
+  return out
+
+
+def bytes_per_device(tree: Any) -> dict[str, int]:
+  """{memory kind: bytes} that one device holds of the array leaves of `tree` (its shards; under
+  tensor parallelism the per-device share, replicated leaves counted whole)."""
+  out: dict[str, int] = {}
+  for a in jax.tree.leaves(tree):
+    kind = a.sharding.memory_kind
+    shard = a.sharding.shard_shape(a.shape)
+    out[kind] = out.get(kind, 0) + int(np.prod(shard)) * a.dtype.itemsize
   return out
 
 

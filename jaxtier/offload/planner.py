@@ -54,8 +54,13 @@ class ModelBytes:
 
   @classmethod
   def from_config(cls, config: ModelConfig, dtype: str = "bfloat16",
-                  kv_cache_dtype: str | None = None) -> "ModelBytes":
-    """Bytes and FLOPs of `config`: parameters in `dtype`, KV in `kv_cache_dtype`.
+                  kv_cache_dtype: str | None = None,
+                  tensor_parallel_size: int = 1) -> "ModelBytes":
+    """Bytes and FLOPs of `config` on one device: parameters in `dtype`, KV in `kv_cache_dtype`.
+
+    With `tensor_parallel_size` > 1, each device holds 1 / tp of every layer's projections and
+    of the KV heads (its norms and the vocabulary tables are replicated, see `jaxtier.sharding`)
+    and computes 1 / tp of the layer's FLOPs.
 
     `kv_cache_dtype` is a name of `jaxtier.kv_bytes.ELEMENT_BYTES` ("int8" counts its scales);
     None stores KV in the parameter dtype (float16 parameters count as bfloat16 KV: the cache has
@@ -64,14 +69,17 @@ class ModelBytes:
     size = _itemsize(dtype, "dtype")
     if kv_cache_dtype is None:
       kv_cache_dtype = "bfloat16" if dtype == "float16" else dtype
-    c = config
+    c, tp = config, tensor_parallel_size
+    _check_int("tensor_parallel_size", tp, 1)
     tables = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return cls(num_layers=c.num_layers, layer_bytes=c.layer_param_count * size,
+    norms = 2 * c.hidden_size
+    layer_params = (c.layer_param_count - norms) // tp + norms
+    return cls(num_layers=c.num_layers, layer_bytes=layer_params * size,
                other_bytes=(tables + c.hidden_size) * size,
-               kv_bytes_per_token=kv_bytes.kv_bytes_per_token(c.num_layers, c.num_kv_heads,
+               kv_bytes_per_token=kv_bytes.kv_bytes_per_token(c.num_layers, c.num_kv_heads // tp,
                                                               c.head_dim, kv_cache_dtype),
-               layer_flops_per_token=2 * c.layer_param_count,
-               attention_width=c.num_heads * c.head_dim)
+               layer_flops_per_token=2 * (c.layer_param_count - norms) // tp,
+               attention_width=c.num_heads * c.head_dim // tp)
 
 
 def simulate_step(num_layers: int, offloaded: int, depth: int, compute_s: float,
