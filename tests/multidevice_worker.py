@@ -1,7 +1,8 @@
 """Runs tensor-parallel cases in a process of 8 CPU devices and prints one JSON line of results.
 
 `tests/test_tensor_parallel.py` and `tests/test_smollm.py` start it in a subprocess (the rest of
-the suite stays single-device): `python tests/multidevice_worker.py MODEL TP [CASE ...]`. Each case
+the suite stays single-device): `python tests/multidevice_worker.py MODEL TP [CASE ...]` (env: MULTIDEVICE_MAX_TOKENS,
+MULTIDEVICE_LAYER_EXECUTION for every case's layer_execution). Each case
 runs the same prompts at tensor-parallel size 1 and TP on an 8-device process and reports the
 greedy tokens of both, the engine's swap and preemption counts, where the parameters and pools
 live, the collectives of the compiled decode step and, for offloaded cases, the host -> device bytes
@@ -65,6 +66,8 @@ def _exported_transfers(llm: jaxtier.LLM) -> dict[str, int]:
 def run_case(model: str, tp: int, name: str, max_tokens: int) -> dict:
   kwargs = dict(CASES[name])
   base = dict(max_model_len=256, max_num_seqs=4)
+  if os.environ.get("MULTIDEVICE_LAYER_EXECUTION"):
+    base["layer_execution"] = os.environ["MULTIDEVICE_LAYER_EXECUTION"]
   probe = jaxtier.checkpoint.open_checkpoint(model)
   config = probe.config
   probe.close()

@@ -120,12 +120,17 @@ def test_prefix_cached_chat_turns_equal_the_contiguous_driver(smollm_llm):
 
 def test_tensor_parallel_3_equals_tp1_resident_offloaded_and_swapping():
   """TP=3 (9 query heads, 3 kv heads: one kv head per device) in an 8-device subprocess: greedy
-  tokens equal TP=1 resident, with 10 offloaded layers, and swapping under a 5-block pool."""
+  tokens equal TP=1 resident, with 10 offloaded layers, and swapping under a 5-block pool. Layers
+  run as scans here (30 unrolled layers take minutes to compile; the tiny TP tests cover the
+  unrolled form)."""
   from test_tensor_parallel import run_worker  # pylint: disable=import-outside-toplevel
-  results = run_worker("smollm2-135m-instruct", 3, "plain", "offload", "pressure", max_tokens=16)
+  results = run_worker("smollm2-135m-instruct", 3, "plain", "offload", "pressure", max_tokens=16,
+                       layer_execution="scan")
   for case, rows in results.items():
     assert rows["tp3"]["tokens"] == rows["tp1"]["tokens"], case
-    assert rows["tp3"]["collectives"]["all-reduce"] == 2 * 30 - (12 if case == "offload" else 0)
+    collectives = rows["tp3"]["collectives"]
+    assert collectives["all-reduce"] > 0 and sum(collectives.values()) == collectives["all-reduce"]
+  assert results["plain"]["tp3"]["collectives"]["all-reduce"] == 2  # one scanned layer body
   offloaded = results["offload"]["tp3"]
   assert offloaded["offload_tail_layers"] == 10 and offloaded["tail_kinds"] == ["pinned_host"]
   layer_bytes, norm_bytes = offloaded["transfers"]["per_call"] // 10, 2 * 576 * 4

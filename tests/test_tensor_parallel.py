@@ -18,8 +18,10 @@ from conftest import fixture_path
 WORKER = os.path.join(os.path.dirname(__file__), "multidevice_worker.py")
 
 
-def run_worker(model: str, tp: int, *cases: str, max_tokens: int = 24) -> dict:
-  env = dict(os.environ, MULTIDEVICE_MAX_TOKENS=str(max_tokens))
+def run_worker(model: str, tp: int, *cases: str, max_tokens: int = 24,
+               layer_execution: str = "") -> dict:
+  env = dict(os.environ, MULTIDEVICE_MAX_TOKENS=str(max_tokens),
+             MULTIDEVICE_LAYER_EXECUTION=layer_execution)
   proc = subprocess.run([sys.executable, WORKER, model, str(tp), *cases], capture_output=True,
                         text=True, env=env, timeout=1800, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
