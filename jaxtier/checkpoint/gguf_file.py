@@ -151,6 +151,9 @@ class GGUFSource(TensorSource):
       return np.stack([self._layer(*slots[i]) for i in layers])
     return _dequantize(self._globals[path], self.where)
 
+  def close(self) -> None:
+    self._globals, self._layers = {}, {}  # the reader's memory map closes once it is collected
+
 
 def read_params(reader: gguf.GGUFReader, config: ModelConfig, path: str) -> dict[Path, np.ndarray]:
   """All tensors, dequantized to float32 and laid out as the model's parameters."""

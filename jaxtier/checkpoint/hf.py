@@ -107,7 +107,8 @@ class HFSource(TensorSource):
     return self._get(*self._names[path])
 
   def close(self) -> None:
-    self._handles = []  # the shards' memory maps close when their handles are collected
+    # The shards' memory maps close when their handles are collected.
+    self._handles, self._names, self._layers = [], {}, {}
 
 
 def read_params(directory: str, config: ModelConfig) -> dict[Path, np.ndarray]:

@@ -6,7 +6,8 @@ groups live in pinned host memory, the mesh) fixes a placement for every paramet
 LM head and resident layers, `pinned_host` for the offloaded tail. `build` then walks the groups
 and, for each parameter, reads its tensor from a `TensorSource` into host memory (one tensor: all
 the layers of one group, or one layer of an unrolled group) and puts it into its placement with
-`jax.make_array_from_callback`, which hands each device only its own shard. Nothing is placed
+`jax.make_array_from_callback`, which hands each device only its own shard (unrolled groups read
+each tensor once for the group and place it layer by layer). Nothing is placed
 anywhere else first: no step holds the whole model on one device, the tail's bytes never exist in
 device memory, and device-kind bytes never exceed the resident share (tested with
 `jax.live_arrays()` after every tensor). A source that can restore into a sharding itself (Orbax)
@@ -87,22 +88,17 @@ class Layout:
 @dataclasses.dataclass(frozen=True)
 class _Read:
   """How one parameter is made from checkpoint tensors: `paths` read at `layers` (None: the whole
-  tensor; a list: those layers stacked; an int: one layer, unstacked), concatenated on the last
-  axis when there are several."""
+  tensor; else those layers stacked), concatenated on the last axis when there are several."""
   paths: tuple[Path, ...]
-  layers: Sequence[int] | int | None = None
+  layers: Sequence[int] | None = None
 
 
 class _Placer:
   def __init__(self, source: TensorSource, mesh: Mesh, dtype, observe: Observer | None):
     self.source, self.mesh, self.dtype, self.observe = source, mesh, jnp.dtype(dtype), observe
 
-  def _host(self, read: _Read) -> np.ndarray:
-    def one(path):
-      if isinstance(read.layers, int):
-        return self.source.read(path, [read.layers])[0]
-      return self.source.read(path, read.layers)
-    parts = [one(p) for p in read.paths]
+  def host(self, read: _Read) -> np.ndarray:
+    parts = [self.source.read(p, read.layers) for p in read.paths]
     array = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
     return np.asarray(array, dtype=self.dtype)
 
@@ -113,7 +109,7 @@ class _Placer:
     if isinstance(read, _Read) and read.layers is None and len(read.paths) == 1:
       array = self.source.place(read.paths[0], target, self.dtype)
     if array is None:
-      host = read if isinstance(read, np.ndarray) else self._host(read)
+      host = read if isinstance(read, np.ndarray) else self.host(read)
       if host.shape != tuple(spec.shape):
         raise ValueError(f"{self.source.where}: {'/'.join(name)} reads as {host.shape}, expected "
                          f"{tuple(spec.shape)}")
@@ -145,11 +141,28 @@ def _stacked(layers: range, total: int):
   return lambda sub: _Read((("layers",) + sub,), None if whole else list(layers))
 
 
-def _one_layer(index: int):
-  def recipe(sub: Path):
+def _unrolled(placer: _Placer, config: ModelConfig, dtype, layers: range,
+              fused: bool) -> list[DecoderLayer]:
+  """Per-layer modules of an unrolled group, filled tensor by tensor: each parameter (a fused one
+  from its parts, concatenated on the host) is read once for the group's layers, then each
+  layer's slice is placed. (Layer by layer, a source that reads whole stacked tensors, Orbax,
+  would read each one once per layer.)"""
+  fuse = FusedDecoderLayer if fused else (lambda layer: layer)
+  make = lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0)))
+  splits = [nnx.split(nnx.eval_shape(make)) for _ in layers]
+  specs = _flatten(nnx.to_pure_dict(splits[0][1]))
+  values: list[dict] = [{} for _ in layers]
+  for sub, spec in specs.items():
     parts = FusedDecoderLayer.PARTS.get(sub[-1]) if len(sub) == 1 else None
-    return _Read(tuple(("layers",) + p for p in (parts or (sub,))), index)
-  return recipe
+    host = placer.host(_Read(tuple(("layers",) + p for p in (parts or (sub,))), list(layers)))
+    for j in range(len(layers)):
+      values[j][sub] = placer.place(("layers",) + sub, host[j], spec, placement.DEVICE)
+    del host
+  modules = []
+  for (graphdef, state), flat in zip(splits, values):
+    nnx.replace_by_pure_dict(state, _unflatten(flat))
+    modules.append(nnx.merge(graphdef, state))
+  return modules
 
 
 @dataclasses.dataclass
@@ -195,10 +208,8 @@ def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
   for n, mode in layout.groups:
     layers = range(first, first + n)
     if mode == "unrolled":
-      fuse = FusedDecoderLayer if layout.fused else (lambda layer: layer)
-      abstract = nnx.eval_shape(lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0))))
-      built = [placer.fill(abstract, _one_layer(i), prefix=("layers",)) for i in layers]
-      group = UnrolledLayers(built, first, layout.fused)
+      group = UnrolledLayers(_unrolled(placer, config, dtype, layers, layout.fused), first,
+                             layout.fused)
     else:
       stack_config = dataclasses.replace(config, num_layers=n)
       abstract = nnx.eval_shape(lambda: make_layer_stack(stack_config, dtype, nnx.Rngs(0)))
