@@ -3,16 +3,17 @@
 Before any weight is read, the model's arrangement (`Layout`: which layers form which group, which
 groups live in pinned host memory, the mesh) fixes a placement for every parameter: a
 `NamedSharding` from `jaxtier.sharding` with its memory kind, `device` for the embedding, norms,
-LM head and resident layers, `pinned_host` for the offloaded tail. `build` then walks the groups
-and, for each parameter, reads its tensor from a `TensorSource` into host memory (one tensor: all
-the layers of one group, or one layer of an unrolled group) and puts it into its placement with
-`jax.make_array_from_callback`, which hands each device only its own shard (unrolled groups read
-each tensor once for the group and place it layer by layer). Nothing is placed
-anywhere else first: no step holds the whole model on one device, the tail's bytes never exist in
-device memory, and device-kind bytes never exceed the resident share (tested with
-`jax.live_arrays()` after every tensor). A source that can restore into a sharding itself (Orbax)
-does so for whole tensors. Host memory holds, besides the source's memory maps, one tensor at a
-time.
+LM head and resident layers, `pinned_host` for the offloaded tail. `build` then reads each tensor
+from a `TensorSource` into host memory and puts it into its placement with
+`jax.make_array_from_callback`, which hands each device only its own shard. Layer tensors go
+checkpoint tensor by checkpoint tensor, each layer group's share in turn (an unrolled group places
+its share layer by layer; a fused q/k/v or gate/up parameter is concatenated on the host once its
+parts are read), so each tensor is read once. Nothing is placed anywhere else first: no step holds
+the whole model on one device, the tail's bytes never exist in device memory, and device-kind
+bytes never exceed the resident share (tested with `jax.live_arrays()` after every tensor). A
+source that can restore into a sharding itself (Orbax) does so for whole tensors. Host memory
+holds, besides the source's memory maps, one group's share of a tensor at a time (of the three
+parts of a fused one).
 
 The groups built here are the ones `GroupedTransformer` would cut out of a loaded stacked model
 (`LayerStack`, `UnrolledLayers` fused from q/k/v and gate/up on the host, `OffloadedLayers`), which
@@ -136,33 +137,69 @@ def _whole(config: ModelConfig):
   return recipe
 
 
-def _stacked(layers: range, total: int):
-  whole = layers == range(total)
-  return lambda sub: _Read((("layers",) + sub,), None if whole else list(layers))
+@dataclasses.dataclass
+class _Group:
+  """One layer group's abstract modules (one stack, or one per unrolled layer) and the parameter
+  values placed so far; `parts` holds host slices of fused parameters' parts until all arrive."""
+  mode: str
+  layers: range
+  kind: str
+  splits: list
+  values: list[dict]
+  parts: dict = dataclasses.field(default_factory=dict)
+
+  def module(self, index: int) -> nnx.Module:
+    graphdef, state = self.splits[index]
+    nnx.replace_by_pure_dict(state, _unflatten(self.values[index]))
+    return nnx.merge(graphdef, state)
 
 
-def _unrolled(placer: _Placer, config: ModelConfig, dtype, layers: range,
-              fused: bool) -> list[DecoderLayer]:
-  """Per-layer modules of an unrolled group, filled tensor by tensor: each parameter (a fused one
-  from its parts, concatenated on the host) is read once for the group's layers, then each
-  layer's slice is placed. (Layer by layer, a source that reads whole stacked tensors, Orbax,
-  would read each one once per layer.)"""
-  fuse = FusedDecoderLayer if fused else (lambda layer: layer)
-  make = lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0)))
-  splits = [nnx.split(nnx.eval_shape(make)) for _ in layers]
-  specs = _flatten(nnx.to_pure_dict(splits[0][1]))
-  values: list[dict] = [{} for _ in layers]
-  for sub, spec in specs.items():
-    parts = FusedDecoderLayer.PARTS.get(sub[-1]) if len(sub) == 1 else None
-    host = placer.host(_Read(tuple(("layers",) + p for p in (parts or (sub,))), list(layers)))
-    for j in range(len(layers)):
-      values[j][sub] = placer.place(("layers",) + sub, host[j], spec, placement.DEVICE)
-    del host
-  modules = []
-  for (graphdef, state), flat in zip(splits, values):
-    nnx.replace_by_pure_dict(state, _unflatten(flat))
-    modules.append(nnx.merge(graphdef, state))
-  return modules
+def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused: bool) -> _Group:
+  if mode == "unrolled":
+    fuse = FusedDecoderLayer if fused else (lambda layer: layer)
+    make = lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0)))
+    splits = [nnx.split(nnx.eval_shape(make)) for _ in layers]
+  else:
+    stack_config = dataclasses.replace(config, num_layers=len(layers))
+    splits = [nnx.split(nnx.eval_shape(lambda: make_layer_stack(stack_config, dtype,
+                                                                nnx.Rngs(0))))]
+  kind = placement.PINNED_HOST if mode == "offload" else placement.DEVICE
+  return _Group(mode, layers, kind, splits, [{} for _ in splits])
+
+
+def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> None:
+  """Places every layer parameter of `groups`, checkpoint tensor by checkpoint tensor: each
+  group's share of one tensor in turn (a fused parameter once its last part is read), so a source
+  that restores whole stacked tensors (Orbax) reads each once, and host memory holds one group's
+  share of a tensor (or of a fused parameter's parts) at a time."""
+  uses: dict[Path, list] = {}  # checkpoint path -> (group, parameter, its parts)
+  for group in groups:
+    for sub in _flatten(nnx.to_pure_dict(group.splits[0][1])):
+      parts = FusedDecoderLayer.PARTS.get(sub[-1]) if len(sub) == 1 else None
+      for part in parts or (sub,):
+        uses.setdefault(("layers",) + part, []).append((group, sub, parts or (sub,)))
+  fused_first = [("layers",) + p for parts in FusedDecoderLayer.PARTS.values() for p in parts]
+  order = sorted(uses, key=lambda path: (fused_first.index(path) if path in fused_first
+                                         else len(fused_first), path))
+  for path in order:
+    for group, sub, parts in uses[path]:
+      whole = group.mode != "unrolled" and group.layers == range(num_layers)
+      if group.mode != "unrolled":
+        spec = _flatten(nnx.to_pure_dict(group.splits[0][1]))[sub]
+        read = _Read((path,), None if whole else list(group.layers))
+        group.values[0][sub] = placer.place(("layers",) + sub, read, spec, group.kind)
+        continue
+      got = group.parts.setdefault(sub, {})
+      got[path[1:]] = placer.host(_Read((path,), list(group.layers)))
+      if len(got) < len(parts):
+        continue
+      host = got.pop(parts[0]) if len(parts) == 1 else np.concatenate(
+          [got.pop(p) for p in parts], axis=-1)
+      del group.parts[sub]
+      spec = _flatten(nnx.to_pure_dict(group.splits[0][1]))[sub]
+      for j, values in enumerate(group.values):
+        values[sub] = placer.place(("layers",) + sub, host[j], spec, group.kind)
+      del host
 
 
 @dataclasses.dataclass
@@ -204,19 +241,20 @@ def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
       placer.fill(shell.final_norm, lambda p: whole(("final_norm",) + p), prefix=("final_norm",)),
       one("inv_freq", nnx.Variable),
       None if config.tie_word_embeddings else one("lm_head", nnx.Param))
-  groups, first = [], 0
+  pending, first = [], 0
   for n, mode in layout.groups:
-    layers = range(first, first + n)
-    if mode == "unrolled":
-      group = UnrolledLayers(_unrolled(placer, config, dtype, layers, layout.fused), first,
-                             layout.fused)
-    else:
-      stack_config = dataclasses.replace(config, num_layers=n)
-      abstract = nnx.eval_shape(lambda: make_layer_stack(stack_config, dtype, nnx.Rngs(0)))
-      kind = placement.PINNED_HOST if mode == "offload" else placement.DEVICE
-      stack = placer.fill(abstract, _stacked(layers, config.num_layers), kind, prefix=("layers",))
-      group = (OffloadedLayers(stack, first, layout.prefetch_depth) if mode == "offload"
-               else LayerStack(stack, first))
-    groups.append((n, group))
+    pending.append(_abstract_group(config, dtype, mode, range(first, first + n), layout.fused))
     first += n
+  _place_groups(placer, pending, config.num_layers)
+  groups = []
+  for group in pending:
+    first = group.layers.start
+    if group.mode == "unrolled":
+      built = UnrolledLayers([group.module(j) for j in range(len(group.layers))], first,
+                             layout.fused)
+    elif group.mode == "offload":
+      built = OffloadedLayers(group.module(0), first, layout.prefetch_depth)
+    else:
+      built = LayerStack(group.module(0), first)
+    groups.append((len(group.layers), built))
   return GroupedTransformer(parts, groups)
