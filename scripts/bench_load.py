@@ -107,11 +107,8 @@ def progress(message: str) -> None:
 def live_bytes() -> dict[str, int]:
   """Bytes of live JAX arrays by memory kind."""
   import jax
-  out: dict[str, int] = {}
-  for a in jax.live_arrays():
-    kind = a.sharding.memory_kind
-    out[kind] = out.get(kind, 0) + a.nbytes
-  return out
+  from jaxtier import offload
+  return offload.bytes_by_memory_kind(jax.live_arrays())
 
 
 class Sampler:

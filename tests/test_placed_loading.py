@@ -22,11 +22,7 @@ from test_model_tiny import full_logits
 
 
 def live_bytes_by_kind() -> dict[str, int]:
-  out: dict[str, int] = {}
-  for a in jax.live_arrays():
-    kind = a.sharding.memory_kind
-    out[kind] = out.get(kind, 0) + a.nbytes
-  return out
+  return offload.bytes_by_memory_kind(jax.live_arrays())
 
 
 class Recorder:
