@@ -155,11 +155,6 @@ class GGUFSource(TensorSource):
     self._globals, self._layers = {}, {}  # the reader's memory map closes once it is collected
 
 
-def read_params(reader: gguf.GGUFReader, config: ModelConfig, path: str) -> dict[Path, np.ndarray]:
-  """All tensors, dequantized to float32 and laid out as the model's parameters."""
-  return GGUFSource(reader, config, path).read_all()
-
-
 def open_source(path: str) -> tuple[ModelConfig, Tokenizer, GGUFSource]:
   """Config, tensor source and tokenizer of a GGUF file (no tensor data read yet)."""
   reader = open_gguf(path)
@@ -205,9 +200,3 @@ def read_tokenizer(reader: gguf.GGUFReader, path: str) -> Tokenizer:
   return Tokenizer(backend, tuple(dict.fromkeys(eos_ids)), bos,
                    tokens[eos_id] if eos_id is not None else None,
                    _field(reader, "tokenizer.chat_template"))
-
-
-def load(path: str) -> tuple[ModelConfig, dict[Path, np.ndarray], Tokenizer]:
-  """Config, float32 parameters and tokenizer of a GGUF file."""
-  config, tokenizer, source = open_source(path)
-  return config, source.read_all(), tokenizer

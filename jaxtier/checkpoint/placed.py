@@ -148,6 +148,10 @@ class _Group:
   values: list[dict]
   parts: dict = dataclasses.field(default_factory=dict)
 
+  @property
+  def specs(self) -> dict[Path, jax.ShapeDtypeStruct]:
+    return _flatten(nnx.to_pure_dict(self.splits[0][1]))
+
   def module(self, index: int) -> nnx.Module:
     graphdef, state = self.splits[index]
     nnx.replace_by_pure_dict(state, _unflatten(self.values[index]))
@@ -174,18 +178,17 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
   share of a tensor (or of a fused parameter's parts) at a time."""
   uses: dict[Path, list] = {}  # checkpoint path -> (group, parameter, its parts)
   for group in groups:
-    for sub in _flatten(nnx.to_pure_dict(group.splits[0][1])):
+    for sub, spec in group.specs.items():
       parts = FusedDecoderLayer.PARTS.get(sub[-1]) if len(sub) == 1 else None
       for part in parts or (sub,):
-        uses.setdefault(("layers",) + part, []).append((group, sub, parts or (sub,)))
+        uses.setdefault(("layers",) + part, []).append((group, sub, spec, parts or (sub,)))
   fused_first = [("layers",) + p for parts in FusedDecoderLayer.PARTS.values() for p in parts]
   order = sorted(uses, key=lambda path: (fused_first.index(path) if path in fused_first
                                          else len(fused_first), path))
   for path in order:
-    for group, sub, parts in uses[path]:
+    for group, sub, spec, parts in uses[path]:
       whole = group.mode != "unrolled" and group.layers == range(num_layers)
       if group.mode != "unrolled":
-        spec = _flatten(nnx.to_pure_dict(group.splits[0][1]))[sub]
         read = _Read((path,), None if whole else list(group.layers))
         group.values[0][sub] = placer.place(("layers",) + sub, read, spec, group.kind)
         continue
@@ -196,7 +199,6 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
       host = got.pop(parts[0]) if len(parts) == 1 else np.concatenate(
           [got.pop(p) for p in parts], axis=-1)
       del group.parts[sub]
-      spec = _flatten(nnx.to_pure_dict(group.splits[0][1]))[sub]
       for j, values in enumerate(group.values):
         values[sub] = placer.place(("layers",) + sub, host[j], spec, group.kind)
       del host
