@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtier.kvcache.paged_attention import _row_group
 from jaxtier.kvcache import (dequantize_int8, paged_attention, paged_attention_pallas,
                              paged_attention_reference, quantize_int8)
 
@@ -105,6 +106,31 @@ def test_wide_tables_and_all_padding_batches(impl):
   np.testing.assert_allclose(out, expected(q, kp, vp, table, pos), atol=1e-5, rtol=1e-5)
   padding = IMPLS[impl](*map(jnp.asarray, (q, kp, vp, wide, np.full_like(pos, -1))))
   assert np.all(np.asarray(padding) == 0)
+
+
+@pytest.mark.parametrize("t", [1, 3, 100])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_batches_past_one_row_group(t, quantized):
+  """More rows than one group, not a multiple of it, lengths in no order, padding rows: the fast
+  path sorts rows into groups and must return each row's own output in its own place."""
+  rng = np.random.default_rng(11 + t)
+  b = _row_group(t) * 2 + 5
+  lengths = rng.integers(t, 300, size=b).tolist()
+  q, kp, vp, table, pos = make_case(rng, b=b, t=t, kv=2, g=3, d=8, c=4, lengths=lengths)
+  padding = [3, b // 2 + 1, b - 1]
+  pos[padding] = -1  # padding rows anywhere in the batch
+  pos[7, :t - 1] = -1  # a padded chunk
+  scales = ()
+  if quantized:
+    (kq, ks), (vq, vs) = quantize_int8(jnp.asarray(kp)), quantize_int8(jnp.asarray(vp))
+    scales, kp, vp = (ks, vs), np.asarray(dequantize_int8(kq, ks)), np.asarray(dequantize_int8(vq, vs))
+    pages = (kq, vq)
+  else:
+    pages = (jnp.asarray(kp), jnp.asarray(vp))
+  out = np.asarray(paged_attention(jnp.asarray(q), *pages, jnp.asarray(table), jnp.asarray(pos),
+                                   *scales))
+  np.testing.assert_allclose(out, expected(q, kp, vp, table, pos), atol=1e-5, rtol=1e-5)
+  assert np.all(out[padding] == 0)
 
 
 def test_detects_wrong_block_order():
