@@ -62,14 +62,20 @@ def test_prefill_chunks_pad_tokens_and_mark_the_last_position():
   assert arrays.samples == (False, True)
 
 
-def test_split_prefill_groups_by_token_bucket():
-  plan = ComputeBatch(("a", "b", "c"), (0, 0, 0), (40, 3, 21), ((1, 2, 3), (4,), (5, 6)),
-                      (True, True, True))
-  groups = batch.split_prefill(plan)
-  assert [g.request_ids for g in groups] == [("b",), ("c",), ("a",)]  # buckets 16, 32, 64
-  assert groups[2].ends == (40,) and groups[2].block_tables == ((1, 2, 3),)
-  same = ComputeBatch(("b", "c"), (0, 5), (3, 21), ((4,), (5, 6)), (True, True))
-  assert [g.request_ids for g in batch.split_prefill(same)] == [("b", "c")]  # 3 and 16 tokens
+def test_pack_prefill_cuts_chunks_into_rows_in_order():
+  plan = ComputeBatch(("a", "b"), (0, 10), (150, 20), ((1, 2, 3), (4, 5)), (True, False))
+  rows = batch.pack_prefill(plan, row_tokens=64)
+  assert rows.request_ids == ("a", "a", "a", "b")
+  assert list(zip(rows.starts, rows.ends)) == [(0, 64), (64, 128), (128, 150), (10, 20)]
+  assert rows.block_tables == ((1, 2, 3),) * 3 + ((4, 5),)
+  assert rows.samples == (False, False, True, False)  # only a chunk's last piece samples
+  tokens = {"a": list(range(100, 250)), "b": list(range(30))}
+  arrays = batch.build(rows, tokens.__getitem__, info, decode=False)
+  assert arrays.shape == (4, 64, 8)
+  np.testing.assert_array_equal(arrays.pos_bt[1], range(64, 128))
+  np.testing.assert_array_equal(arrays.tokens_bt[2, :22], range(228, 250))
+  assert (arrays.pos_bt[2, 22:] == -1).all()
+  np.testing.assert_array_equal(arrays.last_b, [63, 63, 21, 9])
 
 
 def test_bad_columns_are_named():
@@ -84,9 +90,13 @@ def test_bad_columns_are_named():
 
 
 def test_step_shapes_lists_decode_rows_and_prefill_buckets_the_budget_allows():
-  # 4 sequences, 32 tokens a step, a 64-token window: chunks of 17-32 tokens fit one per step.
+  # 4 sequences, 32 tokens a step, a 64-token window: one chunk of 17-32 tokens beside short ones.
   assert batch.step_shapes(4, 32, 64, width=8) == [
-      (1, 1, 8), (2, 1, 8), (4, 1, 8), (1, 16, 8), (2, 16, 8), (4, 16, 8), (1, 32, 8)]
+      (1, 1, 8), (2, 1, 8), (4, 1, 8), (1, 16, 8), (2, 16, 8), (4, 16, 8), (1, 32, 8),
+      (2, 32, 8), (4, 32, 8)]
+  # Full-width rows: up to one partial row per sequence plus budget // PREFILL_ROW_TOKENS.
+  assert batch.PREFILL_ROW_TOKENS == 64
+  assert batch.step_shapes(4, 256, 1024, width=64)[-1] == (8, 64, 64)
   # A 20-token window caps chunks at 19 tokens (bucket 32) whatever the budget.
   assert batch.step_shapes(2, 2048, 20, width=8)[-1] == (2, 32, 8)
   assert batch.table_width(64, 16) == 8 and batch.table_width(1000, 16) == 64
@@ -98,3 +108,16 @@ def test_a_fixed_width_pads_every_table_to_it():
   assert arrays.shape == (1, 1, 32) and (arrays.tables_bm[0, 3:] == -1).all()
   with pytest.raises(ValueError, match="does not fit width=2"):
     batch.build(plan, TOKENS.__getitem__, info, decode=True, width=2)
+
+
+def test_rows_pad_to_a_power_of_two_then_to_small_steps():
+  from jaxtier.buckets import row_bucket, row_buckets_up_to
+  assert [row_bucket(n) for n in (1, 3, 5, 8, 9, 17, 33, 64, 65, 129)] == [
+      1, 4, 8, 8, 16, 24, 40, 64, 80, 160]  # past 64 rows, steps of 1/8 of the power of two
+  assert row_buckets_up_to(20) == [1, 2, 4, 8, 16, 24]
+  assert len(row_buckets_up_to(256)) == 19
+  for n in range(1, 300):
+    assert n <= row_bucket(n) < n + max(8, n / 4) and row_bucket(n) in row_buckets_up_to(n)
+  plan = ComputeBatch(tuple("abc") * 3, (0,) * 9, (3,) * 9, ((1,),) * 9, (True,) * 9)
+  tokens = {r: [1, 2, 3] for r in "abc"}
+  assert batch.build(plan, tokens.__getitem__, info, decode=False).shape == (16, 16, 8)

@@ -3,11 +3,15 @@
 Pure: no device, no model. The scheduler hands columns (`ComputeBatch`: request ids, [start, end)
 ranges, block tables, whether to sample); this module pads them into the shapes the jitted step was
 compiled for, so a run compiles few variants:
-- rows: the next power of two of the number of sequences (padding rows compute nothing: position
-  -1, no table entries, greedy sampling);
-- tokens per row: 1 for a decode batch; for prefill chunks the next power of two >= `MIN_TOKENS`
-  of the longest chunk. Prefill chunks are first grouped by that bucket (`split_prefill`), so a
-  short prompt never pads to a long one's length: padding at most doubles the tokens computed;
+- rows: `buckets.row_bucket` of the number of rows, a power of two up to 8, then a multiple of
+  8 (padding rows compute nothing useful: position -1, no table entries, greedy sampling);
+- tokens per row: 1 for a decode batch. Prefill chunks are cut into pieces of at most
+  `PREFILL_ROW_TOKENS` tokens, one row each (`pack_prefill`), and rows pad to the next power of
+  two >= `MIN_TOKENS` of the longest piece. All the prefill of a step is one call whose padding is
+  at most one partial row per chunk, however long the prompts: the pieces of one sequence share
+  its block table, and each layer writes every row's keys and values before any row attends, so a
+  piece sees the pieces before it in the same call. Shorter rows also bound the attention a long
+  prompt computes past the causal triangle to one row's width.
 - table width: one width for every call of an engine, the power of two >= `MIN_WIDTH` that holds a
   max_model_len sequence (`table_width`). The paged attention loop stops at the last chunk any
   query sees, so the unused width costs nothing at run time, and the variants are (rows, tokens)
@@ -21,12 +25,13 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from jaxtier.buckets import pow2_bucket, pow2_buckets_up_to
+from jaxtier.buckets import pow2_bucket, row_bucket, row_buckets_up_to
 from jaxtier.sampling import SamplingArrays, SamplingParams
 from jaxtier.scheduler import ComputeBatch
 from jaxtier.scheduler.allocator import blocks_for
 
-MIN_TOKENS = 16  # prefill chunks pad to at least this many tokens
+MIN_TOKENS = 16  # prefill rows pad to at least this many tokens
+PREFILL_ROW_TOKENS = 64  # longest prefill row: chunks are cut into pieces of this many tokens
 MIN_WIDTH = 8  # block tables pad to at least this many entries
 GREEDY = SamplingParams(temperature=0)
 
@@ -60,12 +65,17 @@ class StepArrays:
     return int((self.pos_bt >= 0).sum())
 
 
-def split_prefill(batch: ComputeBatch) -> list[ComputeBatch]:
-  """Groups prefill chunks by their token bucket, shortest bucket first."""
-  groups: dict[int, list[int]] = {}
-  for i, (start, end) in enumerate(zip(batch.starts, batch.ends)):
-    groups.setdefault(pow2_bucket(end - start, MIN_TOKENS), []).append(i)
-  return [_select(batch, groups[key]) for key in sorted(groups)]
+def pack_prefill(batch: ComputeBatch, row_tokens: int = PREFILL_ROW_TOKENS) -> ComputeBatch:
+  """Cuts every chunk into consecutive pieces of at most `row_tokens` tokens, one row each, in
+  order; a chunk's last piece keeps its `samples` flag, the others sample nothing."""
+  columns = ([], [], [], [], [])
+  for rid, start, end, table, keep in zip(batch.request_ids, batch.starts, batch.ends,
+                                          batch.block_tables, batch.samples):
+    for first in range(start, end, row_tokens):
+      last = min(first + row_tokens, end)
+      for column, value in zip(columns, (rid, first, last, table, keep and last == end)):
+        column.append(value)
+  return ComputeBatch(*map(tuple, columns))
 
 
 def _select(batch: ComputeBatch, rows: list[int]) -> ComputeBatch:
@@ -83,18 +93,21 @@ def step_shapes(max_num_seqs: int, token_budget: int, max_model_len: int,
                 width: int) -> list[tuple[int, int, int]]:
   """Every (rows, tokens, width) that `build` can produce for plans of this configuration.
 
-  Decode calls have up to max_num_seqs rows of one token. A prefill chunk holds at most
-  min(token_budget, max_model_len - 1) tokens; the chunks of one call share a token bucket t, and
-  in a bucket above MIN_TOKENS each chunk holds more than t / 2 tokens, so the step's budget bounds
-  the rows of a call as well as max_num_seqs does.
+  Decode calls have up to max_num_seqs rows of one token. A step prefills at most max_num_seqs
+  chunks of at most min(token_budget, max_model_len - 1) tokens, token_budget in all. Packed
+  (`pack_prefill`), chunks shorter than PREFILL_ROW_TOKENS are one row each; in the full-width
+  bucket a chunk adds a partial row at most, so the rows are at most max_num_seqs plus
+  token_budget // PREFILL_ROW_TOKENS (and never more than token_budget).
   """
-  shapes = [(b, 1, width) for b in pow2_buckets_up_to(max_num_seqs)]
+  shapes = [(b, 1, width) for b in row_buckets_up_to(max_num_seqs)]
   longest = min(token_budget, max_model_len - 1)
   t = MIN_TOKENS
   while True:
-    most = max_num_seqs if t == MIN_TOKENS else min(max_num_seqs, token_budget // (t // 2 + 1))
-    shapes += [(b, t, width) for b in pow2_buckets_up_to(max(most, 1))]
-    if t >= longest:
+    most = min(max_num_seqs, token_budget)
+    if t >= PREFILL_ROW_TOKENS:
+      most = min(max_num_seqs + token_budget // PREFILL_ROW_TOKENS, token_budget)
+    shapes += [(b, t, width) for b in row_buckets_up_to(most)]
+    if t >= min(longest, PREFILL_ROW_TOKENS):
       return shapes
     t *= 2
 
@@ -119,7 +132,7 @@ def build(batch: ComputeBatch, token_ids: Callable[[Hashable], Sequence[int]],
   if min(lengths) < 1 or (decode and max(lengths) != 1):
     raise ValueError(f"ranges {list(zip(batch.starts, batch.ends))} must hold at least one token"
                      + (" and exactly one in a decode batch" if decode else ""))
-  b = pow2_bucket(n)
+  b = row_bucket(n)
   t = 1 if decode else pow2_bucket(max(lengths), MIN_TOKENS)
   longest_table = max(len(table) for table in batch.block_tables)
   m = pow2_bucket(longest_table, MIN_WIDTH) if width is None else width

@@ -292,9 +292,10 @@ class Engine:
       if pairs:
         cache = self.runner.swap(cache, direction, pairs)
     self.cache = cache
-    calls = [batching.build(group, self._token_ids, self._sampling, decode=False,
-                            width=self.table_width)
-             for group in (batching.split_prefill(plan.prefill) if len(plan.prefill) else ())]
+    calls = []
+    if len(plan.prefill):
+      calls.append(batching.build(batching.pack_prefill(plan.prefill), self._token_ids,
+                                  self._sampling, decode=False, width=self.table_width))
     if len(plan.decode):
       calls.append(batching.build(plan.decode, self._token_ids, self._sampling, decode=True,
                                   width=self.table_width))
