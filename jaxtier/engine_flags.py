@@ -22,7 +22,7 @@ flags.DEFINE_string("model", "smollm2-135m-instruct", "registry name, HF directo
                     "Orbax directory")
 flags.DEFINE_enum("dtype", "float32", list(engine_args.DTYPES), "parameter dtype")
 flags.DEFINE_integer("max_model_len", None, "context window; default: the model's")
-flags.DEFINE_integer("max_num_seqs", 16, "most requests running at once")
+flags.DEFINE_integer("max_num_seqs", 64, "most requests running at once")
 flags.DEFINE_integer("max_num_batched_tokens", None, "token budget of one step (decodes plus "
                      "prefill chunks); default: max(2048, max_num_seqs)")
 flags.DEFINE_integer("block_size", 16, "tokens per KV block")
