@@ -220,7 +220,12 @@ def record_compiles(name: str, llm) -> None:
 
 
 def run_engine(llm, workload: list[dict]) -> dict:
-  """One `LLM.generate` pass; tokens/s, token ids and what the engine counted during it."""
+  """One `LLM.generate` pass; tokens/s, token ids and what the engine counted during it.
+
+  The prefix cache is emptied first: a pass must not reuse the KV an earlier pass of the same
+  prompts left behind (the other sides recompute every prompt). Prefixes the workload's own
+  requests share stay cached within the pass, as in any run."""
+  llm.reset_prefix_cache()
   before = llm.stats()
   start = time.perf_counter()
   outputs = llm.generate([r["ids"] for r in workload],
@@ -356,7 +361,11 @@ def mixed_section(llm, workload: list[dict], hf) -> dict:
                  "preemptions": {k: last["preemptions"][k] - first["preemptions"][k]
                                  for k in last["preemptions"]},
                  "device_blocks_total": last["device_blocks_total"],
-                 "device_blocks_peak_used": last["device_blocks_peak_used"]},
+                 "device_blocks_peak_used": last["device_blocks_peak_used"],
+                 "prefix_hit_tokens": (last["prefix_device_hit_tokens"]
+                                       - first["prefix_device_hit_tokens"]),
+                 "model_calls": last["model_calls"] - first["model_calls"],
+                 "steps": last["steps"] - first["steps"]},
       "padded": {**public(padded), "untimed_pass_s": warm["padded"]["wall_s"]},
       "engine_vs_padded": engine["tokens_per_s"] / padded["tokens_per_s"],
       "requests_differing_engine_vs_padded": differing(engine["token_ids"], padded["token_ids"]),
