@@ -34,7 +34,7 @@ _GAUGES = (  # (name, help, key of the engine's stats)
 )
 _COUNTERS = (
     ("jaxtier_model_steps", "engine steps run", "steps"),
-    ("jaxtier_model_calls", "model programs run (prefill groups and decode batches)",
+    ("jaxtier_model_calls", "model programs run (prefill and decode calls)",
      "model_calls"),
     ("jaxtier_swap_out", "swap-outs (device -> host)", "swap_out_count"),
     ("jaxtier_swap_in", "swap-ins (host -> device)", "swap_in_count"),
