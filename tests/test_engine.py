@@ -119,6 +119,26 @@ def test_staggered_mixed_prompts_equal_the_contiguous_reference(tiny):
   assert_all_free(engine)
 
 
+def test_a_prefill_split_in_two_calls_equals_the_contiguous_reference(tiny, monkeypatch):
+  # 8-token rows: the four prompts arriving together are 10 rows, so the step runs 8 rows in
+  # one call and two chunk ends in a second that reads what the first wrote.
+  model, tokenizer = tiny
+  split, original = [], batch.prefill_calls
+
+  def prefill_calls(plan):
+    split.append(len(original(plan, row_tokens=8)))
+    return original(plan, row_tokens=8)
+
+  monkeypatch.setattr(batch, "prefill_calls", prefill_calls)
+  prompts = prompts_of((30, 21, 12, 3))
+  engine = engine_of(model, tokenizer, max_num_batched_tokens=64)
+  out = run(engine, prompts, GREEDY, arrive_every=0)
+  assert split[0] == 2
+  assert [out[i].token_ids for i in range(len(prompts))] == reference(model, tokenizer, prompts,
+                                                                       GREEDY)
+  assert_all_free(engine)
+
+
 def test_qwen2_fixture_equals_the_reference():
   loaded = checkpoint.load(fixture_path("tiny_qwen2"), "float32")
   prompts = prompts_of((4, 19, 9), vocab=loaded.model.config.vocab_size)

@@ -5,7 +5,10 @@ Each expected array is written out by hand from the plan, not computed by the co
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from jaxtier.buckets import row_buckets_up_to
 from jaxtier.engine import batch
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler import ComputeBatch
@@ -14,6 +17,10 @@ TOKENS = {"a": list(range(100, 140)), "b": [7, 8, 9], "c": list(range(200, 221))
 PARAMS = {"a": SamplingParams(temperature=0.5, top_k=5, top_p=0.9), "b": SamplingParams(),
           "c": SamplingParams(temperature=0)}
 SEEDS = {"a": 11, "b": 22, "c": 33}
+
+
+def info_any(request_id):
+  return batch.SamplingInfo(SamplingParams(), 0, 0)
 
 
 def info(request_id):
@@ -76,6 +83,63 @@ def test_pack_prefill_cuts_chunks_into_rows_in_order():
   np.testing.assert_array_equal(arrays.tokens_bt[2, :22], range(228, 250))
   assert (arrays.pos_bt[2, 22:] == -1).all()
   np.testing.assert_array_equal(arrays.last_b, [63, 63, 21, 9])
+
+
+def pieces_of(rows: ComputeBatch) -> list[tuple]:
+  return list(zip(rows.request_ids, rows.starts, rows.ends, rows.samples))
+
+
+def test_prefill_calls_split_rows_that_land_just_past_a_bucket():
+  # A 2048-token step: four 503-token prompts (8 pieces each, the last of 55 tokens) and the
+  # first 36 tokens of a fifth: 33 rows, which one call would pad to 40.
+  chunks = [(f"p{i}", 0, 503, True) for i in range(4)] + [("q", 0, 36, False)]
+  plan = ComputeBatch(tuple(c[0] for c in chunks), tuple(c[1] for c in chunks),
+                      tuple(c[2] for c in chunks), ((1, 2),) * 5, tuple(c[3] for c in chunks))
+  first, second = batch.prefill_calls(plan)
+  assert len(first) == 32  # a whole bucket
+  # The shortest end piece moves: the fifth prompt's only piece.
+  assert pieces_of(second) == [("q", 0, 36, False)]
+  assert sorted(pieces_of(first) + pieces_of(second)) == sorted(pieces_of(batch.pack_prefill(plan)))
+  # One call: 40 x 64 slots. Split: 32 x 64 and 1 x 64.
+  assert [batch.build(c, lambda r: list(range(600)), info_any, decode=False).shape[:2]
+          for c in (first, second)] == [(32, 64), (1, 64)]
+
+
+def test_prefill_calls_take_chunk_ends_in_order_and_keep_sampling_on_the_last_piece():
+  # 10 rows of 8-token pieces (bucket 16): 8 stay and 2 end pieces move, the shortest first: the
+  # 3-token prompt (its only piece), then the 4-token tail of the 12-token chunk.
+  plan = ComputeBatch(("a", "b", "c", "d"), (0, 0, 0, 0), (30, 21, 12, 3), ((1,),) * 4,
+                      (True, False, True, True))
+  first, second = batch.prefill_calls(plan, row_tokens=8)
+  assert pieces_of(second) == [("c", 8, 12, True), ("d", 0, 3, True)]
+  assert pieces_of(first) == [("a", 0, 8, False), ("a", 8, 16, False), ("a", 16, 24, False),
+                              ("a", 24, 30, True), ("b", 0, 8, False), ("b", 8, 16, False),
+                              ("b", 16, 21, False), ("c", 0, 8, False)]
+
+
+@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=12),
+       row_tokens=st.sampled_from([8, 16, 64]))
+def test_prefill_calls_keep_every_piece_once_and_each_sequence_in_order(lengths, row_tokens):
+  plan = ComputeBatch(tuple(range(len(lengths))), (0,) * len(lengths), tuple(lengths),
+                      ((1,),) * len(lengths), (True,) * len(lengths))
+  calls = batch.prefill_calls(plan, row_tokens=row_tokens)
+  packed = pieces_of(batch.pack_prefill(plan, row_tokens))
+  assert sorted(sum((pieces_of(c) for c in calls), [])) == sorted(packed)
+  if len(calls) == 2:
+    first, second = map(pieces_of, calls)
+    assert len(first) in row_buckets_up_to(len(packed))
+    for rid, start, _, _ in second:  # nothing of its sequence comes later in the first call
+      assert all(s < start for r, s, _, _ in first if r == rid)
+      own = [p for p in second if p[0] == rid]
+      assert own == sorted(own)
+
+
+def test_prefill_calls_stay_one_call_when_the_rows_fill_a_bucket_or_a_split_saves_too_little():
+  full = ComputeBatch(("a",), (0,), (2048,), ((1,),), (True,))  # 32 full rows
+  assert batch.prefill_calls(full) == [batch.pack_prefill(full)]
+  # 14 rows pad to 16; split, 8 rows stay and 6 move, padded to 8: no saving.
+  many = ComputeBatch(tuple("abcdefghijklmn"), (0,) * 14, (64,) * 14, ((1,),) * 14, (True,) * 14)
+  assert batch.prefill_calls(many) == [batch.pack_prefill(many)]
 
 
 def test_bad_columns_are_named():

@@ -7,10 +7,11 @@ compiled for, so a run compiles few variants:
   8 (padding rows compute nothing useful: position -1, no table entries, greedy sampling);
 - tokens per row: 1 for a decode batch. Prefill chunks are cut into pieces of at most
   `PREFILL_ROW_TOKENS` tokens, one row each (`pack_prefill`), and rows pad to the next power of
-  two >= `MIN_TOKENS` of the longest piece. All the prefill of a step is one call whose padding is
-  at most one partial row per chunk, however long the prompts: the pieces of one sequence share
-  its block table, and each layer writes every row's keys and values before any row attends, so a
-  piece sees the pieces before it in the same call. Shorter rows also bound the attention a long
+  two >= `MIN_TOKENS` of the longest piece. All the prefill of a step is one call, or two when
+  its rows land just past a row bucket (`prefill_calls`), and pads at most one partial row per
+  chunk however long the prompts: the pieces of one sequence share its block table, and each
+  layer writes every row's keys and values before any row attends, so a piece sees the pieces
+  before it in the same call (and in the call before). Shorter rows also bound the attention a long
   prompt computes past the causal triangle to one row's width.
 - table width: one width for every call of an engine, the power of two >= `MIN_WIDTH` that holds a
   max_model_len sequence (`table_width`). The paged attention loop stops at the last chunk any
@@ -76,6 +77,51 @@ def pack_prefill(batch: ComputeBatch, row_tokens: int = PREFILL_ROW_TOKENS) -> C
       for column, value in zip(columns, (rid, first, last, table, keep and last == end)):
         column.append(value)
   return ComputeBatch(*map(tuple, columns))
+
+
+SECOND_CALL_SLOTS = 32  # what a second prefill call costs, in padded token slots: it reads the
+#   weights again (a step's prefill is split in two only when that saves more padding than this)
+
+
+def _tokens_bucket(lengths: Sequence[int]) -> int:
+  return pow2_bucket(max(lengths), MIN_TOKENS)
+
+
+def prefill_calls(batch: ComputeBatch, row_tokens: int = PREFILL_ROW_TOKENS
+                  ) -> list[ComputeBatch]:
+  """The model calls of one step's prefill: `pack_prefill`'s rows in one call, or in two when
+  padding the rows up to their `row_bucket` would cost more than a second call.
+
+  A step of 2048 tokens in 64-token pieces has 32 full rows plus one partial row per chunk, so
+  its rows often land just past a bucket (33 rows pad to 40: a fifth of the call computes
+  nothing). Split, the first call takes exactly a bucket's worth of rows and the second the
+  rest, taken from the ends of chunks (the shortest end piece first, repeatedly): every piece in
+  the second call comes after its sequence's pieces in the first, whose keys and values the
+  first call has written by then, and a chunk still samples from its last piece.
+  """
+  packed = pack_prefill(batch, row_tokens)
+  n = len(packed)
+  lengths = [end - start for start, end in zip(packed.starts, packed.ends)]
+  first_rows = max(b for b in row_buckets_up_to(n) if b <= n)
+  if first_rows == n:
+    return [packed]
+  pieces: dict = {}  # chunk (request id) -> its rows, in order
+  for i, rid in enumerate(packed.request_ids):
+    pieces.setdefault(rid, []).append(i)
+  second = []
+  while len(second) < n - first_rows:
+    rid = min(pieces, key=lambda r: (lengths[pieces[r][-1]], pieces[r][-1]))
+    second.append(pieces[rid].pop())
+    if not pieces[rid]:
+      del pieces[rid]
+  second.sort()
+  first = sorted(set(range(n)) - set(second))
+  one = row_bucket(n) * _tokens_bucket(lengths)
+  two = (first_rows * _tokens_bucket([lengths[i] for i in first])
+         + row_bucket(len(second)) * _tokens_bucket([lengths[i] for i in second]))
+  if two + SECOND_CALL_SLOTS >= one:
+    return [packed]
+  return [_select(packed, first), _select(packed, second)]
 
 
 def _select(batch: ComputeBatch, rows: list[int]) -> ComputeBatch:

@@ -9,10 +9,11 @@
 One `step()`: ask the scheduler for a plan, then apply it in the order the plan documents
 (`jaxtier.scheduler.state`): swap-outs, swap-ins, then the prefetch swap-ins (dispatched before the
 compute, with no host synchronization between them; they fill blocks this step does not touch),
-then the prefill chunks (grouped by token bucket) and the decode batch, each one jitted model call
-that samples one token per sequence. Only then are the sampled tokens read (the step's one host
-synchronization), appended to their requests and checked for stops; the scheduler learns which
-requests stopped at once, so requests join and leave between steps (continuous batching).
+then the prefill chunks (cut into rows: one model call, or two when that pads less,
+`batch.prefill_calls`) and the decode batch, each jitted model call sampling one token per
+sequence. Only then are the sampled tokens read (the step's one host synchronization), appended
+to their requests and checked for stops; the scheduler learns which requests stopped at once, so
+requests join and leave between steps (continuous batching).
 
 Arrivals and aborts are applied to the scheduler state when they happen: an aborted request's
 blocks are free before `abort` returns. A request's sampling key is its seed folded with the number
@@ -294,8 +295,9 @@ class Engine:
     self.cache = cache
     calls = []
     if len(plan.prefill):
-      calls.append(batching.build(batching.pack_prefill(plan.prefill), self._token_ids,
-                                  self._sampling, decode=False, width=self.table_width))
+      calls += [batching.build(rows, self._token_ids, self._sampling, decode=False,
+                               width=self.table_width)
+                for rows in batching.prefill_calls(plan.prefill)]
     if len(plan.decode):
       calls.append(batching.build(plan.decode, self._token_ids, self._sampling, decode=True,
                                   width=self.table_width))
