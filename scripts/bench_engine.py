@@ -23,8 +23,11 @@ Every figure comes from the same run, so ratios compare like with like on a nois
                 against the bound max((weight bytes + KV bytes read) / read bandwidth,
                 FLOPs / matmul rate), both rates measured in this run (a jitted sum over a large
                 array; a jitted float32 matmul). FLOPs: 2 x params x batch + 4 x batch x context x
-                layers x heads x head_dim. Also batch-1 decode tokens/s of the engine and of
-                Hugging Face (`--hf_decode_tokens` tokens after the shortest context's prompt).
+                layers x heads x head_dim. Beside it, the step's weight matmuls alone at that
+                batch (`measure.weight_matmuls_s`: the model's projection and LM-head shapes,
+                random weights, one jitted program), what XLA's kernels need for the weights.
+                Also batch-1 decode tokens/s of the engine and of Hugging Face
+                (`--hf_decode_tokens` tokens after the shortest context's prompt).
   compile:      compiled variants and compile seconds of every engine this run built.
   targets:      engine >= 3x HF and faster than the padded driver (mixed); under pressure >= 0.7x
                 unconstrained with identical outputs; step <= 1.5x its bound; batch 1 >= 2.5x HF.
@@ -522,6 +525,8 @@ def decode_section(tokenizer, hf) -> dict:
   from jaxtier.offload import measure
   bandwidth = measure.read_bytes_per_s()
   flops_rate, n = measure.matmul_flops_per_s()
+  dtype = leaves[0].dtype
+  matmuls = {batch: measure.weight_matmuls_s(c, batch, dtype) for batch in batches}
   prompts = {ctx: [filler(tokenizer, ctx, i) for i in range(4)] for ctx in contexts}
   table = []
   for ctx in contexts:
@@ -533,6 +538,8 @@ def decode_section(tokenizer, hf) -> dict:
       bound = max((weight_bytes + kv_bytes) / bandwidth, flops / flops_rate)
       table.append({"batch": batch, "context": ctx, "step_ms": 1e3 * step["step_s"],
                     "bound_ms": 1e3 * bound, "ratio": step["step_s"] / bound,
+                    "weight_matmuls_alone_ms": 1e3 * matmuls[batch],
+                    "step_over_weight_matmuls": step["step_s"] / matmuls[batch],
                     "bound_by": ("memory" if (weight_bytes + kv_bytes) / bandwidth
                                  >= flops / flops_rate else "compute"),
                     "mean_context": context, "kv_bytes_read": int(kv_bytes), "flops": int(flops),

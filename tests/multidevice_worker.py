@@ -46,7 +46,7 @@ def _collectives(llm: jaxtier.LLM) -> dict[str, int]:
   """Collective ops in the compiled decode step (batch 2, one token) after partitioning."""
   engine, runner = llm.engine, llm.engine.runner
   tokens, last = np.zeros((2, 1), np.int32), np.zeros(2, np.int32)
-  args = (runner.state, engine.cache, tokens, tokens, np.zeros((2, 8), np.int32), last)
+  args = runner.forward_args(engine.cache, tokens, tokens, np.zeros((2, 8), np.int32), last)
   text = runner._forward.lower(*args).compile().as_text()  # pylint: disable=protected-access
   kinds = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
   return {k: len(re.findall(rf"= \S+ {k}(?:-start)?\(", text)) for k in kinds}
@@ -55,7 +55,7 @@ def _collectives(llm: jaxtier.LLM) -> dict[str, int]:
 def _exported_transfers(llm: jaxtier.LLM) -> dict[str, int]:
   engine, runner = llm.engine, llm.engine.runner
   tokens, last = np.zeros((2, 1), np.int32), np.zeros(2, np.int32)
-  args = (runner.state, engine.cache, tokens, tokens, np.zeros((2, 8), np.int32), last)
+  args = runner.forward_args(engine.cache, tokens, tokens, np.zeros((2, 8), np.int32), last)
   forward = runner._forward  # pylint: disable=protected-access
   report = hlo.placement_report(hlo.exported_text(forward, *args, platform="cuda"))
   return {"per_call": report.to_device_bytes_per_call(),

@@ -164,15 +164,22 @@ _LAYOUT_IDS: dict[tuple, int] = {}  # (graphdef, state, cache, swap impl) -> a s
 
 
 @functools.lru_cache(maxsize=16)
-def _forward_fn(graphdef: nnx.GraphDef):
-  """`_forward` jitted with the graph closed over (hashed once, not on every call)."""
-  return jax.jit(functools.partial(_forward, graphdef), donate_argnames="cache")
+def _forward_fn(graphdef: nnx.GraphDef, state_def):
+  """`_forward` jitted with the graph and the state's tree structure closed over (hashed once,
+  not on every call); it takes the state's leaves, a tuple of arrays, which a call flattens in
+  C++ (flattening the `nnx.State` itself runs Python for every variable: ~0.5 ms a call here)."""
+  def forward(leaves, cache, tokens_bt, pos_bt, tables_bm, last_b):
+    return _forward(graphdef, jax.tree.unflatten(state_def, leaves), cache, tokens_bt, pos_bt,
+                    tables_bm, last_b)
+  return jax.jit(forward, donate_argnames="cache")
 
 
 @functools.lru_cache(maxsize=16)
-def _prompt_fn(graphdef: nnx.GraphDef):
-  """`_prompt_logprobs` jitted with the graph closed over."""
-  return jax.jit(functools.partial(_prompt_logprobs, graphdef), static_argnames="k")
+def _prompt_fn(graphdef: nnx.GraphDef, state_def):
+  """`_prompt_logprobs` jitted the same way."""
+  def prompt(leaves, h_bth, targets_bt, k):
+    return _prompt_logprobs(graphdef, jax.tree.unflatten(state_def, leaves), h_bth, targets_bt, k)
+  return jax.jit(prompt, static_argnames="k")
 
 
 def _layout(tree) -> tuple:
@@ -187,8 +194,9 @@ class Runner:
   def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache,
                swap_impl: str = "loop"):
     self.state = state
-    self._forward = _forward_fn(graphdef)
-    self._graphdef = graphdef
+    self._leaves = tuple(jax.tree.leaves(state))
+    self._forward = _forward_fn(graphdef, jax.tree.structure(state))
+    self._prompt = _prompt_fn(graphdef, jax.tree.structure(state))
     layout = (graphdef, _layout(state), _layout(cache), swap_impl)
     self._layout_id = _LAYOUT_IDS.setdefault(layout, len(_LAYOUT_IDS))
     self._used: set[tuple] = set()
@@ -219,6 +227,10 @@ class Runner:
       self.compile_seconds += time.perf_counter() - start
     return program
 
+  def forward_args(self, cache: PagedKVCache, tokens_bt, pos_bt, tables_bm, last_b) -> tuple:
+    """The arguments of the jitted model call, in its order (the state goes as its leaves)."""
+    return (self._leaves, cache, tokens_bt, pos_bt, tables_bm, last_b)
+
   def precompile(self, cache: PagedKVCache, shapes, swap_sizes, logprob_k: int | None = None
                  ) -> int:
     """Compiles the model call of every (rows, tokens, width) in `shapes`, sampling for every
@@ -228,7 +240,7 @@ class Runner:
     keys = set()
     for b, t, m in shapes:
       tokens, last = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
-      args = (self.state, cache, tokens, tokens, np.zeros((b, m), np.int32), last)
+      args = self.forward_args(cache, tokens, tokens, np.zeros((b, m), np.int32), last)
       logits_info, h_info, _ = self._compiled(("step", b, t, m), self._forward, args).out_info
       sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
       sampled_info = self._compiled(("sample", b), _sample, (logits_info, sampling)).out_info
@@ -239,8 +251,8 @@ class Runner:
                      k=logprob_k)
       keys.add(("logprobs", b, logprob_k))
       if t > 1:
-        self._compiled(("prompt_logprobs", b, t, logprob_k), _prompt_fn(self._graphdef),
-                       (self.state, h_info, tokens), k=logprob_k)
+        self._compiled(("prompt_logprobs", b, t, logprob_k), self._prompt,
+                       (self._leaves, h_info, tokens), k=logprob_k)
         keys.add(("prompt_logprobs", b, t, logprob_k))
     for x, direction in itertools.product(swap_sizes, ("out", "in")):
       index = np.zeros(x, np.int32)
@@ -252,7 +264,8 @@ class Runner:
   def step(self, cache: PagedKVCache, arrays: StepArrays) -> tuple[jax.Array, PagedKVCache]:
     """Dispatches one model call and its sampling; returns the sampled tokens [b] (not yet read)
     and the cache."""
-    args = (self.state, cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm, arrays.last_b)
+    args = self.forward_args(cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm,
+                             arrays.last_b)
     logits_bv, _, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
     sample_args = (logits_bv, arrays.sampling)
     return self._program(("sample", arrays.shape[0]), _sample, sample_args)(*sample_args), cache
@@ -263,14 +276,14 @@ class Runner:
     """`step` that also computes log-probabilities, left on the device: of the sampled tokens
     and the top `sample_k` ([b]; None: not computed), and of `prompt_targets_bt` at every
     position and the top `prompt_k` ([b, t]; None: not computed)."""
-    args = (self.state, cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm, arrays.last_b)
+    args = self.forward_args(cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm,
+                             arrays.last_b)
     logits_bv, h_bth, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
     prompt_top = None
     if prompt_targets_bt is not None:
-      prompt_args = (self.state, h_bth, prompt_targets_bt)
+      prompt_args = (self._leaves, h_bth, prompt_targets_bt)
       key = ("prompt_logprobs",) + prompt_targets_bt.shape + (prompt_k,)
-      prompt_top = self._program(key, _prompt_fn(self._graphdef), prompt_args,
-                                 k=prompt_k)(*prompt_args)
+      prompt_top = self._program(key, self._prompt, prompt_args, k=prompt_k)(*prompt_args)
     sample_args = (logits_bv, arrays.sampling)
     tokens_b = self._program(("sample", arrays.shape[0]), _sample, sample_args)(*sample_args)
     sampled_top = None

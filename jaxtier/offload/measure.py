@@ -1,5 +1,6 @@
 """Measured machine figures: host -> device link bandwidth and one layer's compute time (the
-planner's inputs), and the read bandwidth and matmul rate that benchmarks bound a step with.
+planner's inputs), and the read bandwidth, matmul rate and weight-matmul time that benchmarks
+bound a step with.
 
 All are medians over repeats after a warm-up. On CPU the "link" is a memcpy between two views of
 one memory and the layer runs on the CPU: the numbers are real but say nothing about a GPU.
@@ -45,6 +46,37 @@ def matmul_flops_per_s(repeats: int = 5) -> tuple[float, int]:
   b = jnp.ones((n, n), jnp.float32)
   product = jax.jit(jnp.matmul)
   return 2 * n**3 / _median_seconds(lambda: product(a, b), repeats), n
+
+
+def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats: int = 5
+                     ) -> float:
+  """Seconds of one decode step's weight matmuls alone at `rows` rows: every layer's q/k/v,
+  output, gate/up and down projections and the LM head, on random weights of the model's
+  shapes (one array per layer, as the engine's unrolled layers hold them), in one jitted
+  program with nothing else in it. What XLA's matmul kernels take for a step's weights at this
+  batch: a floor for the step that the bandwidth/matmul-rate bound does not see (skinny matmuls
+  run far below a square matmul's rate)."""
+  c = config
+  shapes = [(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
+            (c.num_heads * c.head_dim, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),
+            (c.intermediate_size, c.hidden_size)]
+  keys = iter(jax.random.split(jax.random.key(0), c.num_layers * len(shapes) + 1))
+  layers = [[jax.random.normal(next(keys), s, dtype) * 0.02 for s in shapes]
+            for _ in range(c.num_layers)]
+  head = jax.random.normal(next(keys), (c.vocab_size, c.hidden_size), dtype) * 0.02
+  x = jnp.ones((rows, c.hidden_size), dtype)
+
+  @jax.jit
+  def run(x, layers, head):
+    h = x
+    for qkv, o, gate_up, down in layers:  # each product feeds the next: nothing runs ahead
+      a = (h @ qkv)[:, :c.num_heads * c.head_dim]
+      h = h + a @ o
+      g = h @ gate_up
+      h = h + (g[:, :c.intermediate_size] * g[:, c.intermediate_size:]) @ down
+    return h @ head.T
+
+  return _median_seconds(lambda: run(x, layers, head), repeats)
 
 
 def link_bytes_per_s(nbytes: int = 64 * 2**20, repeats: int = 5,
