@@ -126,8 +126,9 @@ def test_a_prefill_split_in_two_calls_equals_the_contiguous_reference(tiny, monk
   split, original = [], batch.prefill_calls
 
   def prefill_calls(plan):
-    split.append(len(original(plan, row_tokens=8)))
-    return original(plan, row_tokens=8)
+    calls = original(plan, row_tokens=8)
+    split.append(len(calls))
+    return calls
 
   monkeypatch.setattr(batch, "prefill_calls", prefill_calls)
   prompts = prompts_of((30, 21, 12, 3))

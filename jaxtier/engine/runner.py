@@ -193,7 +193,6 @@ class Runner:
 
   def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache,
                swap_impl: str = "loop"):
-    self.state = state
     self._leaves = tuple(jax.tree.leaves(state))
     self._forward = _forward_fn(graphdef, jax.tree.structure(state))
     self._prompt = _prompt_fn(graphdef, jax.tree.structure(state))
