@@ -21,6 +21,7 @@ from jaxtier.scheduler.policies import VICTIM_POLICIES
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto",) + tuple(ELEMENT_BYTES)
 LAYER_EXECUTIONS = ("auto", "scan", "unrolled")
+ATTENTION_IMPLS = ("auto", "xla", "cpu", "pallas")
 MAX_PREFETCH_DEPTH = 4
 MAX_BLOCK_SIZE = 1024
 CPU_DEFAULT_KV_GB = 1.0
@@ -117,6 +118,9 @@ class EngineArgs:
     tensor_parallel_size: devices the model, both KV pools and the offloaded tail are sharded over
       (a `tp` mesh of this process's first devices; see `jaxtier.sharding`).
     trace_path: where to append a per-step JSONL trace (None: no trace).
+    attention_impl: decode-step attention: "cpu" (a C++ kernel reading the paged pool in place,
+      built on first use; see `jaxtier.kvcache.cpu_kernel`), "xla", "pallas" (the GPU kernel), or
+      "auto": "cpu" for a pool on one CPU device when a C++ compiler is found, else "xla".
   """
   model: str = "smollm2-135m-instruct"
   dtype: str = "float32"
@@ -142,6 +146,7 @@ class EngineArgs:
   device_memory_gb: float | None = None
   tensor_parallel_size: int = 1
   trace_path: str | None = None
+  attention_impl: str = "auto"
 
   def __post_init__(self):
     if not isinstance(self.model, str) or not self.model:
@@ -178,6 +183,12 @@ class EngineArgs:
     check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 4096)
     if self.trace_path is not None and not (isinstance(self.trace_path, str) and self.trace_path):
       raise ValueError(f"trace_path={self.trace_path!r}: expected a file path or None")
+    check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+    if self.attention_impl == "cpu":
+      from jaxtier.kvcache import cpu_kernel  # pylint: disable=import-outside-toplevel
+      if not cpu_kernel.available():
+        raise ValueError(f"attention_impl='cpu' is unavailable: "
+                         f"{cpu_kernel.unavailable_reason()}")
 
   @property
   def token_budget(self) -> int:

@@ -89,7 +89,8 @@ class LLM:
       ("auto", "float32", "bfloat16", "int8"), preemption_mode, watermark, victim_policy,
       enable_prefix_caching, host_prefix_caching, seed,
       layer_execution, offload_tail_layers, prefetch_depth, device_memory_gb,
-      tensor_parallel_size, trace_path. Bad values raise ValueError before any weight loads.
+      tensor_parallel_size, trace_path, attention_impl. Bad values raise ValueError before any
+      weight loads.
 
   Loading is placement-first (`jaxtier.checkpoint.placed`): each tensor goes straight to its
   device shard or, for the offloaded tail, to pinned host memory.
@@ -133,7 +134,8 @@ class LLM:
         kv_cache_dtype=self.kv_cache_dtype, preemption_mode=args.preemption_mode,
         watermark=args.watermark, victim_policy=args.victim_policy,
         enable_prefix_caching=args.enable_prefix_caching,
-        host_prefix_caching=args.host_prefix_caching, trace_path=args.trace_path)
+        host_prefix_caching=args.host_prefix_caching, trace_path=args.trace_path,
+        attention_impl=args.attention_impl)
     self._engine: Engine | None = None
     self._rng = np.random.default_rng(args.seed)
     self._next_id = 0

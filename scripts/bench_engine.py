@@ -583,6 +583,7 @@ def main(argv):
       engine_flags.usage_error(f"--{low}={FLAGS[low].value} is more than --{high}="
                                f"{FLAGS[high].value}")
   import jax  # after prepare(): the allocator setting precedes JAX's threads
+  from jaxtier.kvcache.paged import resolve_attention_impl
   hf = None if FLAGS.skip_hf else HuggingFace()
   longest = FLAGS.max_prompt + FLAGS.max_output
   llm = make_llm(max_model_len=blocks_for(longest) * FLAGS.block_size)
@@ -590,7 +591,8 @@ def main(argv):
   report = {"model": FLAGS.model, "dtype": FLAGS.dtype, "backend": jax.default_backend(),
             "seed": FLAGS.seed, "layer_execution": llm.layer_execution,
             "kv_cache_dtype": llm.kv_cache_dtype, "block_size": FLAGS.block_size,
-            "max_num_seqs": FLAGS.max_num_seqs}
+            "max_num_seqs": FLAGS.max_num_seqs,
+            "attention_impl": resolve_attention_impl(llm.engine_config.attention_impl, llm.mesh)}
   if "mixed" in sections:
     workload = build_workload(tokenizer, FLAGS.num_prompts, FLAGS.min_prompt, FLAGS.max_prompt,
                               FLAGS.seed)

@@ -150,7 +150,8 @@ def test_step_writes_in_place_without_pool_copies(dtype, positions):
 def test_cuda_export_of_a_step_moves_nothing_between_memory_kinds():
   """On a GPU the host pool rides through the model's scan untouched: no transfers, aliased."""
   rng = np.random.default_rng(3)
-  config = PagedCacheConfig(L, K, D, NUM_BLOCKS, block_size=C, num_host_blocks=8)
+  config = PagedCacheConfig(L, K, D, NUM_BLOCKS, block_size=C, num_host_blocks=8,
+                            attention_impl="xla")  # what "auto" picks on a GPU
   cache = PagedKVCache.create(config)
   meta = PagedMetadata.create(block_tables(rng, [5, 9]), NUM_BLOCKS)
   step = random_step(rng, np.array([[4], [8]]))

@@ -79,7 +79,7 @@ class EngineConfig:
   host_prefix_caching: bool = True
   trace_path: str | None = None
   swap_impl: str = "loop"
-  attention_impl: str = "xla"
+  attention_impl: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

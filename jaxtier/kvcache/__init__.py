@@ -4,15 +4,15 @@ from jaxtier.kvcache.attention import dense_attention
 from jaxtier.kvcache.contiguous import ContiguousKVCache
 from jaxtier.kvcache.paged import (KVBlocks, PagedCacheConfig, PagedKVCache, PagedMetadata, attend,
                                    device_pool_bytes, host_pool_bytes, write_chunk, write_decode)
-from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_pallas,
-                                             paged_attention_reference)
+from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_cpu,
+                                             paged_attention_pallas, paged_attention_reference)
 from jaxtier.kvcache.quant import KV_CACHE_DTYPES, dequantize_int8, quantize_int8
 from jaxtier.kvcache.swap import SwapReport, swap_in, swap_out
 
 __all__ = [
     "ContiguousKVCache", "KVBlocks", "KV_CACHE_DTYPES", "PagedCacheConfig", "PagedKVCache",
     "PagedMetadata", "SwapReport", "attend", "dense_attention", "dequantize_int8",
-    "device_pool_bytes", "host_pool_bytes", "paged_attention", "paged_attention_pallas",
+    "device_pool_bytes", "host_pool_bytes", "paged_attention", "paged_attention_cpu", "paged_attention_pallas",
     "paged_attention_reference", "quantize_int8", "swap_in", "swap_out", "write_chunk",
     "write_decode",
 ]

@@ -25,12 +25,13 @@ import numpy as np
 
 from jaxtier import sharding
 from jaxtier.kv_bytes import kv_block_bytes
-from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_pallas,
-                                              paged_attention_reference)
+from jaxtier.kvcache import cpu_kernel
+from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_cpu,
+                                              paged_attention_pallas, paged_attention_reference)
 from jaxtier.kvcache.quant import (KV_CACHE_DTYPES, SCALE_DTYPE, encode, quantize_int8,
                                    storage_dtype)
 
-ATTENTION_IMPLS = ("xla", "reference", "pallas", "pallas_interpret")
+ATTENTION_IMPLS = ("auto", "xla", "cpu", "reference", "pallas", "pallas_interpret")
 _GIB = 1 << 30
 
 
@@ -39,7 +40,10 @@ class PagedCacheConfig:
   """Shape, storage dtype and attention path of a paged cache.
 
   The host pool is sized by `num_host_blocks` or by `host_pool_gib` (at most one of them);
-  `attention_impl` picks the decode-step attention ("pallas" is the GPU kernel).
+  `attention_impl` picks the decode-step attention: "cpu" is the CPU kernel
+  (`jaxtier.kvcache.cpu_kernel`), "pallas" the GPU kernel, "xla" the XLA path; "auto" (the
+  default) becomes "cpu" for a pool on one CPU device when the kernel builds, else "xla" (see
+  `resolve_attention_impl`). Prefill rows always take the XLA path.
   """
   num_layers: int
   num_kv_heads: int
@@ -49,7 +53,7 @@ class PagedCacheConfig:
   num_host_blocks: int | None = None
   host_pool_gib: float | None = None
   kv_cache_dtype: str = "float32"
-  attention_impl: str = "xla"
+  attention_impl: str = "auto"
 
   def __post_init__(self):
     for name in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size"):
@@ -164,10 +168,8 @@ class PagedKVCache:
     on `device` (default: this process's first device)."""
     if mesh is None:
       mesh = sharding.make_mesh(1, [device or jax.local_devices()[0]])
-    platform = mesh.devices.flat[0].platform
-    if config.attention_impl == "pallas" and platform != "gpu":
-      raise ValueError(f"attention_impl='pallas' needs a GPU, got a {platform} device "
-                       "(use 'pallas_interpret' to run the kernel on CPU)")
+    config = dataclasses.replace(
+        config, attention_impl=resolve_attention_impl(config.attention_impl, mesh))
     k, l = config.num_kv_heads, config.num_layers
     if k % sharding.tp_size(mesh):
       raise ValueError(f"num_kv_heads={k} does not split over {sharding.tp_size(mesh)} devices")
@@ -181,6 +183,30 @@ class PagedKVCache:
     """Writes the new tokens of `layer`, then attends over the sequence's cached tokens."""
     cache = write_chunk(self, layer, k_btkd, v_btkd, pos_bt, meta)
     return cache, attend(cache, layer, q_btnd, pos_bt, meta)
+
+
+def resolve_attention_impl(impl: str, mesh: jax.sharding.Mesh) -> str:
+  """The attention path a pool on `mesh` runs; "auto" picks the CPU kernel where it applies.
+
+  The CPU kernel is a custom call XLA cannot split, so it serves pools on one CPU device; a pool
+  split over several devices, or one on an accelerator, runs the XLA path. Asking for "cpu"
+  where it cannot run, or for "pallas" off a GPU, is a ValueError.
+  """
+  platform = mesh.devices.flat[0].platform
+  if impl == "pallas" and platform != "gpu":
+    raise ValueError(f"attention_impl='pallas' needs a GPU, got a {platform} device "
+                     "(use 'pallas_interpret' to run the kernel on CPU)")
+  if impl not in ("auto", "cpu"):
+    return impl
+  fits = platform == "cpu" and mesh.devices.size == 1
+  if impl == "auto":
+    return "cpu" if fits and cpu_kernel.available() else "xla"
+  if not fits:
+    raise ValueError(f"attention_impl='cpu' needs a pool on one CPU device, got "
+                     f"{mesh.devices.size} {platform} device(s)")
+  if not cpu_kernel.available():
+    raise ValueError(f"attention_impl='cpu' is unavailable: {cpu_kernel.unavailable_reason()}")
+  return impl
 
 
 def _check(cache: PagedKVCache, x_btkd, pos_bt, meta, name: str) -> None:
@@ -271,6 +297,8 @@ def attend(cache: PagedKVCache, layer: jax.Array, q_btnd: jax.Array, pos_bt: jax
     return paged_attention_reference(*args)
   if impl.startswith("pallas") and q_btnd.shape[1] == 1:
     return paged_attention_pallas(*args, interpret=impl == "pallas_interpret")
+  if impl == "cpu" and q_btnd.shape[1] == 1:
+    return paged_attention_cpu(*args)
   return paged_attention(*args)
 
 

@@ -1,0 +1,114 @@
+"""The CPU decode-attention kernel (`paged_attention_cpu.cc`), built on first use and called through
+the XLA FFI.
+
+XLA:CPU has no way to read a paged pool in place: the fast XLA path gathers every chunk of
+blocks into a copy before its dots, and on CPU those gathers, not the arithmetic, are most of a
+long-context decode step. The kernel reads keys and values straight from the pool (see the
+source's header).
+
+Building: the source is compiled once per (source, compiler, jaxlib, CPU) with the system C++
+compiler (`$CXX`, else `c++`/`g++`/`clang++`) against the FFI headers jaxlib ships
+(`jax.ffi.include_dir()`) into `<cache dir>/kernels/` (`$JAXTIER_CACHE_DIR`, else
+`~/.cache/jaxtier`); `-march=native` because the library only ever runs where it was built. With
+no compiler, or a build that fails, `available()` is False, `unavailable_reason()` says why, and
+callers keep the XLA path.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+from absl import logging
+
+from jaxtier.checkpoint import registry
+
+SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
+TARGET = "jaxtier_paged_decode_attention"
+SYMBOL = "JaxtierPagedDecodeAttention"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def _compiler() -> str | None:
+  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    if name and shutil.which(name):
+      return shutil.which(name)
+  return None
+
+
+def _cpu_signature() -> str:
+  """The CPU's model and feature flags: a library built with -march=native runs only there."""
+  try:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+  except OSError:
+    return platform.processor()
+  keep = [l for l in lines if l.startswith(("model name", "flags"))][:2]
+  return "\n".join(keep) or platform.processor()
+
+
+def _library_path(compiler: str) -> Path:
+  key = hashlib.sha256()
+  for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+               jaxlib.__version__.encode(), platform.machine().encode(), _cpu_signature().encode()):
+    key.update(part)
+    key.update(b"\0")
+  return Path(registry.cache_dir()) / "kernels" / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, path: Path) -> None:
+  """Compiles the source into `path` (atomically: concurrent builds each rename a whole file)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+  os.close(fd)
+  try:
+    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode:
+      raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+@functools.cache
+def _load() -> str | None:
+  """Builds (if needed), loads and registers the kernel; None, or why it is unavailable."""
+  compiler = _compiler()
+  if compiler is None:
+    return "no C++ compiler found (set CXX, or install g++ or clang++)"
+  try:
+    path = _library_path(compiler)
+    if not path.exists():
+      _build(compiler, path)
+    library = ctypes.cdll.LoadLibrary(str(path))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)),
+                                platform="cpu")
+  except (OSError, RuntimeError, AttributeError) as e:
+    return f"building or loading {SOURCE.name} failed: {e}"
+  return None
+
+
+def available() -> bool:
+  """Whether the kernel is built and registered (builds it on the first call)."""
+  reason = _load()
+  if reason is not None:
+    _warn_once(reason)
+  return reason is None
+
+
+def unavailable_reason() -> str | None:
+  """Why `available()` is False, or None."""
+  return _load()
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+  logging.warning("CPU paged attention kernel unavailable, using the XLA path: %s", reason)

@@ -1,0 +1,256 @@
+// Decode-step paged attention for XLA:CPU, called through the XLA FFI (see cpu_kernel.py).
+//
+// One query token per sequence attends to the slots 0..pos of its block table, read in place from
+// the pool: no gathered copy of the context is made. Work items are (sequence, kv head) pairs,
+// pulled from an atomic counter by the calling thread and by helpers scheduled on XLA's intra-op
+// thread pool. Each item runs two passes: scores q.k for every visible slot (kept in a per-thread
+// buffer), then the softmax and sum of p * v, so each key and value is read once from memory.
+//
+// Pages are [kv_heads, pages, block_size, head_dim] of float32, uint16 (bfloat16 bit patterns) or
+// int8 with float32 scales [kv_heads, pages, block_size] (one per token and kv head). The query is
+// float32 [batch, heads, head_dim], already scaled by head_dim ** -0.5; heads are kv-head major
+// (head h reads kv head h / (heads / kv_heads)). A negative position gives zeros.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;
+
+inline float Load(float x) { return x; }
+inline float Load(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline float Load(int8_t x) { return static_cast<float>(x); }
+
+// Dot of a float query row with one stored key row; lanes keep the sum vectorizable without
+// reassociating a single accumulator.
+template <typename T>
+inline float Dot(const float* q, const T* k, int64_t d) {
+  float acc[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += q[i + l] * Load(k[i + l]);
+  }
+  float sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  for (; i < d; ++i) sum += q[i] * Load(k[i]);
+  return sum;
+}
+
+// Prefetches the cache lines of one row of d values.
+template <typename T>
+inline void Prefetch(const T* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < d * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(p + i);
+}
+
+template <typename T>
+inline void Axpy(float a, const T* v, float* out, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) out[i] += a * Load(v[i]);
+}
+
+template <typename A, typename B>
+bool SameDims(const A& a, const B& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) return false;
+  }
+  return true;
+}
+
+struct Shape {
+  int64_t batch, heads, kv_heads, group, head_dim, pages, block_size, table_width;
+};
+
+// Attention of one sequence's queries for one kv head (`group` query heads).
+template <typename T>
+void AttendItem(const Shape& s, int64_t b, int64_t kvh, const float* q, const T* k, const T* v,
+                const int32_t* tables, const int32_t* pos, const float* k_scales,
+                const float* v_scales, float* out, std::vector<float>& scores) {
+  const int64_t g = s.group, d = s.head_dim, c = s.block_size;
+  const float* q_b = q + (b * s.heads + kvh * g) * d;
+  float* out_b = out + (b * s.heads + kvh * g) * d;
+  std::fill(out_b, out_b + g * d, 0.0f);
+  const int64_t slots = std::min<int64_t>(static_cast<int64_t>(pos[b]) + 1, s.table_width * c);
+  if (slots <= 0) return;
+  scores.resize(g * slots + g);  // scores [g, slots], then each head's softmax sum
+  float* sum_h = scores.data() + g * slots;
+  const int32_t* table = tables + b * s.table_width;
+  const int64_t head_base = kvh * s.pages;
+  // Pass 1: scores [g, slots]. Pages are scattered over the pool, which defeats the hardware
+  // prefetcher at every page start: each token's step prefetches its row of the next page.
+  for (int64_t start = 0; start < slots; start += c) {
+    const int64_t page = head_base + table[start / c];
+    const int64_t n = std::min(c, slots - start);
+    const T* k_page = k + page * c * d;
+    const T* k_next = start + c < slots ? k + (head_base + table[start / c + 1]) * c * d : nullptr;
+    for (int64_t j = 0; j < n; ++j) {
+      if (k_next) Prefetch(k_next + j * d, d);
+      const float scale = k_scales ? k_scales[page * c + j] : 1.0f;
+      for (int64_t h = 0; h < g; ++h) {
+        scores[h * slots + start + j] = Dot(q_b + h * d, k_page + j * d, d) * scale;
+      }
+    }
+  }
+  // Softmax per query head.
+  for (int64_t h = 0; h < g; ++h) {
+    float* row = scores.data() + h * slots;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < slots; ++i) mx = std::max(mx, row[i]);
+    float total = 0;
+    for (int64_t i = 0; i < slots; ++i) {
+      row[i] = std::exp(row[i] - mx);
+      total += row[i];
+    }
+    sum_h[h] = total;
+  }
+  // Pass 2: out[h] = sum_i p[h, i] * v[i].
+  for (int64_t start = 0; start < slots; start += c) {
+    const int64_t page = head_base + table[start / c];
+    const int64_t n = std::min(c, slots - start);
+    const T* v_page = v + page * c * d;
+    const T* v_next = start + c < slots ? v + (head_base + table[start / c + 1]) * c * d : nullptr;
+    for (int64_t j = 0; j < n; ++j) {
+      if (v_next) Prefetch(v_next + j * d, d);
+      const float scale = v_scales ? v_scales[page * c + j] : 1.0f;
+      for (int64_t h = 0; h < g; ++h) {
+        Axpy(scores[h * slots + start + j] * scale, v_page + j * d, out_b + h * d, d);
+      }
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    const float inv = 1.0f / sum_h[h];
+    for (int64_t i = 0; i < d; ++i) out_b[h * d + i] *= inv;
+  }
+}
+
+// One call's arguments and its work counter. Helpers hold it by shared_ptr, so a helper that
+// starts after the call returned finds no work left and touches nothing else.
+struct Call {
+  Shape s;
+  const float* q;
+  const void* k;
+  const void* v;
+  const int32_t* tables;
+  const int32_t* pos;
+  const float* k_scales;
+  const float* v_scales;
+  float* out;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename T>
+void Drain(Call& call) {
+  thread_local std::vector<float> scores;
+  const int64_t total = call.s.batch * call.s.kv_heads;
+  for (;;) {
+    const int64_t item = call.next.fetch_add(1);
+    if (item >= total) return;
+    AttendItem<T>(call.s, item / call.s.kv_heads, item % call.s.kv_heads, call.q,
+                  static_cast<const T*>(call.k), static_cast<const T*>(call.v), call.tables,
+                  call.pos, call.k_scales, call.v_scales, call.out, scores);
+    call.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename T>
+ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<Call> call) {
+  const Shape& s = call->s;
+  const int64_t total = s.batch * s.kv_heads;
+  // Small steps (batch-1 decode) are not worth a helper's start-up.
+  int64_t visible = 0;
+  for (int64_t b = 0; b < s.batch; ++b) visible += std::max<int32_t>(call->pos[b] + 1, 0);
+  const int64_t helpers =
+      visible * s.kv_heads < 4096 ? 0 : std::min<int64_t>(pool.num_threads(), total - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([call]() { Drain<T>(*call); });
+  Drain<T>(*call);
+  // Items that helpers pulled are in progress on running threads: wait for them.
+  while (call->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                    ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                                    ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> pos,
+                                    ffi::Buffer<ffi::F32> k_scales,
+                                    ffi::Buffer<ffi::F32> v_scales,
+                                    ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto kd = k_pages.dimensions();
+  auto td = tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("q [b, n, d], pages [k, f, c, d], tables [b, m] expected");
+  }
+  Shape s{qd[0], qd[1], kd[0], 0, qd[2], kd[1], kd[2], td[1]};
+  if (s.heads % s.kv_heads || kd[3] != s.head_dim || td[0] != s.batch ||
+      static_cast<int64_t>(pos.element_count()) != s.batch || !SameDims(v_pages.dimensions(), kd) ||
+      v_pages.element_type() != k_pages.element_type()) {
+    return ffi::Error::InvalidArgument("paged attention arguments do not fit together");
+  }
+  s.group = s.heads / s.kv_heads;
+  const bool quantized = k_pages.element_type() == ffi::DataType::S8;
+  const int64_t scale_count = s.kv_heads * s.pages * s.block_size;
+  if (quantized && (static_cast<int64_t>(k_scales.element_count()) != scale_count ||
+                    static_cast<int64_t>(v_scales.element_count()) != scale_count)) {
+    return ffi::Error::InvalidArgument("int8 pages need scales [k, f, c]");
+  }
+  const float* ks = quantized ? k_scales.typed_data() : nullptr;
+  const float* vs = quantized ? v_scales.typed_data() : nullptr;
+  const int32_t* t = tables.typed_data();
+  for (int64_t i = 0; i < s.batch * s.table_width; ++i) {
+    if (t[i] < 0 || t[i] >= s.pages) {
+      return ffi::Error::InvalidArgument("page id outside the pool");
+    }
+  }
+  auto call = std::make_shared<Call>();
+  call->s = s;
+  call->q = q.typed_data();
+  call->k = k_pages.untyped_data();
+  call->v = v_pages.untyped_data();
+  call->tables = t;
+  call->pos = pos.typed_data();
+  call->k_scales = ks;
+  call->v_scales = vs;
+  call->out = out->typed_data();
+  switch (k_pages.element_type()) {
+    case ffi::DataType::F32:
+      return Run<float>(pool, call);
+    case ffi::DataType::U16:
+      return Run<uint16_t>(pool, call);
+    case ffi::DataType::S8:
+      return Run<int8_t>(pool, call);
+    default:
+      return ffi::Error::InvalidArgument("pages must be float32, uint16 (bfloat16 bits) or int8");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierPagedDecodeAttention, PagedDecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

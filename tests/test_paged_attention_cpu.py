@@ -1,0 +1,114 @@
+"""The CPU decode-attention kernel against an independent numpy attention over hand-gathered
+blocks (the helpers of test_paged_attention.py), and the choice of attention path.
+
+Skipped only where no C++ compiler exists; a kernel that fails to build is a failure.
+"""
+
+import types
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtier import sharding
+from jaxtier.kvcache import cpu_kernel, dequantize_int8, paged_attention_cpu, quantize_int8
+from jaxtier.kvcache.paged import resolve_attention_impl
+from tests.test_paged_attention import expected, make_case
+
+pytestmark = pytest.mark.skipif(cpu_kernel._compiler() is None,
+                                reason="no C++ compiler to build the CPU kernel")
+
+
+def test_kernel_builds():
+  assert cpu_kernel.available(), cpu_kernel.unavailable_reason()
+
+
+def run(q, kp, vp, table, pos, *scales):
+  return np.asarray(paged_attention_cpu(*map(jnp.asarray, (q, kp, vp, table, pos)), *scales))
+
+
+@pytest.mark.parametrize("c", [1, 16, 32])
+@pytest.mark.parametrize("g", [1, 3, 8])
+@pytest.mark.parametrize("d", [8, 64, 72])
+def test_decode_matches_dense(c, g, d):
+  """Head dims below, at and past the kernel's 16-lane dot (a remainder loop)."""
+  rng = np.random.default_rng(c * 10 + g + d)
+  case = make_case(rng, b=3, t=1, kv=2, g=g, d=d, c=c, lengths=[1, 37, 300])
+  np.testing.assert_allclose(run(*case), expected(*case), atol=1e-5, rtol=1e-5)
+
+
+def test_many_rows_split_over_threads_with_padding_rows():
+  """Enough visible slots that helper threads take part; every row lands in its own place."""
+  rng = np.random.default_rng(5)
+  lengths = rng.integers(1, 400, size=40).tolist()
+  q, kp, vp, table, pos = make_case(rng, b=40, t=1, kv=3, g=3, d=64, c=16, lengths=lengths)
+  padding = [0, 17, 39]
+  pos[padding] = -1
+  out = run(q, kp, vp, table, pos)
+  np.testing.assert_allclose(out, expected(q, kp, vp, table, pos), atol=1e-5, rtol=1e-5)
+  assert np.all(out[padding] == 0)
+
+
+def test_wide_tables():
+  """A table padded far past each sequence (the engine buckets table widths)."""
+  rng = np.random.default_rng(7)
+  q, kp, vp, table, pos = make_case(rng, b=2, t=1, kv=2, g=2, d=8, c=4, lengths=[3, 9],
+                                    num_pages=64)
+  wide = np.full((2, 64), -1, np.int32)
+  wide[:, :table.shape[1]] = table
+  np.testing.assert_allclose(run(q, kp, vp, wide, pos), expected(q, kp, vp, table, pos),
+                             atol=1e-5, rtol=1e-5)
+
+
+def test_int8_equals_attention_on_dequantized_values():
+  rng = np.random.default_rng(1)
+  q, kp, vp, table, pos = make_case(rng, b=3, t=1, kv=2, g=3, d=16, c=4, lengths=[5, 30, 13])
+  (kq, ks), (vq, vs) = quantize_int8(jnp.asarray(kp)), quantize_int8(jnp.asarray(vp))
+  out = run(q, kq, vq, table, pos, ks, vs)
+  k_deq, v_deq = np.asarray(dequantize_int8(kq, ks)), np.asarray(dequantize_int8(vq, vs))
+  np.testing.assert_allclose(out, expected(q, k_deq, v_deq, table, pos), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "uint16"])
+def test_bfloat16_pages(stored):
+  """bfloat16 pages, given as such or as the uint16 bit patterns the CPU cache stores."""
+  rng = np.random.default_rng(2)
+  q, kp, vp, table, pos = make_case(rng, b=2, t=1, kv=1, g=8, d=16, c=16, lengths=[9, 40])
+  kb, vb = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
+  want = expected(q, np.asarray(kb, np.float32), np.asarray(vb, np.float32), table, pos)
+  if stored == "uint16":
+    kb, vb = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (kb, vb))
+  np.testing.assert_allclose(run(q, kb, vb, table, pos), want, atol=1e-5, rtol=1e-5)
+
+
+@hypothesis.settings(max_examples=8, deadline=None)
+@hypothesis.given(c=st.sampled_from([1, 2, 5, 16]), g=st.sampled_from([1, 2, 3]),
+                  lengths=st.lists(st.integers(1, 300), min_size=1, max_size=6),
+                  seed=st.integers(0, 2**16))
+def test_random_shapes_match_dense(c, g, lengths, seed):
+  case = make_case(np.random.default_rng(seed), b=len(lengths), t=1, kv=2, g=g, d=4, c=c,
+                   lengths=lengths)
+  np.testing.assert_allclose(run(*case), expected(*case), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_rows_are_refused():
+  rng = np.random.default_rng(4)
+  case = make_case(rng, b=1, t=2, kv=1, g=1, d=8, c=4, lengths=[6])
+  with pytest.raises(ValueError, match="decode steps only"):
+    run(*case)
+
+
+def test_auto_picks_the_kernel_for_one_cpu_device_only():
+  cpu = jax.devices("cpu")[0]
+  one = sharding.make_mesh(1, [cpu])
+  assert resolve_attention_impl("auto", one) == "cpu"
+  assert resolve_attention_impl("xla", one) == "xla"
+  split = types.SimpleNamespace(devices=np.array([cpu, cpu]))  # what the kernel sees of a mesh
+  assert resolve_attention_impl("auto", split) == "xla"
+  with pytest.raises(ValueError, match="one CPU device"):
+    resolve_attention_impl("cpu", split)
+  with pytest.raises(ValueError, match="needs a GPU"):
+    resolve_attention_impl("pallas", one)
