@@ -74,6 +74,25 @@ bool SameDims(const A& a, const B& b) {
   return true;
 }
 
+// Calls fn(slot, row, scale) for slots 0..slots-1 of one kv head, in order: `row` is the slot's
+// d values in `pool`, `scale` its int8 scale (1 without scales). Pages are scattered over the
+// pool, which defeats the hardware prefetcher at every page start, so each slot's step also
+// prefetches its row of the next page.
+template <typename T, typename Fn>
+inline void ForEachSlot(const int32_t* table, int64_t head_base, int64_t slots, int64_t c,
+                        int64_t d, const T* pool, const float* scales, Fn&& fn) {
+  for (int64_t start = 0; start < slots; start += c) {
+    const int64_t page = head_base + table[start / c];
+    const int64_t n = std::min(c, slots - start);
+    const T* rows = pool + page * c * d;
+    const T* next = start + c < slots ? pool + (head_base + table[start / c + 1]) * c * d : nullptr;
+    for (int64_t j = 0; j < n; ++j) {
+      if (next) Prefetch(next + j * d, d);
+      fn(start + j, rows + j * d, scales ? scales[page * c + j] : 1.0f);
+    }
+  }
+}
+
 struct Shape {
   int64_t batch, heads, kv_heads, group, head_dim, pages, block_size, table_width;
 };
@@ -93,21 +112,13 @@ void AttendItem(const Shape& s, int64_t b, int64_t kvh, const float* q, const T*
   float* sum_h = scores.data() + g * slots;
   const int32_t* table = tables + b * s.table_width;
   const int64_t head_base = kvh * s.pages;
-  // Pass 1: scores [g, slots]. Pages are scattered over the pool, which defeats the hardware
-  // prefetcher at every page start: each token's step prefetches its row of the next page.
-  for (int64_t start = 0; start < slots; start += c) {
-    const int64_t page = head_base + table[start / c];
-    const int64_t n = std::min(c, slots - start);
-    const T* k_page = k + page * c * d;
-    const T* k_next = start + c < slots ? k + (head_base + table[start / c + 1]) * c * d : nullptr;
-    for (int64_t j = 0; j < n; ++j) {
-      if (k_next) Prefetch(k_next + j * d, d);
-      const float scale = k_scales ? k_scales[page * c + j] : 1.0f;
-      for (int64_t h = 0; h < g; ++h) {
-        scores[h * slots + start + j] = Dot(q_b + h * d, k_page + j * d, d) * scale;
-      }
-    }
-  }
+  // Pass 1: scores [g, slots].
+  ForEachSlot(table, head_base, slots, c, d, k, k_scales,
+              [&](int64_t slot, const T* key, float scale) {
+                for (int64_t h = 0; h < g; ++h) {
+                  scores[h * slots + slot] = Dot(q_b + h * d, key, d) * scale;
+                }
+              });
   // Softmax per query head.
   for (int64_t h = 0; h < g; ++h) {
     float* row = scores.data() + h * slots;
@@ -121,19 +132,12 @@ void AttendItem(const Shape& s, int64_t b, int64_t kvh, const float* q, const T*
     sum_h[h] = total;
   }
   // Pass 2: out[h] = sum_i p[h, i] * v[i].
-  for (int64_t start = 0; start < slots; start += c) {
-    const int64_t page = head_base + table[start / c];
-    const int64_t n = std::min(c, slots - start);
-    const T* v_page = v + page * c * d;
-    const T* v_next = start + c < slots ? v + (head_base + table[start / c + 1]) * c * d : nullptr;
-    for (int64_t j = 0; j < n; ++j) {
-      if (v_next) Prefetch(v_next + j * d, d);
-      const float scale = v_scales ? v_scales[page * c + j] : 1.0f;
-      for (int64_t h = 0; h < g; ++h) {
-        Axpy(scores[h * slots + start + j] * scale, v_page + j * d, out_b + h * d, d);
-      }
-    }
-  }
+  ForEachSlot(table, head_base, slots, c, d, v, v_scales,
+              [&](int64_t slot, const T* value, float scale) {
+                for (int64_t h = 0; h < g; ++h) {
+                  Axpy(scores[h * slots + slot] * scale, value, out_b + h * d, d);
+                }
+              });
   for (int64_t h = 0; h < g; ++h) {
     const float inv = 1.0f / sum_h[h];
     for (int64_t i = 0; i < d; ++i) out_b[h * d + i] *= inv;
