@@ -184,6 +184,9 @@ class EngineArgs:
     if self.trace_path is not None and not (isinstance(self.trace_path, str) and self.trace_path):
       raise ValueError(f"trace_path={self.trace_path!r}: expected a file path or None")
     check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+    if self.attention_impl == "cpu" and self.tensor_parallel_size > 1:
+      raise ValueError(f"attention_impl='cpu' runs on one device, not tensor_parallel_size="
+                       f"{self.tensor_parallel_size} (use 'auto' or 'xla')")
     if self.attention_impl == "cpu":
       from jaxtier.kvcache import cpu_kernel  # pylint: disable=import-outside-toplevel
       if not cpu_kernel.available():
