@@ -12,7 +12,7 @@ from jaxtier.kvcache.swap import SwapReport, swap_in, swap_out
 __all__ = [
     "ContiguousKVCache", "KVBlocks", "KV_CACHE_DTYPES", "PagedCacheConfig", "PagedKVCache",
     "PagedMetadata", "SwapReport", "attend", "dense_attention", "dequantize_int8",
-    "device_pool_bytes", "host_pool_bytes", "paged_attention", "paged_attention_cpu", "paged_attention_pallas",
-    "paged_attention_reference", "quantize_int8", "swap_in", "swap_out", "write_chunk",
-    "write_decode",
+    "device_pool_bytes", "host_pool_bytes", "paged_attention", "paged_attention_cpu",
+    "paged_attention_pallas", "paged_attention_reference", "quantize_int8", "swap_in", "swap_out",
+    "write_chunk", "write_decode",
 ]

@@ -37,10 +37,9 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
 def _compiler() -> str | None:
-  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-    if name and shutil.which(name):
-      return shutil.which(name)
-  return None
+  """The first C++ compiler found: $CXX, c++, g++, clang++."""
+  found = (shutil.which(name) for name in (os.environ.get("CXX"), "c++", "g++", "clang++") if name)
+  return next((path for path in found if path), None)
 
 
 def _cpu_signature() -> str:

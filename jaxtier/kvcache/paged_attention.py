@@ -4,13 +4,13 @@ Pages hold float32, bfloat16, uint16 (bfloat16 bit patterns, how the cache store
 or int8 values with float32 scales per token and kv head. Four implementations, one signature:
 - `paged_attention_reference`: gathers every sequence token by token into a dense [batch, slots]
   array and calls `dense_attention`. Obviously right; a token-granular gather plus a transpose.
-- `paged_attention`: the XLA path (every prefill row, and decode off CPU), flash-decoding style: a loop over chunks of the
-  block tables with an online softmax, up to the last chunk a query can see. Each step gathers
-  whole blocks (contiguous block_size x head_dim runs per kv head) of ~128 slots, so no dense copy
-  of the context is materialized, and INT8 scales are folded into scores and probabilities
-  instead of dequantizing K and V. Rows are sorted by length and run in small groups, each to its
-  own longest context. On CPU it runs 2-4x faster than one big gather (and than
-  `dense_attention`) at long contexts.
+- `paged_attention`: the XLA path (every prefill row, and decode steps off CPU), flash-decoding
+  style: a loop over chunks of the block tables with an online softmax, up to the last chunk a
+  query can see. Each step gathers whole blocks (contiguous block_size x head_dim runs per kv
+  head) of ~128 slots, so no dense copy of the context is materialized, and INT8 scales are
+  folded into scores and probabilities instead of dequantizing K and V. Rows are sorted by
+  length and run in small groups, each to its own longest context. On CPU it runs 2-4x faster
+  than one big gather (and than `dense_attention`) at long contexts.
 - `paged_attention_pallas`: the Pallas GPU kernel shipped with JAX
   (`jax.experimental.pallas.ops.gpu.paged_attention`) for decode steps (one query per sequence);
   `interpret=True` runs it on CPU.
