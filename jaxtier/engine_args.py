@@ -119,7 +119,7 @@ class EngineArgs:
       (a `tp` mesh of this process's first devices; see `jaxtier.sharding`).
     trace_path: where to append a per-step JSONL trace (None: no trace).
     attention_impl: decode-step attention: "cpu" (a C++ kernel reading the paged pool in place,
-      built on first use; see `jaxtier.kvcache.cpu_kernel`), "xla", "pallas" (the GPU kernel), or
+      built on first use; see `jaxtier.cpu_kernels`), "xla", "pallas" (the GPU kernel), or
       "auto": "cpu" for a pool on one CPU device when a C++ compiler is found, else "xla".
   """
   model: str = "smollm2-135m-instruct"
@@ -188,10 +188,10 @@ class EngineArgs:
       raise ValueError(f"attention_impl='cpu' runs on one device, not tensor_parallel_size="
                        f"{self.tensor_parallel_size} (use 'auto' or 'xla')")
     if self.attention_impl == "cpu":
-      from jaxtier.kvcache import cpu_kernel  # pylint: disable=import-outside-toplevel
-      if not cpu_kernel.available():
+      from jaxtier import cpu_kernels  # pylint: disable=import-outside-toplevel
+      if not cpu_kernels.available():
         raise ValueError(f"attention_impl='cpu' is unavailable: "
-                         f"{cpu_kernel.unavailable_reason()}")
+                         f"{cpu_kernels.unavailable_reason()}")
 
   @property
   def token_budget(self) -> int:

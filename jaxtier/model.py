@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtier import cpu_kernels, matmul
 from jaxtier.config import ModelConfig
 
 
@@ -74,6 +75,12 @@ class DecoderLayer(nnx.Module):
   def project_gate_up(self, y_bth):
     return self.gate_proj(y_bth), self.up_proj(y_bth)
 
+  def project_out(self, attn_btf):
+    return self.o_proj(attn_btf)
+
+  def project_down(self, h_btf):
+    return self.down_proj(h_btf)
+
   def __call__(self, x_bth, cos_btd, sin_btd, cache, layer, pos_bt, meta):
     n, k, d = self.shape
     b, t, _ = x_bth.shape
@@ -83,46 +90,84 @@ class DecoderLayer(nnx.Module):
       k_btkd = apply_rotary(k_new.reshape(b, t, k, d), cos_btd, sin_btd)
       v_btkd = v_new.reshape(b, t, k, d)
       cache, attn_btnd = cache.update_and_attend(layer, q_btnd, k_btkd, v_btkd, pos_bt, meta)
-      x_bth = x_bth + self.o_proj(attn_btnd.reshape(b, t, n * d))
+      x_bth = x_bth + self.project_out(attn_btnd.reshape(b, t, n * d))
     with jax.named_scope("mlp"):
       gate, up = self.project_gate_up(self.mlp_norm(x_bth))
-      x_bth = x_bth + self.down_proj(jax.nn.silu(gate) * up)
+      x_bth = x_bth + self.project_down(jax.nn.silu(gate) * up)
     return x_bth, cache
 
 
 class FusedDecoderLayer(DecoderLayer):
   """A DecoderLayer with its q/k/v and gate/up kernels concatenated: the same arithmetic in three
-  fewer matmuls per layer, which matters where each matmul is a separate kernel call (CPU decode)."""
+  fewer matmuls per layer, which matters where each matmul is a separate kernel call (CPU decode).
+
+  `packed` stores the four kernels in 64-column panels (`jaxtier.matmul`) and multiplies with the
+  CPU kernel, which streams them once per step at the batch sizes of decoding. The default packs
+  float32 layers built for CPU when the kernel is available (`jaxtier.cpu_kernels`) and every
+  kernel's width is a multiple of 64 (no padding, so the same bytes), and keeps the [in, out]
+  layout elsewhere.
+  """
 
   # Each fused parameter is its parts' parameters concatenated along the last (output) axis.
   PARTS = {
       "qkv_kernel": (("q_proj", "kernel"), ("k_proj", "kernel"), ("v_proj", "kernel")),
       "qkv_bias": (("q_proj", "bias"), ("k_proj", "bias"), ("v_proj", "bias")),
       "gate_up_kernel": (("gate_proj", "kernel"), ("up_proj", "kernel")),
+      "o_kernel": (("o_proj", "kernel"),),
+      "down_kernel": (("down_proj", "kernel"),),
   }
+  KERNELS = ("qkv_kernel", "gate_up_kernel", "o_kernel", "down_kernel")  # packed when `packed`
 
-  def __init__(self, layer: DecoderLayer):  # pylint: disable=super-init-not-called
+  # pylint: disable-next=super-init-not-called
+  def __init__(self, layer: DecoderLayer, packed: bool | None = None):
     self.shape = layer.shape
     self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
-    self.o_proj, self.down_proj = layer.o_proj, layer.down_proj
     projections = (layer.q_proj, layer.k_proj, layer.v_proj)
-    self.qkv_kernel = nnx.Param(jnp.concatenate([p.kernel[...] for p in projections], axis=1))
+    kernels = {
+        "qkv_kernel": jnp.concatenate([p.kernel[...] for p in projections], axis=1),
+        "gate_up_kernel": jnp.concatenate([layer.gate_proj.kernel[...], layer.up_proj.kernel[...]],
+                                          axis=1),
+        "o_kernel": layer.o_proj.kernel[...],
+        "down_kernel": layer.down_proj.kernel[...],
+    }
+    if packed is None:  # by default only where packing adds no padding: the same bytes
+      packed = (packs_by_default(kernels["qkv_kernel"].dtype)
+                and all(w.shape[-1] % matmul.PANEL == 0 for w in kernels.values()))
+    self.packed = packed
+    self.widths = tuple((name, w.shape[-1]) for name, w in kernels.items())  # before packing
+    for name, w in kernels.items():
+      setattr(self, name, nnx.Param(matmul.pack(w) if self.packed else w))
     self.qkv_bias = (nnx.Param(jnp.concatenate([p.bias[...] for p in projections]))
                      if layer.q_proj.bias is not None else None)
-    self.gate_up_kernel = nnx.Param(
-        jnp.concatenate([layer.gate_proj.kernel[...], layer.up_proj.kernel[...]], axis=1))
+
+  def _matmul(self, y, name: str):
+    kernel = getattr(self, name)[...]
+    return matmul.packed_matmul(y, kernel, dict(self.widths)[name]) if self.packed else y @ kernel
 
   def project_qkv(self, y_bth):
     n, k, d = self.shape
-    qkv = y_bth @ self.qkv_kernel[...]
+    qkv = self._matmul(y_bth, "qkv_kernel")
     if self.qkv_bias is not None:
       qkv = qkv + self.qkv_bias[...]
     return qkv[..., :n * d], qkv[..., n * d:(n + k) * d], qkv[..., (n + k) * d:]
 
   def project_gate_up(self, y_bth):
-    gate_up = y_bth @ self.gate_up_kernel[...]
+    gate_up = self._matmul(y_bth, "gate_up_kernel")
     half = gate_up.shape[-1] // 2
     return gate_up[..., :half], gate_up[..., half:]
+
+  def project_out(self, attn_btf):
+    return self._matmul(attn_btf, "o_kernel")
+
+  def project_down(self, h_btf):
+    return self._matmul(h_btf, "down_kernel")
+
+
+def packs_by_default(dtype) -> bool:
+  """Whether fused layers of `dtype` are packed by default: float32 on a CPU backend with the CPU
+  kernels built."""
+  return (jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
+          and cpu_kernels.available())
 
 
 def make_layer_stack(config: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
@@ -172,10 +217,14 @@ class Transformer(nnx.Module):
 
   def hidden_states(self, tokens_bt: jax.Array, pos_bt: jax.Array, cache, meta: Any = None):
     """Final-norm hidden states [b, t, h] and the updated cache."""
-    x_bth = self.embed(tokens_bt)
+    x_bth = self.embed_tokens(tokens_bt)
     cos_btd, sin_btd = rotary_tables(self.inv_freq[...], pos_bt)
     x_bth, cache = self.run_layers(x_bth, cos_btd, sin_btd, cache, pos_bt, meta)
     return self.final_norm(x_bth), cache
+
+  def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
+    """Token embeddings [b, t, h]."""
+    return self.embed(tokens_bt)
 
   def run_layers(self, x_bth, cos_btd, sin_btd, cache, pos_bt, meta):
     """All decoder layers: one `lax.scan` over the stacked layers."""
@@ -254,6 +303,11 @@ class GroupedTransformer(Transformer):
   copied out of the stacked model; outputs equal the stacked model's. `model` needs only `config`,
   `embed`, `final_norm`, `inv_freq` (and `lm_head` unless tied), plus `layers` for the groups it
   slices.
+
+  With `fused`, where fused layers pack (`packs_by_default`) and the vocabulary is a multiple of
+  64, the LM head is packed too (`packed_head`, [v / 64, h, 64], `jaxtier.matmul`): XLA:CPU's
+  product with the [v, h] table at 2-32 rows ran at a third to a half of the bandwidth. A tied
+  table is then held only packed, and embedding a token gathers its column of the panels.
   """
 
   def __init__(self, model: Transformer, groups, fused: bool = True):
@@ -262,8 +316,15 @@ class GroupedTransformer(Transformer):
       raise ValueError(f"layer groups {list(groups)} must have positive sizes adding up to "
                        f"num_layers={model.config.num_layers}")
     self.config = model.config
-    self.embed, self.final_norm, self.inv_freq = model.embed, model.final_norm, model.inv_freq
-    if not model.config.tie_word_embeddings:
+    self.final_norm, self.inv_freq = model.final_norm, model.inv_freq
+    tied = model.config.tie_word_embeddings
+    table_vh = model.embed.embedding if tied else model.lm_head
+    self.packed_head = (nnx.Param(matmul.pack(table_vh[...].T))
+                        if fused and packs_by_default(table_vh.dtype)
+                        and model.config.vocab_size % matmul.PANEL == 0 else None)
+    if not (tied and self.packed_head is not None):
+      self.embed = model.embed
+    if not tied and self.packed_head is None:
       self.lm_head = model.lm_head
     parts, first = [], 0
     for n, mode in groups:
@@ -281,6 +342,17 @@ class GroupedTransformer(Transformer):
                          "'unrolled', a group factory or a group module")
       first += n
     self.groups = nnx.List(parts)
+
+  def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
+    if self.config.tie_word_embeddings and self.packed_head is not None:
+      panels_phc = self.packed_head[...]
+      return panels_phc[tokens_bt // matmul.PANEL, :, tokens_bt % matmul.PANEL]
+    return self.embed(tokens_bt)
+
+  def logits(self, h_bth: jax.Array) -> jax.Array:
+    if self.packed_head is not None:
+      return matmul.packed_matmul(h_bth, self.packed_head[...], self.config.vocab_size)
+    return super().logits(h_bth)
 
   def run_layers(self, x_bth, cos_btd, sin_btd, cache, pos_bt, meta):
     for group in self.groups:

@@ -15,8 +15,9 @@ does (replication would store every kv head tp / num_kv_heads times and complica
 unit is one kv-head shard of a block).
 
 Parameter names are those of `jaxtier.model` (canonical `q_proj/kernel` etc., and the fused
-`qkv_kernel`/`gate_up_kernel` of the CPU unrolled layers, which are only used unsharded). A stacked
-parameter has one more dimension than its per-layer form: the leading `layers` axis, never sharded.
+`qkv_kernel`, `gate_up_kernel`, `o_kernel`, `down_kernel` of the CPU unrolled layers, which are only
+used unsharded and replicated). A stacked parameter has one more dimension than its per-layer form:
+the leading `layers` axis, never sharded.
 """
 
 from typing import Sequence
@@ -53,13 +54,13 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("gate_proj", "kernel"): ("embed", "mlp"),
     ("up_proj", "kernel"): ("embed", "mlp"),
     ("down_proj", "kernel"): ("mlp", "embed"),
-    # Fused projections of FusedDecoderLayer: replicated (their concatenated outputs do not split
-    # at head boundaries); the model does not fuse when tensor parallel.
-    ("qkv_kernel",): ("embed", None),
-    ("qkv_bias",): (None,),
-    ("gate_up_kernel",): ("embed", None),
     ("inv_freq",): (None,),
 }
+# Fused (and perhaps packed, `jaxtier.matmul`) projections of FusedDecoderLayer: replicated whatever
+# their rank (concatenated outputs do not split at head boundaries); the model does not fuse when
+# tensor parallel.
+REPLICATED = ("qkv_kernel", "qkv_bias", "gate_up_kernel", "o_kernel", "down_kernel",
+              "packed_head")
 # KV pools (see jaxtier.kvcache.paged): device [k, l, p, c, d], host [h, k, l, c, d].
 DEVICE_POOL_AXES = ("kv_heads", "layers", "blocks", None, "head_dim")
 HOST_POOL_AXES = ("blocks", "kv_heads", "layers", None, "head_dim")
@@ -113,6 +114,8 @@ def param_axes(path: Sequence[str], ndim: int) -> tuple[str | None, ...]:
   """Logical axes of the parameter at `path` (any arrangement of jaxtier's model: stacked,
   sliced into groups or per layer) with `ndim` dims; a leading extra dim is `layers`."""
   path = tuple(str(p) for p in path)
+  if path[-1] in REPLICATED:
+    return (None,) * ndim
   axes = PARAM_AXES.get(path[-2:]) or PARAM_AXES.get(path[-1:])
   if axes is None:
     raise ValueError(f"parameter {'/'.join(path)} has no logical axes in jaxtier.sharding")

@@ -13,17 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtier import sharding
-from jaxtier.kvcache import cpu_kernel, dequantize_int8, paged_attention_cpu, quantize_int8
+from jaxtier import cpu_kernels, sharding
+from jaxtier.kvcache import dequantize_int8, paged_attention_cpu, quantize_int8
 from jaxtier.kvcache.paged import resolve_attention_impl
 from tests.test_paged_attention import expected, make_case
 
-pytestmark = pytest.mark.skipif(cpu_kernel._compiler() is None,
+pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
                                 reason="no C++ compiler to build the CPU kernel")
 
 
 def test_kernel_builds():
-  assert cpu_kernel.available(), cpu_kernel.unavailable_reason()
+  assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
 
 
 def run(q, kp, vp, table, pos, *scales):

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxtier import sharding
+from jaxtier import matmul, sharding
 from jaxtier.checkpoint.params import (DERIVED, Path, TensorSource, _flatten, _unflatten,
                                        check_shapes)
 from jaxtier.config import ModelConfig
@@ -146,6 +146,7 @@ class _Group:
   kind: str
   splits: list
   values: list[dict]
+  packed: bool = False  # fused layers whose kernels are packed (`jaxtier.matmul`)
   parts: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -162,13 +163,16 @@ def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused:
   if mode == "unrolled":
     fuse = FusedDecoderLayer if fused else (lambda layer: layer)
     make = lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0)))
-    splits = [nnx.split(nnx.eval_shape(make)) for _ in layers]
+    modules = [nnx.eval_shape(make) for _ in layers]
+    splits = [nnx.split(module) for module in modules]
+    packed = any(getattr(module, "packed", False) for module in modules)
   else:
     stack_config = dataclasses.replace(config, num_layers=len(layers))
     splits = [nnx.split(nnx.eval_shape(lambda: make_layer_stack(stack_config, dtype,
                                                                 nnx.Rngs(0))))]
+    packed = False
   kind = placement.PINNED_HOST if mode == "offload" else placement.DEVICE
-  return _Group(mode, layers, kind, splits, [{} for _ in splits])
+  return _Group(mode, layers, kind, splits, [{} for _ in splits], packed)
 
 
 def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> None:
@@ -198,6 +202,8 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
         continue
       host = got.pop(parts[0]) if len(parts) == 1 else np.concatenate(
           [got.pop(p) for p in parts], axis=-1)
+      if group.packed and sub[-1] in FusedDecoderLayer.KERNELS:
+        host = matmul.pack(host)
       del group.parts[sub]
       for j, values in enumerate(group.values):
         values[sub] = placer.place(("layers",) + sub, host[j], spec, group.kind)
@@ -259,4 +265,4 @@ def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
     else:
       built = LayerStack(group.module(0), first)
     groups.append((len(group.layers), built))
-  return GroupedTransformer(parts, groups)
+  return GroupedTransformer(parts, groups, layout.fused)

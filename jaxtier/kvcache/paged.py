@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxtier import sharding
 from jaxtier.kv_bytes import kv_block_bytes
-from jaxtier.kvcache import cpu_kernel
+from jaxtier import cpu_kernels
 from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_cpu,
                                               paged_attention_pallas, paged_attention_reference)
 from jaxtier.kvcache.quant import (KV_CACHE_DTYPES, SCALE_DTYPE, encode, quantize_int8,
@@ -41,7 +41,7 @@ class PagedCacheConfig:
 
   The host pool is sized by `num_host_blocks` or by `host_pool_gib` (at most one of them);
   `attention_impl` picks the decode-step attention: "cpu" is the CPU kernel
-  (`jaxtier.kvcache.cpu_kernel`), "pallas" the GPU kernel, "xla" the XLA path; "auto" (the
+  (`jaxtier.cpu_kernels`), "pallas" the GPU kernel, "xla" the XLA path; "auto" (the
   default) becomes "cpu" for a pool on one CPU device when the kernel builds, else "xla" (see
   `resolve_attention_impl`). Prefill rows always take the XLA path.
   """
@@ -200,12 +200,12 @@ def resolve_attention_impl(impl: str, mesh: jax.sharding.Mesh) -> str:
     return impl
   fits = platform == "cpu" and mesh.devices.size == 1
   if impl == "auto":
-    return "cpu" if fits and cpu_kernel.available() else "xla"
+    return "cpu" if fits and cpu_kernels.available() else "xla"
   if not fits:
     raise ValueError(f"attention_impl='cpu' needs a pool on one CPU device, got "
                      f"{mesh.devices.size} {platform} device(s)")
-  if not cpu_kernel.available():
-    raise ValueError(f"attention_impl='cpu' is unavailable: {cpu_kernel.unavailable_reason()}")
+  if not cpu_kernels.available():
+    raise ValueError(f"attention_impl='cpu' is unavailable: {cpu_kernels.unavailable_reason()}")
   return impl
 
 

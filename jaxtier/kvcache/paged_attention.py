@@ -15,7 +15,7 @@ or int8 values with float32 scales per token and kv head. Four implementations, 
   (`jax.experimental.pallas.ops.gpu.paged_attention`) for decode steps (one query per sequence);
   `interpret=True` runs it on CPU.
 - `paged_attention_cpu`: decode steps on CPU, a C++ kernel called through the XLA FFI
-  (`jaxtier.kvcache.cpu_kernel`) that reads each table's pages in place: XLA:CPU's gathers copy
+  (`jaxtier.cpu_kernels`) that reads each table's pages in place: XLA:CPU's gathers copy
   every chunk first, and at long contexts those copies were most of a decode step.
 
 The pool is addressed by flat page ids: the cache stores [kv_heads, layers, blocks, block_size,
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
 
-from jaxtier.kvcache import cpu_kernel
+from jaxtier import cpu_kernels
 from jaxtier.kvcache.attention import dense_attention
 from jaxtier.kvcache.quant import SCALE_DTYPE, decode, dequantize_int8
 
@@ -248,12 +248,12 @@ def paged_attention_cpu(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_
                         v_scales_kfc=None) -> jax.Array:
   """Decode-step paged attention (t == 1) with the CPU kernel; output [b, 1, n, d].
 
-  The kernel (`jaxtier.kvcache.cpu_kernel`) reads each sequence's keys and values in place from
+  The kernel (`jaxtier.cpu_kernels`) reads each sequence's keys and values in place from
   the pool, so no gathered copy is made. Raises RuntimeError where it cannot be built.
   """
-  if not cpu_kernel.available():
+  if not cpu_kernels.available():
     raise RuntimeError(f"the CPU attention kernel is unavailable: "
-                       f"{cpu_kernel.unavailable_reason()}")
+                       f"{cpu_kernels.unavailable_reason()}")
   check_paged_inputs(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc,
                      v_scales_kfc)
   b, t, n, d = q_btnd.shape
@@ -265,7 +265,7 @@ def paged_attention_cpu(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_
                                   for x in (k_pages_kfcd, v_pages_kfcd))
   q_bnd = q_btnd[:, 0].astype(jnp.float32) * jnp.float32(d ** -0.5)
   no_scales = jnp.zeros((1,), SCALE_DTYPE)
-  out_bnd = jax.ffi.ffi_call(cpu_kernel.TARGET, jax.ShapeDtypeStruct((b, n, d), jnp.float32),
+  out_bnd = jax.ffi.ffi_call(cpu_kernels.ATTENTION_TARGET, jax.ShapeDtypeStruct((b, n, d), jnp.float32),
                              vmap_method="sequential")(
       q_bnd, k_pages_kfcd, v_pages_kfcd, jnp.clip(pages_bm, 0, f - 1), pos_bt[:, 0],
       no_scales if k_scales_kfc is None else k_scales_kfc,

@@ -1,4 +1,4 @@
-// Decode-step paged attention for XLA:CPU, called through the XLA FFI (see cpu_kernel.py).
+// Decode-step paged attention for XLA:CPU, called through the XLA FFI (see jaxtier/cpu_kernels.py).
 //
 // One query token per sequence attends to the slots 0..pos of its block table, read in place from
 // the pool: no gathered copy of the context is made. Work items are (sequence, kv head) pairs,

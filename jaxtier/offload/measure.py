@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtier import matmul
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.config import ModelConfig
 from jaxtier.model import make_layer_stack, rotary_tables
@@ -48,14 +49,16 @@ def matmul_flops_per_s(repeats: int = 5) -> tuple[float, int]:
   return 2 * n**3 / _median_seconds(lambda: product(a, b), repeats), n
 
 
-def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats: int = 5
-                     ) -> float:
+def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats: int = 5,
+                     packed: bool = False) -> float:
   """Seconds of one decode step's weight matmuls alone at `rows` rows: every layer's q/k/v,
   output, gate/up and down projections and the LM head, on random weights of the model's
   shapes (one array per layer, as the engine's unrolled layers hold them), in one jitted
-  program with nothing else in it. What XLA's matmul kernels take for a step's weights at this
+  program with nothing else in it. What the matmul kernels take for a step's weights at this
   batch: a floor for the step that the bandwidth/matmul-rate bound does not see (skinny matmuls
-  run far below a square matmul's rate)."""
+  run far below a square matmul's rate). `packed`: the projections and LM head packed and
+  multiplied as the packed model does (`jaxtier.matmul`); else XLA's matmuls on [in, out]
+  weights."""
   c = config
   shapes = [(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
             (c.num_heads * c.head_dim, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),
@@ -63,18 +66,27 @@ def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats:
   keys = iter(jax.random.split(jax.random.key(0), c.num_layers * len(shapes) + 1))
   layers = [[jax.random.normal(next(keys), s, dtype) * 0.02 for s in shapes]
             for _ in range(c.num_layers)]
+  if packed:
+    layers = [[matmul.pack(w) for w in layer] for layer in layers]
+  product = ((lambda x, w, n: matmul.packed_matmul(x, w, n)) if packed else
+             (lambda x, w, n: x @ w))
+  widths = [n for _, n in shapes]
   head = jax.random.normal(next(keys), (c.vocab_size, c.hidden_size), dtype) * 0.02
+  logits = lambda h, head: h @ head.T
+  if packed and c.vocab_size % matmul.PANEL == 0:  # as GroupedTransformer packs the LM head
+    head = matmul.pack(head.T)
+    logits = lambda h, head: matmul.packed_matmul(h, head, c.vocab_size)
   x = jnp.ones((rows, c.hidden_size), dtype)
 
   @jax.jit
   def run(x, layers, head):
     h = x
     for qkv, o, gate_up, down in layers:  # each product feeds the next: nothing runs ahead
-      a = (h @ qkv)[:, :c.num_heads * c.head_dim]
-      h = h + a @ o
-      g = h @ gate_up
-      h = h + (g[:, :c.intermediate_size] * g[:, c.intermediate_size:]) @ down
-    return h @ head.T
+      a = product(h, qkv, widths[0])[:, :c.num_heads * c.head_dim]
+      h = h + product(a, o, widths[1])
+      g = product(h, gate_up, widths[2])
+      h = h + product(g[:, :c.intermediate_size] * g[:, c.intermediate_size:], down, widths[3])
+    return logits(h, head)
 
   return _median_seconds(lambda: run(x, layers, head), repeats)
 

@@ -1,12 +1,14 @@
-"""The CPU decode-attention kernel (`paged_attention_cpu.cc`), built on first use and called through
-the XLA FFI.
+"""The CPU kernels, built on first use into one library and called through the XLA FFI.
 
-XLA:CPU has no way to read a paged pool in place: the fast XLA path gathers every chunk of
-blocks into a copy before its dots, and on CPU those gathers, not the arithmetic, are most of a
-long-context decode step. The kernel reads keys and values straight from the pool (see the
-source's header).
+- `jaxtier/kvcache/paged_attention_cpu.cc`: decode attention over the paged pool. XLA:CPU has no
+  way to read a paged pool in place: the fast XLA path gathers every chunk of blocks into a copy
+  before its dots, and on CPU those gathers, not the arithmetic, are most of a long-context decode
+  step. The kernel reads keys and values straight from the pool.
+- `jaxtier/matmul_cpu.cc`: x @ w with w packed in 64-column panels (`jaxtier.matmul`). XLA:CPU's
+  matmuls with 2-32 rows (batched decode) run at a fraction of the memory bandwidth; the kernel
+  streams each panel once.
 
-Building: the source is compiled once per (source, compiler, jaxlib, CPU) with the system C++
+Building: the sources are compiled once per (sources, compiler, jaxlib, CPU) with the system C++
 compiler (`$CXX`, else `c++`/`g++`/`clang++`) against the FFI headers jaxlib ships
 (`jax.ffi.include_dir()`) into `<cache dir>/kernels/` (`$JAXTIER_CACHE_DIR`, else
 `~/.cache/jaxtier`); `-march=native` because the library only ever runs where it was built. With
@@ -28,11 +30,11 @@ import jax
 import jaxlib
 from absl import logging
 
-from jaxtier.checkpoint import registry
-
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
-TARGET = "jaxtier_paged_decode_attention"
-SYMBOL = "JaxtierPagedDecodeAttention"
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "kvcache" / "paged_attention_cpu.cc", _HERE / "matmul_cpu.cc")
+ATTENTION_TARGET = "jaxtier_paged_decode_attention"
+MATMUL_TARGET = "jaxtier_packed_matmul"
+_SYMBOLS = {ATTENTION_TARGET: "JaxtierPagedDecodeAttention", MATMUL_TARGET: "JaxtierPackedMatmul"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -53,21 +55,23 @@ def _cpu_signature() -> str:
 
 
 def _library_path(compiler: str) -> Path:
+  # Imported here: jaxtier.checkpoint imports the model, whose layers use these kernels.
+  from jaxtier.checkpoint import registry  # pylint: disable=import-outside-toplevel
   key = hashlib.sha256()
-  for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+  for part in (*(source.read_bytes() for source in SOURCES), compiler.encode(), " ".join(FLAGS).encode(),
                jaxlib.__version__.encode(), platform.machine().encode(), _cpu_signature().encode()):
     key.update(part)
     key.update(b"\0")
-  return Path(registry.cache_dir()) / "kernels" / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+  return Path(registry.cache_dir()) / "kernels" / f"jaxtier_cpu-{key.hexdigest()[:16]}.so"
 
 
 def _build(compiler: str, path: Path) -> None:
-  """Compiles the source into `path` (atomically: concurrent builds each rename a whole file)."""
+  """Compiles the sources into `path` (atomically: concurrent builds each rename a whole file)."""
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
   os.close(fd)
   try:
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode:
       raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
@@ -79,7 +83,7 @@ def _build(compiler: str, path: Path) -> None:
 
 @functools.cache
 def _load() -> str | None:
-  """Builds (if needed), loads and registers the kernel; None, or why it is unavailable."""
+  """Builds (if needed), loads and registers the kernels; None, or why they are unavailable."""
   compiler = _compiler()
   if compiler is None:
     return "no C++ compiler found (set CXX, or install g++ or clang++)"
@@ -88,15 +92,16 @@ def _load() -> str | None:
     if not path.exists():
       _build(compiler, path)
     library = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)),
-                                platform="cpu")
+    for target, symbol in _SYMBOLS.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                  platform="cpu")
   except (OSError, RuntimeError, AttributeError) as e:
-    return f"building or loading {SOURCE.name} failed: {e}"
+    return f"building or loading the CPU kernels failed: {e}"
   return None
 
 
 def available() -> bool:
-  """Whether the kernel is built and registered (builds it on the first call)."""
+  """Whether the kernels are built and registered (builds them on the first call)."""
   reason = _load()
   if reason is not None:
     _warn_once(reason)
@@ -110,4 +115,4 @@ def unavailable_reason() -> str | None:
 
 @functools.cache
 def _warn_once(reason: str) -> None:
-  logging.warning("CPU paged attention kernel unavailable, using the XLA path: %s", reason)
+  logging.warning("CPU kernels unavailable, using the XLA paths: %s", reason)

@@ -1,0 +1,80 @@
+"""Weights packed in column panels, and x @ w on them: the CPU kernel, with an XLA reference.
+
+A [K, N] weight is stored packed as [ceil(N / 64), K, 64]: panel p holds columns
+[64 p, 64 p + 64), row by row, so each panel is one contiguous stream (columns past N are zero,
+and the product is sliced back to N). `jaxtier/matmul_cpu.cc` multiplies by a
+packed weight reading each panel once in order, with a tile of x's rows summed in registers;
+at 2-32 rows (batched decode) that runs 1.3-2x faster than XLA:CPU's matmul on the [K, N]
+layout, and on par with it at prefill sizes (WORKSPACE.md, "Packed weights").
+
+`packed_matmul` picks the kernel when the program is lowered for CPU and the kernel is built
+(`jaxtier.cpu_kernels`); elsewhere, or for dtypes other than float32, it is `reference_matmul`,
+an einsum that XLA runs with the weight transposed back (correct everywhere, slower).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtier import cpu_kernels
+
+PANEL = 64  # columns per panel
+
+
+def panels(n: int) -> int:
+  """Panels of a weight with n output columns (the last one zero-padded)."""
+  return -(-n // PANEL)
+
+
+def pack(w_kn):
+  """[..., K, N] -> [..., ceil(N / 64), K, 64], the columns past N zero (numpy in, numpy out;
+  jax in, jax out)."""
+  *lead, k, n = w_kn.shape
+  xp = np if isinstance(w_kn, np.ndarray) else jnp
+  pad = panels(n) * PANEL - n
+  if pad:
+    w_kn = xp.concatenate([w_kn, xp.zeros((*lead, k, pad), w_kn.dtype)], axis=-1)
+  w = xp.swapaxes(w_kn.reshape(*lead, k, panels(n), PANEL), -3, -2)
+  return np.ascontiguousarray(w) if xp is np else w
+
+
+def unpack(w_pkc, n: int):
+  """[..., P, K, 64] -> [..., K, n]: the inverse of `pack` for a weight of n columns."""
+  *lead, p, k, c = w_pkc.shape
+  xp = np if isinstance(w_pkc, np.ndarray) else jnp
+  return xp.swapaxes(w_pkc, -3, -2).reshape(*lead, k, p * c)[..., :n]
+
+
+def reference_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:
+  """x [..., K] @ packed w -> [..., n] (n: all the panels' columns if None), by XLA."""
+  out = jnp.einsum("...k,pkc->...pc", x_mk, w_pkc)
+  out = out.reshape(*out.shape[:-2], -1)
+  return out if n is None else out[..., :n]
+
+
+def _kernel_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:
+  lead, k = x_mk.shape[:-1], x_mk.shape[-1]
+  p, _, c = w_pkc.shape
+  x = x_mk.reshape(-1, k)
+  out = jax.ffi.ffi_call(cpu_kernels.MATMUL_TARGET,
+                         jax.ShapeDtypeStruct((x.shape[0], p * c), jnp.float32))(x, w_pkc)
+  out = out.reshape(*lead, p * c)
+  return out if n is None else out[..., :n]
+
+
+def packed_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:
+  """x [..., K] @ packed w [P, K, 64] -> [..., n]: the CPU kernel where it applies.
+
+  n: the weight's columns before padding (None: all P * 64).
+  """
+  if w_pkc.ndim != 3 or w_pkc.shape[-1] != PANEL or w_pkc.shape[1] != x_mk.shape[-1]:
+    raise ValueError(f"expected a packed weight [P, {x_mk.shape[-1]}, {PANEL}] for x of shape "
+                     f"{x_mk.shape}, got {w_pkc.shape}")
+  if n is not None and not (w_pkc.shape[0] - 1) * PANEL < n <= w_pkc.shape[0] * PANEL:
+    raise ValueError(f"n={n} does not fit a packed weight of {w_pkc.shape[0]} panels")
+  if (x_mk.dtype != jnp.float32 or w_pkc.dtype != jnp.float32 or not x_mk.size
+      or not cpu_kernels.available()):
+    return reference_matmul(x_mk, w_pkc, n)
+  return jax.lax.platform_dependent(x_mk, w_pkc, cpu=lambda x, w: _kernel_matmul(x, w, n),
+                                    default=lambda x, w: reference_matmul(x, w, n))
+

@@ -1,0 +1,135 @@
+// x @ w for XLA:CPU with w packed in column panels, called through the XLA FFI (see
+// jaxtier/matmul.py for the layout and jaxtier/cpu_kernels.py for the build).
+//
+// The packed weight is [N / 64, K, 64]: panel p holds columns [64 p, 64 p + 64) of the [K, N]
+// matrix, row by row, so a panel is one contiguous stream. An item is (panel, block of up to 96
+// rows of x); for every tile of up to 6 rows it keeps 6 x 64 sums in registers while it walks the
+// panel's K rows once, prefetching ahead. At decode (a few rows) each weight is read once from
+// memory in order, which XLA:CPU's skinny matmuls do not manage; at prefill the panel stays in the
+// core's L2 cache across the row tiles. Items are pulled from an atomic counter by the calling
+// thread and by helpers scheduled on XLA's intra-op thread pool.
+//
+// x is float32 [M, K] (row-major), out float32 [M, N].
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 64;     // columns per panel: 4 vectors of 16 floats
+constexpr int64_t kRowBlock = 96;  // rows of x per work item
+constexpr int kTile = 6;           // rows per register tile: 6 x 4 accumulators
+constexpr int64_t kAhead = 16;     // panel rows prefetched ahead
+
+typedef float V16 __attribute__((vector_size(64)));
+inline V16 LoadV(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void StoreV(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// out[R rows, 64 columns] (row stride n) = x[R rows, K] (row stride k) @ panel [K, 64].
+template <int R>
+inline void Tile(const float* x, const float* panel, float* out, int64_t k, int64_t n) {
+  V16 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = V16{};
+  const float* w = panel;
+  for (int64_t i = 0; i < k; ++i, w += kPanel) {
+    __builtin_prefetch(w + kPanel * kAhead);
+    V16 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = LoadV(w + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const V16 xv = V16{} + x[r * k + i];
+      for (int j = 0; j < 4; ++j) acc[r][j] += xv * wv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) StoreV(out + r * n + 16 * j, acc[r][j]);
+}
+
+struct Call {
+  const float* x;
+  const float* w;
+  float* out;
+  int64_t m, k, n, row_blocks, items;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void Item(const Call& c, int64_t item) {
+  const int64_t p = item / c.row_blocks;
+  const int64_t first = (item % c.row_blocks) * kRowBlock;
+  const int64_t last = std::min(c.m, first + kRowBlock);
+  const float* panel = c.w + p * c.k * kPanel;
+  int64_t r = first;
+  for (; r + kTile <= last; r += kTile)
+    Tile<kTile>(c.x + r * c.k, panel, c.out + r * c.n + p * kPanel, c.k, c.n);
+  const float* x = c.x + r * c.k;
+  float* out = c.out + r * c.n + p * kPanel;
+  switch (last - r) {
+    case 5: Tile<5>(x, panel, out, c.k, c.n); break;
+    case 4: Tile<4>(x, panel, out, c.k, c.n); break;
+    case 3: Tile<3>(x, panel, out, c.k, c.n); break;
+    case 2: Tile<2>(x, panel, out, c.k, c.n); break;
+    case 1: Tile<1>(x, panel, out, c.k, c.n); break;
+    default: break;
+  }
+}
+
+void Drain(Call& c) {
+  for (;;) {
+    const int64_t item = c.next.fetch_add(1, std::memory_order_relaxed);
+    if (item >= c.items) return;
+    Item(c, item);
+    c.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || wd[1] != xd[1] ||
+      od.size() != 2 || od[0] != xd[0] || od[1] != wd[0] * kPanel)
+    return ffi::Error::InvalidArgument("packed matmul: expected x [M, K], w [N/64, K, 64], "
+                                       "out [M, N]");
+  auto call = std::make_shared<Call>();
+  call->x = x.typed_data();
+  call->w = w.typed_data();
+  call->out = out->typed_data();
+  call->m = xd[0];
+  call->k = xd[1];
+  call->n = od[1];
+  if (call->m == 0 || call->n == 0) return ffi::Error::Success();
+  if (call->k == 0) {
+    std::memset(call->out, 0, sizeof(float) * call->m * call->n);
+    return ffi::Error::Success();
+  }
+  call->row_blocks = (call->m + kRowBlock - 1) / kRowBlock;
+  call->items = wd[0] * call->row_blocks;
+  // Helpers hold the call alive (shared_ptr) and find the counter spent if they start late.
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), call->items - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([call]() { Drain(*call); });
+  Drain(*call);
+  while (call->done.load(std::memory_order_acquire) < call->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierPackedMatmul, PackedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,179 @@
+"""Packed weights (`jaxtier.matmul`) and the CPU matmul kernel against float64 numpy, and the
+packed fused layers against the stacked scan of unpacked layers.
+
+Skipped only where no C++ compiler exists; a kernel that fails to build is a failure.
+"""
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtier import checkpoint, cpu_kernels, matmul
+from jaxtier.kvcache import ContiguousKVCache
+from jaxtier.config import ModelConfig
+from jaxtier.model import FusedDecoderLayer, GroupedTransformer, Transformer, packs_by_default
+from conftest import fixture_path
+
+pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
+                                reason="no C++ compiler to build the CPU kernels")
+
+kernel = jax.jit(matmul.packed_matmul, static_argnums=2)
+
+
+def case(rng, m, k, n):
+  return rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+
+
+def expected(x, w):
+  return x.astype(np.float64) @ w.astype(np.float64)
+
+
+def check(x, w, got):
+  want = expected(x, w)
+  assert got.shape == want.shape
+  # float32 sums of k products: the error grows like sqrt(k) ulps of the terms' size
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.sqrt(x.shape[1]) * 4)
+
+
+def test_kernel_builds():
+  assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+
+
+@pytest.mark.parametrize("n", [64, 96, 960, 1])
+def test_pack_round_trips_and_pads_with_zeros(n):
+  w = np.arange(5 * n, dtype=np.float32).reshape(5, n)
+  packed = matmul.pack(w)
+  assert packed.shape == (matmul.panels(n), 5, matmul.PANEL)
+  assert np.array_equal(matmul.unpack(packed, n), w)
+  assert np.array_equal(np.asarray(matmul.unpack(matmul.pack(jnp.asarray(w)), n)), w)
+  assert not matmul.unpack(packed, matmul.panels(n) * matmul.PANEL)[:, n:].any()
+  # panel p, row k holds columns 64 p .. 64 p + 63 of row k
+  assert packed[0, 3, 0] == w[3, 0]
+  if n > 64:
+    assert packed[1, 2, 5] == w[2, 69]
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 13, 32, 96, 97, 200])
+@pytest.mark.parametrize("k,n", [(576, 960), (48, 96), (37, 64), (1536, 576)])
+def test_kernel_matches_numpy(m, k, n):
+  """Row counts below, at and past the 6-row register tile and the 96-row work item; odd K;
+  widths that pad the last panel."""
+  rng = np.random.default_rng(m * 7 + k + n)
+  x, w = case(rng, m, k, n)
+  check(x, w, np.asarray(kernel(jnp.asarray(x), jnp.asarray(matmul.pack(w)), n)))
+
+
+@hypothesis.given(m=st.integers(1, 40), k=st.integers(1, 300), n=st.integers(1, 300),
+                  seed=st.integers(0, 2**16))
+@hypothesis.settings(deadline=None, max_examples=25)
+def test_kernel_matches_numpy_property(m, k, n, seed):
+  x, w = case(np.random.default_rng(seed), m, k, n)
+  check(x, w, np.asarray(kernel(jnp.asarray(x), jnp.asarray(matmul.pack(w)), n)))
+
+
+def test_leading_dims_and_the_reference_path():
+  rng = np.random.default_rng(1)
+  x, w = case(rng, 6, 48, 100)
+  x3 = jnp.asarray(x.reshape(2, 3, 48))
+  packed = jnp.asarray(matmul.pack(w))
+  got = np.asarray(kernel(x3, packed, 100))
+  assert got.shape == (2, 3, 100)
+  check(x, w, got.reshape(6, 100))
+  check(x, w, np.asarray(matmul.reference_matmul(jnp.asarray(x), packed, 100)))
+
+
+def test_cpu_lowering_calls_the_kernel_and_bfloat16_does_not():
+  x, w = jnp.ones((3, 64)), jnp.ones((2, 64, 64))
+  assert cpu_kernels.MATMUL_TARGET in kernel.lower(x, w, None).as_text()
+  bf16 = kernel.lower(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), None).as_text()
+  assert cpu_kernels.MATMUL_TARGET not in bf16
+  got = kernel(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), None)
+  assert got.dtype == jnp.bfloat16 and np.all(np.asarray(got, np.float32) == 64)
+
+
+def test_bad_shapes_are_refused():
+  with pytest.raises(ValueError, match="packed weight"):
+    matmul.packed_matmul(jnp.ones((2, 64)), jnp.ones((64, 128)))
+  with pytest.raises(ValueError, match="packed weight"):
+    matmul.packed_matmul(jnp.ones((2, 32)), jnp.ones((2, 64, 64)))
+  with pytest.raises(ValueError, match="n=200"):
+    matmul.packed_matmul(jnp.ones((2, 64)), jnp.ones((2, 64, 64)), 200)
+
+
+def test_float32_layers_pack_by_default_on_cpu():
+  assert packs_by_default(jnp.float32)
+  assert not packs_by_default(jnp.bfloat16)
+
+
+def panel_config(tied: bool, bias: bool) -> ModelConfig:
+  """A tiny model whose every projection and vocabulary is a multiple of 64 wide (so it packs)."""
+  return ModelConfig(architecture="qwen2" if bias else "llama", vocab_size=192, hidden_size=64,
+                     intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
+                     head_dim=16, attention_bias=bias, tie_word_embeddings=tied,
+                     max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module", params=[(True, False), (False, True)], ids=["tied", "untied-bias"])
+def tiny(request):
+  model = Transformer(panel_config(*request.param), rngs=nnx.Rngs(0))
+  if request.param[1]:  # nonzero q/k/v biases, so that a lost bias shows
+    for proj in ("q_proj", "k_proj", "v_proj"):
+      bias = getattr(model.layers, proj).bias
+      bias[...] = jax.random.normal(jax.random.key(1), bias[...].shape) * 0.1
+  return model
+
+
+@nnx.jit
+def forward(model, cache, tokens_bt, pos_bt):
+  return model(tokens_bt, pos_bt, cache)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_packed_layers_equal_the_stacked_scan(tiny, batch):
+  """A prefill then decode steps of `batch` rows (the kernel's decode shapes): the packed fused
+  layers and LM head (and, tied, the embedding gathered from it) give the logits of the unpacked
+  stacked model."""
+  c = tiny.config
+  packed = GroupedTransformer(tiny, [(c.num_layers, "unrolled")])
+  layers = packed.groups[0].layers
+  assert all(type(l) is FusedDecoderLayer and l.packed for l in layers)
+  assert layers[0].qkv_kernel[...].shape == (2, c.hidden_size, 64)  # [panels, in, 64]
+  assert packed.packed_head[...].shape == (3, c.hidden_size, 64)
+  assert hasattr(packed, "embed") != c.tie_word_embeddings  # a tied table is held once
+  rng = np.random.default_rng(batch)
+  ids = jnp.asarray(rng.integers(0, c.vocab_size, (batch, 12)), jnp.int32)
+  got, want = [], []
+  for model, out in ((packed, got), (tiny, want)):
+    cache = ContiguousKVCache.create(c.num_layers, batch, 16, c.num_kv_heads, c.head_dim,
+                                     jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (batch, 8))
+    logits, cache = forward(model, cache, ids[:, :8], pos)
+    out.append(np.asarray(logits))
+    for i in range(8, 12):
+      logits, cache = forward(model, cache, ids[:, i:i + 1], jnp.full((batch, 1), i, jnp.int32))
+      out.append(np.asarray(logits))
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+
+
+def test_widths_off_the_panel_keep_the_in_out_layout():
+  """The tiny fixtures' 48-wide projections would need padding: not packed by default."""
+  model, _ = checkpoint.load_model(fixture_path("tiny_llama"))
+  grouped = GroupedTransformer(model, [(model.config.num_layers, "unrolled")])
+  layer = grouped.groups[0].layers[0]
+  c = model.config
+  assert not layer.packed
+  assert layer.o_kernel[...].shape == (c.num_heads * c.head_dim, c.hidden_size)
+  assert grouped.packed_head is None and hasattr(grouped, "embed")
+
+
+def test_unfused_and_bfloat16_models_are_not_packed(tiny):
+  c = tiny.config
+  assert GroupedTransformer(tiny, [(c.num_layers, "unrolled")], fused=False).packed_head is None
+  bf16 = Transformer(panel_config(True, False), jnp.bfloat16, rngs=nnx.Rngs(0))
+  grouped = GroupedTransformer(bf16, [(c.num_layers, "unrolled")])
+  assert grouped.packed_head is None and not grouped.groups[0].layers[0].packed
