@@ -22,10 +22,13 @@ Every figure comes from the same run, so ratios compare like with like on a nois
                 `Engine.step()`) at each batch in `--batches` and prompt length in `--contexts`,
                 against the bound max((weight bytes + KV bytes read) / read bandwidth,
                 FLOPs / matmul rate), both rates measured in this run (a jitted sum over a large
-                array; a jitted float32 matmul). FLOPs: 2 x params x batch + 4 x batch x context x
+                array; a jitted float32 matmul) before each context's steps and after the last,
+                the best of each used (the strictest bound; the samples are reported). FLOPs: 2 x params x batch + 4 x batch x context x
                 layers x heads x head_dim. Beside it, the step's weight matmuls alone at that
                 batch (`measure.weight_matmuls_s`: the model's projection and LM-head shapes,
-                random weights, one jitted program), what XLA's kernels need for the weights.
+                random weights, one jitted program), what the matmul kernels need for the
+                weights: packed as the engine holds them (`packed_weights`), and with XLA's
+                matmuls on [in, out] weights (`xla_weight_matmuls_alone_ms`).
                 Also batch-1 decode tokens/s of the engine and of Hugging Face
                 (`--hf_decode_tokens` tokens after the shortest context's prompt).
   compile:      compiled variants and compile seconds of every engine this run built.
@@ -503,6 +506,7 @@ def engine_decode_tokens_per_s(llm, ids: list[int], new_tokens: int, request_id:
 
 def decode_section(tokenizer, hf) -> dict:
   import jax
+  from flax import nnx
   from jaxtier.kv_bytes import kv_bytes_per_token
   batches = sorted(int(b) for b in FLAGS.batches)
   contexts = sorted(int(c) for c in FLAGS.contexts)
@@ -523,31 +527,48 @@ def decode_section(tokenizer, hf) -> dict:
   params = sum(x.size for x in leaves)
   per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, llm.kv_cache_dtype)
   from jaxtier.offload import measure
-  bandwidth = measure.read_bytes_per_s()
-  flops_rate, n = measure.matmul_flops_per_s()
+  # The machine's rates vary over minutes (shared cores): they are sampled before each context's
+  # steps and after the last, and the bound uses the best of each (the strictest bound).
+  rates = []
+
+  def sample_rates():
+    rates.append((measure.read_bytes_per_s(), *measure.matmul_flops_per_s()))
+
   dtype = leaves[0].dtype
-  matmuls = {batch: measure.weight_matmuls_s(c, batch, dtype) for batch in batches}
+  model = nnx.merge(llm.graphdef, llm.state)
+  packed = any(getattr(node, "packed", False) is True for _, node in nnx.iter_graph(model))
+  matmuls = {batch: measure.weight_matmuls_s(c, batch, dtype, packed=packed) for batch in batches}
+  xla_matmuls = (matmuls if not packed else
+                 {batch: measure.weight_matmuls_s(c, batch, dtype) for batch in batches})
   prompts = {ctx: [filler(tokenizer, ctx, i) for i in range(4)] for ctx in contexts}
-  table = []
+  steps = []
   for ctx in contexts:
-    for batch in batches:
-      step = decode_step(llm, batch, ctx, prompts[ctx])
-      context = step["mean_context"]
-      kv_bytes = batch * context * per_token
-      flops = 2 * params * batch + 4 * batch * context * c.num_layers * c.num_heads * c.head_dim
-      bound = max((weight_bytes + kv_bytes) / bandwidth, flops / flops_rate)
-      table.append({"batch": batch, "context": ctx, "step_ms": 1e3 * step["step_s"],
-                    "bound_ms": 1e3 * bound, "ratio": step["step_s"] / bound,
-                    "weight_matmuls_alone_ms": 1e3 * matmuls[batch],
-                    "step_over_weight_matmuls": step["step_s"] / matmuls[batch],
-                    "bound_by": ("memory" if (weight_bytes + kv_bytes) / bandwidth
-                                 >= flops / flops_rate else "compute"),
-                    "mean_context": context, "kv_bytes_read": int(kv_bytes), "flops": int(flops),
-                    "compile_s_in_timed_steps": step["compile_s_in_timed_steps"]})
+    sample_rates()
+    steps += [(batch, ctx, decode_step(llm, batch, ctx, prompts[ctx])) for batch in batches]
+  sample_rates()
+  bandwidth = max(r[0] for r in rates)
+  flops_rate, n = max(r[1] for r in rates), rates[0][2]
+  table = []
+  for batch, ctx, step in steps:
+    context = step["mean_context"]
+    kv_bytes = batch * context * per_token
+    flops = 2 * params * batch + 4 * batch * context * c.num_layers * c.num_heads * c.head_dim
+    bound = max((weight_bytes + kv_bytes) / bandwidth, flops / flops_rate)
+    table.append({"batch": batch, "context": ctx, "step_ms": 1e3 * step["step_s"],
+                  "bound_ms": 1e3 * bound, "ratio": step["step_s"] / bound,
+                  "weight_matmuls_alone_ms": 1e3 * matmuls[batch],
+                  "xla_weight_matmuls_alone_ms": 1e3 * xla_matmuls[batch],
+                  "step_over_weight_matmuls": step["step_s"] / matmuls[batch],
+                  "bound_by": ("memory" if (weight_bytes + kv_bytes) / bandwidth
+                               >= flops / flops_rate else "compute"),
+                  "mean_context": context, "kv_bytes_read": int(kv_bytes), "flops": int(flops),
+                  "compile_s_in_timed_steps": step["compile_s_in_timed_steps"]})
   report = {
       "weight_bytes": weight_bytes, "params": params, "kv_bytes_per_token": per_token,
       "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_gflop_s": flops_rate / 1e9,
-      "matmul_n": n, "steps_timed": FLAGS.decode_steps, "table": table,
+      "read_bandwidth_gb_s_samples": [r[0] / 1e9 for r in rates],
+      "matmul_gflop_s_samples": [r[1] / 1e9 for r in rates], "matmul_n": n,
+      "packed_weights": packed, "steps_timed": FLAGS.decode_steps, "table": table,
       "targets": {"all_steps_le_1_5x_bound": all(
           row["ratio"] <= TARGETS["decode_step_over_bound"] for row in table)}}
   # Batch 1 against Hugging Face, same prompt and tokens, per-token times on each side.
