@@ -58,8 +58,9 @@ def _library_path(compiler: str) -> Path:
   # Imported here: jaxtier.checkpoint imports the model, whose layers use these kernels.
   from jaxtier.checkpoint import registry  # pylint: disable=import-outside-toplevel
   key = hashlib.sha256()
-  for part in (*(source.read_bytes() for source in SOURCES), compiler.encode(), " ".join(FLAGS).encode(),
-               jaxlib.__version__.encode(), platform.machine().encode(), _cpu_signature().encode()):
+  sources = [source.read_bytes() for source in SOURCES]
+  for part in (*sources, compiler.encode(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
+               platform.machine().encode(), _cpu_signature().encode()):
     key.update(part)
     key.update(b"\0")
   return Path(registry.cache_dir()) / "kernels" / f"jaxtier_cpu-{key.hexdigest()[:16]}.so"

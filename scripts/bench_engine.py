@@ -23,9 +23,10 @@ Every figure comes from the same run, so ratios compare like with like on a nois
                 against the bound max((weight bytes + KV bytes read) / read bandwidth,
                 FLOPs / matmul rate), both rates measured in this run (a jitted sum over a large
                 array; a jitted float32 matmul) before each context's steps and after the last,
-                the best of each used (the strictest bound; the samples are reported). FLOPs: 2 x params x batch + 4 x batch x context x
-                layers x heads x head_dim. Beside it, the step's weight matmuls alone at that
-                batch (`measure.weight_matmuls_s`: the model's projection and LM-head shapes,
+                the best of each used (the strictest bound; the samples are reported).
+                FLOPs: 2 x params x batch + 4 x batch x context x layers x heads x head_dim.
+                Beside it, the step's weight matmuls alone at that batch
+                (`measure.weight_matmuls_s`: the model's projection and LM-head shapes,
                 random weights, one jitted program), what the matmul kernels need for the
                 weights: packed as the engine holds them (`packed_weights`), and with XLA's
                 matmuls on [in, out] weights (`xla_weight_matmuls_alone_ms`).

@@ -265,7 +265,8 @@ def paged_attention_cpu(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_
                                   for x in (k_pages_kfcd, v_pages_kfcd))
   q_bnd = q_btnd[:, 0].astype(jnp.float32) * jnp.float32(d ** -0.5)
   no_scales = jnp.zeros((1,), SCALE_DTYPE)
-  out_bnd = jax.ffi.ffi_call(cpu_kernels.ATTENTION_TARGET, jax.ShapeDtypeStruct((b, n, d), jnp.float32),
+  out_bnd = jax.ffi.ffi_call(cpu_kernels.ATTENTION_TARGET,
+                             jax.ShapeDtypeStruct((b, n, d), jnp.float32),
                              vmap_method="sequential")(
       q_bnd, k_pages_kfcd, v_pages_kfcd, jnp.clip(pages_bm, 0, f - 1), pos_bt[:, 0],
       no_scales if k_scales_kfc is None else k_scales_kfc,
