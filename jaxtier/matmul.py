@@ -26,6 +26,11 @@ def panels(n: int) -> int:
   return -(-n // PANEL)
 
 
+def packs_exactly(*widths: int) -> bool:
+  """Whether weights of these output widths pack with no padding (the same bytes packed)."""
+  return all(n % PANEL == 0 for n in widths)
+
+
 def pack(w_kn):
   """[..., K, N] -> [..., ceil(N / 64), K, 64], the columns past N zero (numpy in, numpy out;
   jax in, jax out)."""
@@ -52,14 +57,13 @@ def reference_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) ->
   return out if n is None else out[..., :n]
 
 
-def _kernel_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:
+def _kernel_matmul(x_mk: jax.Array, w_pkc: jax.Array) -> jax.Array:
   lead, k = x_mk.shape[:-1], x_mk.shape[-1]
   p, _, c = w_pkc.shape
-  x = x_mk.reshape(-1, k)
   out = jax.ffi.ffi_call(cpu_kernels.MATMUL_TARGET,
-                         jax.ShapeDtypeStruct((x.shape[0], p * c), jnp.float32))(x, w_pkc)
-  out = out.reshape(*lead, p * c)
-  return out if n is None else out[..., :n]
+                         jax.ShapeDtypeStruct((x_mk.size // k, p * c), jnp.float32))(
+                             x_mk.reshape(-1, k), w_pkc)
+  return out.reshape(*lead, p * c)
 
 
 def packed_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:
@@ -74,7 +78,7 @@ def packed_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> ja
     raise ValueError(f"n={n} does not fit a packed weight of {w_pkc.shape[0]} panels")
   if (x_mk.dtype != jnp.float32 or w_pkc.dtype != jnp.float32 or not x_mk.size
       or not cpu_kernels.available()):
-    return reference_matmul(x_mk, w_pkc, n)
-  return jax.lax.platform_dependent(x_mk, w_pkc, cpu=lambda x, w: _kernel_matmul(x, w, n),
-                                    default=lambda x, w: reference_matmul(x, w, n))
-
+    out = reference_matmul(x_mk, w_pkc)
+  else:
+    out = jax.lax.platform_dependent(x_mk, w_pkc, cpu=_kernel_matmul, default=reference_matmul)
+  return out if n is None else out[..., :n]

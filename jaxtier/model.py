@@ -132,7 +132,7 @@ class FusedDecoderLayer(DecoderLayer):
     }
     if packed is None:  # by default only where packing adds no padding: the same bytes
       packed = (packs_by_default(kernels["qkv_kernel"].dtype)
-                and all(w.shape[-1] % matmul.PANEL == 0 for w in kernels.values()))
+                and matmul.packs_exactly(*(w.shape[-1] for w in kernels.values())))
     self.packed = packed
     self.widths = tuple((name, w.shape[-1]) for name, w in kernels.items())  # before packing
     for name, w in kernels.items():
@@ -321,7 +321,7 @@ class GroupedTransformer(Transformer):
     table_vh = model.embed.embedding if tied else model.lm_head
     self.packed_head = (nnx.Param(matmul.pack(table_vh[...].T))
                         if fused and packs_by_default(table_vh.dtype)
-                        and model.config.vocab_size % matmul.PANEL == 0 else None)
+                        and matmul.packs_exactly(model.config.vocab_size) else None)
     if not (tied and self.packed_head is not None):
       self.embed = model.embed
     if not tied and self.packed_head is None:

@@ -66,14 +66,14 @@ def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats:
   keys = iter(jax.random.split(jax.random.key(0), c.num_layers * len(shapes) + 1))
   layers = [[jax.random.normal(next(keys), s, dtype) * 0.02 for s in shapes]
             for _ in range(c.num_layers)]
-  if packed:
-    layers = [[matmul.pack(w) for w in layer] for layer in layers]
-  product = ((lambda x, w, n: matmul.packed_matmul(x, w, n)) if packed else
-             (lambda x, w, n: x @ w))
   widths = [n for _, n in shapes]
+  product = lambda x, w, n: x @ w
+  if packed and matmul.packs_exactly(*widths):  # as FusedDecoderLayer packs
+    layers = [[matmul.pack(w) for w in layer] for layer in layers]
+    product = matmul.packed_matmul
   head = jax.random.normal(next(keys), (c.vocab_size, c.hidden_size), dtype) * 0.02
   logits = lambda h, head: h @ head.T
-  if packed and c.vocab_size % matmul.PANEL == 0:  # as GroupedTransformer packs the LM head
+  if packed and matmul.packs_exactly(c.vocab_size):  # as GroupedTransformer packs the LM head
     head = matmul.pack(head.T)
     logits = lambda h, head: matmul.packed_matmul(h, head, c.vocab_size)
   x = jnp.ones((rows, c.hidden_size), dtype)
