@@ -7,6 +7,7 @@
 - `jaxtier/matmul_cpu.cc`: x @ w with w packed in 64-column panels (`jaxtier.matmul`). XLA:CPU's
   matmuls with 2-32 rows (batched decode) run at a fraction of the memory bandwidth; the kernel
   streams each panel once.
+- `jaxtier/cpu_crew.h`: the helper threads both kernels share (why not XLA's intra-op pool: there).
 
 Building: the sources are compiled once per (sources, compiler, jaxlib, CPU) with the system C++
 compiler (`$CXX`, else `c++`/`g++`/`clang++`) against the FFI headers jaxlib ships
@@ -32,6 +33,7 @@ from absl import logging
 
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "kvcache" / "paged_attention_cpu.cc", _HERE / "matmul_cpu.cc")
+HEADERS = (_HERE / "cpu_crew.h",)  # included by the sources: part of the build's cache key
 ATTENTION_TARGET = "jaxtier_paged_decode_attention"
 MATMUL_TARGET = "jaxtier_packed_matmul"
 _SYMBOLS = {ATTENTION_TARGET: "JaxtierPagedDecodeAttention", MATMUL_TARGET: "JaxtierPackedMatmul"}
@@ -58,7 +60,7 @@ def _library_path(compiler: str) -> Path:
   # Imported here: jaxtier.checkpoint imports the model, whose layers use these kernels.
   from jaxtier.checkpoint import registry  # pylint: disable=import-outside-toplevel
   key = hashlib.sha256()
-  sources = [source.read_bytes() for source in SOURCES]
+  sources = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
   for part in (*sources, compiler.encode(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
                platform.machine().encode(), _cpu_signature().encode()):
     key.update(part)

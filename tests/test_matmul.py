@@ -4,6 +4,8 @@ packed fused layers against the stacked scan of unpacked layers.
 Skipped only where no C++ compiler exists; a kernel that fails to build is a failure.
 """
 
+import threading
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -73,6 +75,31 @@ def test_kernel_matches_numpy(m, k, n):
 def test_kernel_matches_numpy_property(m, k, n, seed):
   x, w = case(np.random.default_rng(seed), m, k, n)
   check(x, w, np.asarray(kernel(jnp.asarray(x), jnp.asarray(matmul.pack(w)), n)))
+
+
+def test_concurrent_calls_each_get_their_own_product():
+  """Kernel calls from several threads at once share the kernels' crew of helper threads
+  (`jaxtier/cpu_crew.h`): a call offered while another runs takes its place, and the earlier
+  caller finishes its own items. Every product must still be its own, exactly as alone."""
+  rng = np.random.default_rng(5)
+  cases = [case(rng, m, 576, 960) for m in (1, 3, 8, 17)]
+  packed = [(jnp.asarray(x), jnp.asarray(matmul.pack(w))) for x, w in cases]
+  alone = [np.asarray(kernel(x, w, 960)) for x, w in packed]
+  results = {}
+
+  def run(i):
+    x, w = packed[i % len(packed)]
+    results[i] = [np.asarray(kernel(x, w, 960)) for _ in range(20)]
+
+  threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert sorted(results) == list(range(8))
+  for i, outs in results.items():
+    for out in outs:
+      np.testing.assert_array_equal(out, alone[i % len(packed)])
 
 
 def test_leading_dims_and_the_reference_path():

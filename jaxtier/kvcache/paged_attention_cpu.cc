@@ -2,8 +2,8 @@
 //
 // One query token per sequence attends to the slots 0..pos of its block table, read in place from
 // the pool: no gathered copy of the context is made. Work items are (sequence, kv head) pairs,
-// pulled from an atomic counter by the calling thread and by helpers scheduled on XLA's intra-op
-// thread pool. Each item runs two passes: scores q.k for every visible slot (kept in a per-thread
+// pulled from an atomic counter by the calling thread and by the kernels' crew of helper threads
+// (jaxtier/cpu_crew.h). Each item runs two passes: scores q.k for every visible slot (kept in a per-thread
 // buffer), then the softmax and sum of p * v, so each key and value is read once from memory.
 //
 // Pages are [kv_heads, pages, block_size, head_dim] of float32, uint16 (bfloat16 bit patterns) or
@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "../cpu_crew.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -146,7 +147,7 @@ void AttendItem(const Shape& s, int64_t b, int64_t kvh, const float* q, const T*
 
 // One call's arguments and its work counter. Helpers hold it by shared_ptr, so a helper that
 // starts after the call returned finds no work left and touches nothing else.
-struct Call {
+struct Call : jaxtier::Job {
   Shape s;
   const float* q;
   const void* k;
@@ -158,6 +159,8 @@ struct Call {
   float* out;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+  void (*drain)(Call&) = nullptr;  // Drain<T> for the pool's element type
+  void Drain() override { drain(*this); }
 };
 
 template <typename T>
@@ -182,8 +185,10 @@ ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<Call> call) {
   int64_t visible = 0;
   for (int64_t b = 0; b < s.batch; ++b) visible += std::max<int32_t>(call->pos[b] + 1, 0);
   const int64_t helpers =
-      visible * s.kv_heads < 4096 ? 0 : std::min<int64_t>(pool.num_threads(), total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([call]() { Drain<T>(*call); });
+      visible * s.kv_heads < 1024 ? 0 : std::min<int64_t>(pool.num_threads(), total - 1);
+  call->drain = Drain<T>;
+  jaxtier::Crew& crew = jaxtier::Crew::Get();
+  crew.Offer(call, std::min<int64_t>(crew.size(), helpers));
   Drain<T>(*call);
   // Items that helpers pulled are in progress on running threads: wait for them.
   while (call->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
