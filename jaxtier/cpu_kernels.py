@@ -36,7 +36,9 @@ SOURCES = (_HERE / "kvcache" / "paged_attention_cpu.cc", _HERE / "matmul_cpu.cc"
 HEADERS = (_HERE / "cpu_crew.h",)  # included by the sources: part of the build's cache key
 ATTENTION_TARGET = "jaxtier_paged_decode_attention"
 MATMUL_TARGET = "jaxtier_packed_matmul"
-_SYMBOLS = {ATTENTION_TARGET: "JaxtierPagedDecodeAttention", MATMUL_TARGET: "JaxtierPackedMatmul"}
+NORM_MATMUL_TARGET = "jaxtier_norm_packed_matmul"
+_SYMBOLS = {ATTENTION_TARGET: "JaxtierPagedDecodeAttention", MATMUL_TARGET: "JaxtierPackedMatmul",
+            NORM_MATMUL_TARGET: "JaxtierNormPackedMatmul"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 

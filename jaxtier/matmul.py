@@ -10,7 +10,10 @@ with it at one row and at prefill sizes (WORKSPACE.md, "Packed weights").
 `packed_matmul` picks the kernel when the program is lowered for CPU and the kernel is built
 (`jaxtier.cpu_kernels`); elsewhere, or for dtypes other than float32, it is `reference_matmul`,
 an einsum that XLA runs with the weight transposed back (correct everywhere, slower).
+`norm_packed_matmul` is rms_norm(x) @ w in one kernel call (`rms_norm` the reference norm).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -66,19 +69,62 @@ def _kernel_matmul(x_mk: jax.Array, w_pkc: jax.Array) -> jax.Array:
   return out.reshape(*lead, p * c)
 
 
-def packed_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:
-  """x [..., K] @ packed w [P, K, 64] -> [..., n]: the CPU kernel where it applies.
-
-  n: the weight's columns before padding (None: all P * 64).
-  """
+def _check_packed(x_mk, w_pkc, n):
   if w_pkc.ndim != 3 or w_pkc.shape[-1] != PANEL or w_pkc.shape[1] != x_mk.shape[-1]:
     raise ValueError(f"expected a packed weight [P, {x_mk.shape[-1]}, {PANEL}] for x of shape "
                      f"{x_mk.shape}, got {w_pkc.shape}")
   if n is not None and not (w_pkc.shape[0] - 1) * PANEL < n <= w_pkc.shape[0] * PANEL:
     raise ValueError(f"n={n} does not fit a packed weight of {w_pkc.shape[0]} panels")
+
+
+def packed_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:
+  """x [..., K] @ packed w [P, K, 64] -> [..., n]: the CPU kernel where it applies.
+
+  n: the weight's columns before padding (None: all P * 64).
+  """
+  _check_packed(x_mk, w_pkc, n)
   if (x_mk.dtype != jnp.float32 or w_pkc.dtype != jnp.float32 or not x_mk.size
       or not cpu_kernels.available()):
     out = reference_matmul(x_mk, w_pkc)
   else:
     out = jax.lax.platform_dependent(x_mk, w_pkc, cpu=_kernel_matmul, default=reference_matmul)
+  return out if n is None else out[..., :n]
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """x * rsqrt(mean(x^2) + eps) * scale over the last axis, computed in float32 and scaled in x's
+  dtype: `jaxtier.model.RMSNorm`'s arithmetic."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return scale * y.astype(x.dtype)
+
+
+def _kernel_norm_matmul(x_mk, scale_k, w_pkc, *, eps):
+  lead, k = x_mk.shape[:-1], x_mk.shape[-1]
+  p, _, c = w_pkc.shape
+  out = jax.ffi.ffi_call(cpu_kernels.NORM_MATMUL_TARGET,
+                         jax.ShapeDtypeStruct((x_mk.size // k, p * c), jnp.float32))(
+                             x_mk.reshape(-1, k), scale_k, w_pkc, eps=np.float32(eps))
+  return out.reshape(*lead, p * c)
+
+
+def _reference_norm_matmul(x_mk, scale_k, w_pkc, *, eps):
+  return reference_matmul(rms_norm(x_mk, scale_k, eps), w_pkc)
+
+
+def norm_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Array, n: int | None,
+                       eps: float) -> jax.Array:
+  """rms_norm(x, scale, eps) [..., K] @ packed w [P, K, 64] -> [..., n], as one CPU kernel call
+  where it applies (the norm's reduction and multiply are two more XLA:CPU ops otherwise, each
+  slower at decode than the norm's arithmetic); else `rms_norm` then `reference_matmul`."""
+  _check_packed(x_mk, w_pkc, n)
+  if scale_k.shape != (x_mk.shape[-1],):
+    raise ValueError(f"expected a norm scale of shape ({x_mk.shape[-1]},), got {scale_k.shape}")
+  if (x_mk.dtype != jnp.float32 or w_pkc.dtype != jnp.float32 or scale_k.dtype != jnp.float32
+      or not x_mk.size or not cpu_kernels.available()):
+    out = _reference_norm_matmul(x_mk, scale_k, w_pkc, eps=eps)
+  else:
+    out = jax.lax.platform_dependent(x_mk, scale_k, w_pkc,
+                                     cpu=functools.partial(_kernel_norm_matmul, eps=eps),
+                                     default=functools.partial(_reference_norm_matmul, eps=eps))
   return out if n is None else out[..., :n]

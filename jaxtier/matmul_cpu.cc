@@ -9,14 +9,17 @@
 // core's L2 cache across the row tiles. Items are pulled from an atomic counter by the calling
 // thread and by the kernels' crew of helper threads (jaxtier/cpu_crew.h).
 //
-// x is float32 [M, K] (row-major), out float32 [M, N].
+// x is float32 [M, K] (row-major), out float32 [M, N]. A second handler applies an RMS norm to
+// x's rows first (the pre-norm of a decoder layer's q/k/v and gate/up projections).
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "cpu_crew.h"
 #include "xla/ffi/api/ffi.h"
@@ -65,6 +68,7 @@ struct Call : jaxtier::Job {
   float* out;
   int64_t m, k, n, row_blocks, items;
   std::atomic<int64_t> next{0}, done{0};
+  std::vector<float> normed;  // the normalized x of a norm-and-multiply call
   void Drain() override;
 };
 
@@ -97,29 +101,15 @@ void Call::Drain() {
   }
 }
 
-ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  const auto od = out->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel || wd[1] != xd[1] ||
-      od.size() != 2 || od[0] != xd[0] || od[1] != wd[0] * kPanel)
-    return ffi::Error::InvalidArgument("packed matmul: expected x [M, K], w [N/64, K, 64], "
-                                       "out [M, N]");
-  auto call = std::make_shared<Call>();
-  call->x = x.typed_data();
-  call->w = w.typed_data();
-  call->out = out->typed_data();
-  call->m = xd[0];
-  call->k = xd[1];
-  call->n = od[1];
+// Multiplies call->x [M, K] by w [N/64, K, 64] into out [M, N] (shapes checked by the caller).
+ffi::Error Multiply(ffi::ThreadPool pool, std::shared_ptr<Call> call, int64_t panels) {
   if (call->m == 0 || call->n == 0) return ffi::Error::Success();
   if (call->k == 0) {
     std::memset(call->out, 0, sizeof(float) * call->m * call->n);
     return ffi::Error::Success();
   }
   call->row_blocks = (call->m + kRowBlock - 1) / kRowBlock;
-  call->items = wd[0] * call->row_blocks;
+  call->items = panels * call->row_blocks;
   // Helpers hold the call alive (shared_ptr) and find the counter spent if they start late.
   // XLA's intra-op thread count caps them, as it does XLA's own kernels.
   jaxtier::Crew& crew = jaxtier::Crew::Get();
@@ -127,6 +117,67 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   call->Drain();
   while (call->done.load(std::memory_order_acquire) < call->items) std::this_thread::yield();
   return ffi::Error::Success();
+}
+
+using Dims = ffi::AnyBuffer::Dimensions;
+
+bool Fits(const Dims& xd, const Dims& wd, const Dims& od) {
+  return xd.size() == 2 && wd.size() == 3 && wd[2] == kPanel && wd[1] == xd[1] &&
+         od.size() == 2 && od[0] == xd[0] && od[1] == wd[0] * kPanel;
+}
+
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
+  if (!Fits(x.dimensions(), w.dimensions(), out->dimensions()))
+    return ffi::Error::InvalidArgument("packed matmul: expected x [M, K], w [N/64, K, 64], "
+                                       "out [M, N]");
+  auto call = std::make_shared<Call>();
+  call->x = x.typed_data();
+  call->w = w.typed_data();
+  call->out = out->typed_data();
+  call->m = x.dimensions()[0];
+  call->k = x.dimensions()[1];
+  call->n = out->dimensions()[1];
+  return Multiply(pool, call, w.dimensions()[0]);
+}
+
+// rms_norm(x) @ w, with rms_norm(x)[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * scale, float32,
+// in the order jaxtier.model.RMSNorm computes it. The caller normalizes every row once into a
+// buffer the call owns; all threads then multiply from it. This saves XLA two small ops per norm
+// (a reduction and a multiply), which at 8-32 rows took 15-80 us each: longer than the math.
+ffi::Error NormPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> w,
+                                ffi::ResultBuffer<ffi::F32> out, float eps) {
+  if (!Fits(x.dimensions(), w.dimensions(), out->dimensions()) ||
+      scale.dimensions().size() != 1 || scale.dimensions()[0] != x.dimensions()[1])
+    return ffi::Error::InvalidArgument("norm packed matmul: expected x [M, K], scale [K], "
+                                       "w [N/64, K, 64], out [M, N]");
+  auto call = std::make_shared<Call>();
+  call->m = x.dimensions()[0];
+  call->k = x.dimensions()[1];
+  call->n = out->dimensions()[1];
+  call->normed.resize(call->m * call->k);
+  const float* src = x.typed_data();
+  const float* g = scale.typed_data();
+  for (int64_t r = 0; r < call->m; ++r) {
+    const float* row = src + r * call->k;
+    float* dst = call->normed.data() + r * call->k;
+    V16 lanes{};  // 16 partial sums of squares (XLA sums in its own order too)
+    int64_t i = 0;
+    for (; i + 16 <= call->k; i += 16) {
+      const V16 v = LoadV(row + i);
+      lanes += v * v;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < 16; ++j) sum += lanes[j];
+    for (; i < call->k; ++i) sum += row[i] * row[i];
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(call->k) + eps);
+    for (int64_t i = 0; i < call->k; ++i) dst[i] = g[i] * (row[i] * inv);
+  }
+  call->x = call->normed.data();
+  call->w = w.typed_data();
+  call->out = out->typed_data();
+  return Multiply(pool, call, w.dimensions()[0]);
 }
 
 }  // namespace
@@ -137,3 +188,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierPackedMatmul, PackedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierNormPackedMatmul, NormPackedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps"));

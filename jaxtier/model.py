@@ -27,9 +27,7 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x):
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale[...] * y.astype(x.dtype)
+    return matmul.rms_norm(x, self.scale[...], self.eps)
 
 
 def rotary_tables(inv_freq_d2: jax.Array, pos_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -72,6 +70,14 @@ class DecoderLayer(nnx.Module):
   def project_qkv(self, y_bth):
     return self.q_proj(y_bth), self.k_proj(y_bth), self.v_proj(y_bth)
 
+  def normed_qkv(self, x_bth):
+    """q, k and v of the attention block: its norm, then `project_qkv`."""
+    return self.project_qkv(self.attn_norm(x_bth))
+
+  def normed_gate_up(self, x_bth):
+    """gate and up of the MLP block: its norm, then `project_gate_up`."""
+    return self.project_gate_up(self.mlp_norm(x_bth))
+
   def project_gate_up(self, y_bth):
     return self.gate_proj(y_bth), self.up_proj(y_bth)
 
@@ -85,14 +91,14 @@ class DecoderLayer(nnx.Module):
     n, k, d = self.shape
     b, t, _ = x_bth.shape
     with jax.named_scope("attention"):
-      q, k_new, v_new = self.project_qkv(self.attn_norm(x_bth))
+      q, k_new, v_new = self.normed_qkv(x_bth)
       q_btnd = apply_rotary(q.reshape(b, t, n, d), cos_btd, sin_btd)
       k_btkd = apply_rotary(k_new.reshape(b, t, k, d), cos_btd, sin_btd)
       v_btkd = v_new.reshape(b, t, k, d)
       cache, attn_btnd = cache.update_and_attend(layer, q_btnd, k_btkd, v_btkd, pos_bt, meta)
       x_bth = x_bth + self.project_out(attn_btnd.reshape(b, t, n * d))
     with jax.named_scope("mlp"):
-      gate, up = self.project_gate_up(self.mlp_norm(x_bth))
+      gate, up = self.normed_gate_up(x_bth)
       x_bth = x_bth + self.project_down(jax.nn.silu(gate) * up)
     return x_bth, cache
 
@@ -144,17 +150,35 @@ class FusedDecoderLayer(DecoderLayer):
     kernel = getattr(self, name)[...]
     return matmul.packed_matmul(y, kernel, dict(self.widths)[name]) if self.packed else y @ kernel
 
-  def project_qkv(self, y_bth):
+  def _normed_matmul(self, x, norm: RMSNorm, name: str):
+    """norm(x) @ the named kernel; packed, one kernel call for both (`matmul.norm_packed_matmul`)."""
+    if not self.packed:
+      return self._matmul(norm(x), name)
+    return matmul.norm_packed_matmul(x, norm.scale[...], getattr(self, name)[...],
+                                     dict(self.widths)[name], norm.eps)
+
+  def _split_qkv(self, qkv):
     n, k, d = self.shape
-    qkv = self._matmul(y_bth, "qkv_kernel")
     if self.qkv_bias is not None:
       qkv = qkv + self.qkv_bias[...]
     return qkv[..., :n * d], qkv[..., n * d:(n + k) * d], qkv[..., (n + k) * d:]
 
-  def project_gate_up(self, y_bth):
-    gate_up = self._matmul(y_bth, "gate_up_kernel")
+  @staticmethod
+  def _split_gate_up(gate_up):
     half = gate_up.shape[-1] // 2
     return gate_up[..., :half], gate_up[..., half:]
+
+  def project_qkv(self, y_bth):
+    return self._split_qkv(self._matmul(y_bth, "qkv_kernel"))
+
+  def normed_qkv(self, x_bth):
+    return self._split_qkv(self._normed_matmul(x_bth, self.attn_norm, "qkv_kernel"))
+
+  def project_gate_up(self, y_bth):
+    return self._split_gate_up(self._matmul(y_bth, "gate_up_kernel"))
+
+  def normed_gate_up(self, x_bth):
+    return self._split_gate_up(self._normed_matmul(x_bth, self.mlp_norm, "gate_up_kernel"))
 
   def project_out(self, attn_btf):
     return self._matmul(attn_btf, "o_kernel")

@@ -77,6 +77,38 @@ def test_kernel_matches_numpy_property(m, k, n, seed):
   check(x, w, np.asarray(kernel(jnp.asarray(x), jnp.asarray(matmul.pack(w)), n)))
 
 
+norm_kernel = jax.jit(matmul.norm_packed_matmul, static_argnums=(3, 4))
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 32, 97])
+@pytest.mark.parametrize("k,n", [(576, 960), (37, 64)])
+def test_norm_kernel_matches_numpy(m, k, n):
+  """rms_norm(x) @ w in one call against float64 numpy's norm then product, and against the XLA
+  reference (`rms_norm`, then the product); rows of very different scales, so a norm taken over
+  the wrong row or length shows."""
+  rng = np.random.default_rng(m + k)
+  x, w = case(rng, m, k, n)
+  x *= np.exp(rng.uniform(-3, 3, (m, 1))).astype(np.float32)
+  scale = rng.standard_normal(k).astype(np.float32)
+  got = np.asarray(norm_kernel(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(matmul.pack(w)),
+                               n, 1e-5))
+  x64 = x.astype(np.float64)
+  want = (x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * scale) @ w
+  atol = 1e-5 * np.sqrt(k) * 4 * np.abs(scale).max()
+  np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+  ref = np.asarray(matmul.rms_norm(jnp.asarray(x), jnp.asarray(scale), 1e-5) @ jnp.asarray(w))
+  np.testing.assert_allclose(got, ref, rtol=0, atol=atol)
+
+
+def test_norm_kernel_lowers_for_float32_on_cpu_only():
+  x, g, w = jnp.ones((3, 64)), jnp.ones((64,)), jnp.ones((2, 64, 64))
+  assert cpu_kernels.NORM_MATMUL_TARGET in norm_kernel.lower(x, g, w, None, 1e-6).as_text()
+  bf16 = [a.astype(jnp.bfloat16) for a in (x, g, w)]
+  assert cpu_kernels.NORM_MATMUL_TARGET not in norm_kernel.lower(*bf16, None, 1e-6).as_text()
+  with pytest.raises(ValueError, match="norm scale"):
+    matmul.norm_packed_matmul(x, jnp.ones((65,)), w, None, 1e-6)
+
+
 def test_concurrent_calls_each_get_their_own_product():
   """Kernel calls from several threads at once share the kernels' crew of helper threads
   (`jaxtier/cpu_crew.h`): a call offered while another runs takes its place, and the earlier

@@ -32,9 +32,10 @@ def run(q, kp, vp, table, pos, *scales):
 
 @pytest.mark.parametrize("c", [1, 16, 32])
 @pytest.mark.parametrize("g", [1, 3, 8])
-@pytest.mark.parametrize("d", [8, 64, 72])
+@pytest.mark.parametrize("d", [8, 64, 72, 128])
 def test_decode_matches_dense(c, g, d):
-  """Head dims below, at and past the kernel's 16-lane dot (a remainder loop)."""
+  """Head dims below, at and past the kernel's 16-lane dot (a remainder loop), and the two
+  (64, 128) whose query and output vectors the kernel holds in registers."""
   rng = np.random.default_rng(c * 10 + g + d)
   case = make_case(rng, b=3, t=1, kv=2, g=g, d=d, c=c, lengths=[1, 37, 300])
   np.testing.assert_allclose(run(*case), expected(*case), atol=1e-5, rtol=1e-5)
@@ -63,20 +64,22 @@ def test_wide_tables():
                              atol=1e-5, rtol=1e-5)
 
 
-def test_int8_equals_attention_on_dequantized_values():
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_int8_equals_attention_on_dequantized_values(d):
   rng = np.random.default_rng(1)
-  q, kp, vp, table, pos = make_case(rng, b=3, t=1, kv=2, g=3, d=16, c=4, lengths=[5, 30, 13])
+  q, kp, vp, table, pos = make_case(rng, b=3, t=1, kv=2, g=3, d=d, c=4, lengths=[5, 30, 13])
   (kq, ks), (vq, vs) = quantize_int8(jnp.asarray(kp)), quantize_int8(jnp.asarray(vp))
   out = run(q, kq, vq, table, pos, ks, vs)
   k_deq, v_deq = np.asarray(dequantize_int8(kq, ks)), np.asarray(dequantize_int8(vq, vs))
   np.testing.assert_allclose(out, expected(q, k_deq, v_deq, table, pos), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("d", [16, 64])
 @pytest.mark.parametrize("stored", ["bfloat16", "uint16"])
-def test_bfloat16_pages(stored):
+def test_bfloat16_pages(stored, d):
   """bfloat16 pages, given as such or as the uint16 bit patterns the CPU cache stores."""
   rng = np.random.default_rng(2)
-  q, kp, vp, table, pos = make_case(rng, b=2, t=1, kv=1, g=8, d=16, c=16, lengths=[9, 40])
+  q, kp, vp, table, pos = make_case(rng, b=2, t=1, kv=1, g=8, d=d, c=16, lengths=[9, 40])
   kb, vb = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
   want = expected(q, np.asarray(kb, np.float32), np.asarray(vb, np.float32), table, pos)
   if stored == "uint16":

@@ -30,6 +30,70 @@ namespace {
 
 constexpr int kLanes = 16;
 
+typedef float V16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+inline V16 LoadV(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void StoreV(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// exp of 16 lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial in r,
+// times 2^n from the exponent bits; about 1 ulp). Lanes below -87.3 give ~1e-38 instead of 0;
+// softmax arguments are x - max <= 0, so that only ever meets a sum of at least 1. The scalar
+// std::exp was most of the softmax at long contexts (slots x query heads calls per item).
+inline V16 Exp(V16 x) {
+  const V16 lo = V16{} - 87.33654f;
+  x = x < lo ? lo : x;
+  const V16 fx = x * 1.44269504088896341f + 0.5f;
+  I16 n = __builtin_convertvector(fx, I16);  // truncates toward zero
+  V16 nf = __builtin_convertvector(n, V16);
+  const I16 over = nf > fx;                  // -1 where truncation rounded up: floor instead
+  n += over;
+  nf = __builtin_convertvector(n, V16);
+  const V16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  V16 y = V16{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  V16 scale;
+  const I16 bits = (n + 127) << 23;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// Softmax numerators of row[0..n) in place: exp(row - max(row)); returns their sum.
+inline float SoftmaxInPlace(float* row, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (n >= kLanes) {
+    V16 m = LoadV(row);
+    for (i = kLanes; i + kLanes <= n; i += kLanes) {
+      const V16 v = LoadV(row + i);
+      m = v > m ? v : m;
+    }
+    for (int l = 0; l < kLanes; ++l) mx = std::max(mx, m[l]);
+  }
+  for (; i < n; ++i) mx = std::max(mx, row[i]);
+  V16 lanes{};
+  for (i = 0; i + kLanes <= n; i += kLanes) {
+    const V16 e = Exp(LoadV(row + i) - mx);
+    StoreV(row + i, e);
+    lanes += e;
+  }
+  float total = 0;
+  for (int l = 0; l < kLanes; ++l) total += lanes[l];
+  for (; i < n; ++i) {
+    row[i] = std::exp(row[i] - mx);
+    total += row[i];
+  }
+  return total;
+}
+
 inline float Load(float x) { return x; }
 inline float Load(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -121,17 +185,7 @@ void AttendItem(const Shape& s, int64_t b, int64_t kvh, const float* q, const T*
                 }
               });
   // Softmax per query head.
-  for (int64_t h = 0; h < g; ++h) {
-    float* row = scores.data() + h * slots;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < slots; ++i) mx = std::max(mx, row[i]);
-    float total = 0;
-    for (int64_t i = 0; i < slots; ++i) {
-      row[i] = std::exp(row[i] - mx);
-      total += row[i];
-    }
-    sum_h[h] = total;
-  }
+  for (int64_t h = 0; h < g; ++h) sum_h[h] = SoftmaxInPlace(scores.data() + h * slots, slots);
   // Pass 2: out[h] = sum_i p[h, i] * v[i].
   ForEachSlot(table, head_base, slots, c, d, v, v_scales,
               [&](int64_t slot, const T* value, float scale) {
@@ -143,6 +197,110 @@ void AttendItem(const Shape& s, int64_t b, int64_t kvh, const float* q, const T*
     const float inv = 1.0f / sum_h[h];
     for (int64_t i = 0; i < d; ++i) out_b[h * d + i] *= inv;
   }
+}
+
+// 16 stored values as floats.
+inline V16 Load16(const float* p) { return LoadV(p); }
+inline V16 Load16(const uint16_t* p) {  // bfloat16 bits: the high half of a float32
+  typedef uint16_t U16x16 __attribute__((vector_size(32)));
+  U16x16 u;
+  std::memcpy(&u, p, sizeof(u));
+  const I16 bits = __builtin_convertvector(u, I16) << 16;
+  V16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline V16 Load16(const int8_t* p) {
+  typedef int8_t I8x16 __attribute__((vector_size(16)));
+  I8x16 u;
+  std::memcpy(&u, p, sizeof(u));
+  return __builtin_convertvector(u, V16);
+}
+
+inline float Sum16(V16 v) {
+  float sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += v[l];
+  return sum;
+}
+
+// AttendItem for G query heads per kv head and head_dim = 16 DV, with the G x DV query and output
+// vectors held in registers: each key and value row is loaded once for all G heads, every score
+// takes one lane sum, and pass 2 accumulates without storing the outputs per slot. 1.3x the
+// generic loop over contiguous pages in a two-thread test (batch 32, 512 slots, G 3, d 64).
+template <typename T, int G, int DV>
+void AttendItemHeld(const Shape& s, int64_t b, int64_t kvh, const float* q, const T* k,
+                    const T* v, const int32_t* tables, const int32_t* pos,
+                    const float* k_scales, const float* v_scales, float* out,
+                    std::vector<float>& scores) {
+  const int64_t d = s.head_dim, c = s.block_size;
+  const float* q_b = q + (b * s.heads + kvh * G) * d;
+  float* out_b = out + (b * s.heads + kvh * G) * d;
+  const int64_t slots = std::min<int64_t>(static_cast<int64_t>(pos[b]) + 1, s.table_width * c);
+  if (slots <= 0) {
+    std::fill(out_b, out_b + G * d, 0.0f);
+    return;
+  }
+  scores.resize(G * slots);
+  const int32_t* table = tables + b * s.table_width;
+  const int64_t head_base = kvh * s.pages;
+  V16 qv[G][DV];
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < DV; ++j) qv[h][j] = LoadV(q_b + h * d + 16 * j);
+  ForEachSlot(table, head_base, slots, c, d, k, k_scales,
+              [&](int64_t slot, const T* key, float scale) {
+                V16 kv[DV];
+                for (int j = 0; j < DV; ++j) kv[j] = Load16(key + 16 * j);
+                for (int h = 0; h < G; ++h) {
+                  V16 acc = qv[h][0] * kv[0];
+                  for (int j = 1; j < DV; ++j) acc += qv[h][j] * kv[j];
+                  scores[h * slots + slot] = Sum16(acc) * scale;
+                }
+              });
+  float total[G];
+  for (int h = 0; h < G; ++h) total[h] = SoftmaxInPlace(scores.data() + h * slots, slots);
+  V16 acc[G][DV] = {};
+  ForEachSlot(table, head_base, slots, c, d, v, v_scales,
+              [&](int64_t slot, const T* value, float scale) {
+                V16 vv[DV];
+                for (int j = 0; j < DV; ++j) vv[j] = Load16(value + 16 * j);
+                for (int h = 0; h < G; ++h) {
+                  const float p = scores[h * slots + slot] * scale;
+                  for (int j = 0; j < DV; ++j) acc[h][j] += p * vv[j];
+                }
+              });
+  for (int h = 0; h < G; ++h) {
+    const float inv = 1.0f / total[h];
+    for (int j = 0; j < DV; ++j) StoreV(out_b + h * d + 16 * j, acc[h][j] * inv);
+  }
+}
+
+template <typename T>
+using AttendFn = void (*)(const Shape&, int64_t, int64_t, const float*, const T*, const T*,
+                          const int32_t*, const int32_t*, const float*, const float*, float*,
+                          std::vector<float>&);
+
+template <typename T, int DV>
+AttendFn<T> HeldFor(int64_t g) {
+  switch (g) {
+    case 1: return AttendItemHeld<T, 1, DV>;
+    case 2: return AttendItemHeld<T, 2, DV>;
+    case 3: return AttendItemHeld<T, 3, DV>;
+    case 4: return AttendItemHeld<T, 4, DV>;
+    case 5: return AttendItemHeld<T, 5, DV>;
+    case 6: return AttendItemHeld<T, 6, DV>;
+    case 7: return AttendItemHeld<T, 7, DV>;
+    case 8: return AttendItemHeld<T, 8, DV>;
+    default: return AttendItem<T>;
+  }
+}
+
+// The register-held loop for head_dim 64 or 128 and up to 8 query heads per kv head, else the
+// generic one.
+template <typename T>
+AttendFn<T> AttendFor(const Shape& s) {
+  if (s.head_dim == 64) return HeldFor<T, 4>(s.group);
+  if (s.head_dim == 128) return HeldFor<T, 8>(s.group);
+  return AttendItem<T>;
 }
 
 // One call's arguments and its work counter. Helpers hold it by shared_ptr, so a helper that
@@ -167,10 +325,11 @@ template <typename T>
 void Drain(Call& call) {
   thread_local std::vector<float> scores;
   const int64_t total = call.s.batch * call.s.kv_heads;
+  const AttendFn<T> attend = AttendFor<T>(call.s);
   for (;;) {
     const int64_t item = call.next.fetch_add(1);
     if (item >= total) return;
-    AttendItem<T>(call.s, item / call.s.kv_heads, item % call.s.kv_heads, call.q,
+    attend(call.s, item / call.s.kv_heads, item % call.s.kv_heads, call.q,
                   static_cast<const T*>(call.k), static_cast<const T*>(call.v), call.tables,
                   call.pos, call.k_scales, call.v_scales, call.out, scores);
     call.done.fetch_add(1, std::memory_order_release);
