@@ -7,7 +7,9 @@
 - `jaxtier/matmul_cpu.cc`: x @ w with w packed in 64-column panels (`jaxtier.matmul`). XLA:CPU's
   matmuls with 2-32 rows (batched decode) run at a fraction of the memory bandwidth; the kernel
   streams each panel once.
-- `jaxtier/cpu_crew.h`: the helper threads both kernels share (why not XLA's intra-op pool: there).
+- `jaxtier/argmax_cpu.cc`: greedy decoding's argmax over each row of logits (XLA:CPU's took ~2 ns
+  per logit).
+- `jaxtier/cpu_crew.h`: the helper threads the kernels share (why not XLA's intra-op pool: there).
 
 Building: the sources are compiled once per (sources, compiler, jaxlib, CPU) with the system C++
 compiler (`$CXX`, else `c++`/`g++`/`clang++`) against the FFI headers jaxlib ships
@@ -32,13 +34,15 @@ import jaxlib
 from absl import logging
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "kvcache" / "paged_attention_cpu.cc", _HERE / "matmul_cpu.cc")
+SOURCES = (_HERE / "kvcache" / "paged_attention_cpu.cc", _HERE / "matmul_cpu.cc",
+           _HERE / "argmax_cpu.cc")
 HEADERS = (_HERE / "cpu_crew.h",)  # included by the sources: part of the build's cache key
 ATTENTION_TARGET = "jaxtier_paged_decode_attention"
 MATMUL_TARGET = "jaxtier_packed_matmul"
 NORM_MATMUL_TARGET = "jaxtier_norm_packed_matmul"
+ARGMAX_TARGET = "jaxtier_argmax"
 _SYMBOLS = {ATTENTION_TARGET: "JaxtierPagedDecodeAttention", MATMUL_TARGET: "JaxtierPackedMatmul",
-            NORM_MATMUL_TARGET: "JaxtierNormPackedMatmul"}
+            NORM_MATMUL_TARGET: "JaxtierNormPackedMatmul", ARGMAX_TARGET: "JaxtierArgmax"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtier import sampling
+from jaxtier import cpu_kernels, sampling
 from jaxtier.sampling import SamplingArrays, SamplingParams, sample
 
 sample_jit = jax.jit(sample)
@@ -27,6 +27,34 @@ def test_argmax_takes_the_first_maximum_like_numpy():
   logits = np.round(np.random.default_rng(0).normal(size=(64, 300)), 1)  # many ties
   logits[3] = 0.0
   np.testing.assert_array_equal(jax.jit(sampling.argmax)(logits), np.argmax(logits, -1))
+
+
+@pytest.mark.parametrize("rows,v", [(1, 1), (3, 15), (5, 16), (2, 17), (33, 1000), (32, 49152)])
+def test_argmax_kernel_equals_numpy_and_the_reference(rows, v):
+  """The CPU kernel (float32 logits on CPU) against numpy and the XLA reference, at widths below,
+  at and past its 16 lanes, with ties and a row of -inf; a row holding a NaN gives v - 1 (the
+  reference does for a row of NaNs; with one NaN it follows XLA:CPU's max, which may skip it)."""
+  rng = np.random.default_rng(rows + v)
+  logits = np.round(rng.normal(size=(rows, v)), 1).astype(np.float32)
+  logits[0] = -np.inf
+  got = np.asarray(jax.jit(sampling.argmax)(logits))
+  np.testing.assert_array_equal(got, np.argmax(logits, -1))
+  np.testing.assert_array_equal(got, np.asarray(sampling.argmax_reference(jnp.asarray(logits))))
+  if rows > 2:
+    logits[1, v // 2] = np.nan
+    logits[2] = np.nan
+    got = np.asarray(jax.jit(sampling.argmax)(logits))
+    assert got[1] == v - 1 and got[2] == v - 1
+    np.testing.assert_array_equal(got[3:], np.argmax(logits[3:], -1))
+
+
+def test_argmax_lowers_to_the_kernel_for_float32_on_cpu_only():
+  if not cpu_kernels.available():
+    pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+  x = jnp.ones((4, 100))
+  assert cpu_kernels.ARGMAX_TARGET in jax.jit(sampling.argmax).lower(x).as_text()
+  bf16 = jax.jit(sampling.argmax).lower(x.astype(jnp.bfloat16)).as_text()
+  assert cpu_kernels.ARGMAX_TARGET not in bf16
 
 
 def test_top_k_one_and_tiny_top_p_are_argmax():
