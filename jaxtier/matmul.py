@@ -3,9 +3,9 @@
 A [K, N] weight is stored packed as [ceil(N / 64), K, 64]: panel p holds columns
 [64 p, 64 p + 64), row by row, so each panel is one contiguous stream (columns past N are zero,
 and the product is sliced back to N). `jaxtier/matmul_cpu.cc` multiplies by a packed weight
-reading each panel once in order, with a tile of x's rows summed in registers; at 2-32 rows
-(batched decode) that runs 1.2-2x faster than XLA:CPU's matmul on the [K, N] layout, and on par
-with it at one row and at prefill sizes (WORKSPACE.md, "Packed weights").
+reading each panel once in order, with a tile of x's rows summed in registers; at 1-32 rows
+(decode) a step's projections and LM head run 1.1-2.5x faster than XLA:CPU's matmuls on the
+[K, N] layout, and on par with them at prefill sizes (WORKSPACE.md, "Packed weights").
 
 `packed_matmul` picks the kernel when the program is lowered for CPU and the kernel is built
 (`jaxtier.cpu_kernels`); elsewhere, or for dtypes other than float32, it is `reference_matmul`,

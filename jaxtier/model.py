@@ -108,7 +108,8 @@ class FusedDecoderLayer(DecoderLayer):
   fewer matmuls per layer, which matters where each matmul is a separate kernel call (CPU decode).
 
   `packed` stores the four kernels in 64-column panels (`jaxtier.matmul`) and multiplies with the
-  CPU kernel, which streams them once per step at the batch sizes of decoding. The default packs
+  CPU kernel, which streams them once per step at the batch sizes of decoding; the q/k/v and
+  gate/up products take their pre-norm in the same call (`matmul.norm_packed_matmul`). The default packs
   float32 layers built for CPU when the kernel is available (`jaxtier.cpu_kernels`) and every
   kernel's width is a multiple of 64 (no padding, so the same bytes), and keeps the [in, out]
   layout elsewhere.
