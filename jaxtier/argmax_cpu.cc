@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "cpu_crew.h"
+#include "cpu_vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -27,8 +28,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kLanes = 16;
-typedef float V16 __attribute__((vector_size(64)));
-typedef int32_t I16 __attribute__((vector_size(64)));
+using jaxtier::I16;
+using jaxtier::V16;
 
 int32_t RowArgmax(const float* row, int64_t v) {
   float best = -std::numeric_limits<float>::infinity();

@@ -9,7 +9,8 @@
   streams each panel once.
 - `jaxtier/argmax_cpu.cc`: greedy decoding's argmax over each row of logits (XLA:CPU's took ~2 ns
   per logit).
-- `jaxtier/cpu_crew.h`: the helper threads the kernels share (why not XLA's intra-op pool: there).
+- `jaxtier/cpu_crew.h`: the helper threads the kernels share (why not XLA's intra-op pool: there);
+  `jaxtier/cpu_vec.h`: their 16-lane vector types.
 
 Building: the sources are compiled once per (sources, compiler, jaxlib, CPU) with the system C++
 compiler (`$CXX`, else `c++`/`g++`/`clang++`) against the FFI headers jaxlib ships
@@ -36,7 +37,7 @@ from absl import logging
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "kvcache" / "paged_attention_cpu.cc", _HERE / "matmul_cpu.cc",
            _HERE / "argmax_cpu.cc")
-HEADERS = (_HERE / "cpu_crew.h",)  # included by the sources: part of the build's cache key
+HEADERS = (_HERE / "cpu_crew.h", _HERE / "cpu_vec.h")  # included by the sources: in the cache key
 ATTENTION_TARGET = "jaxtier_paged_decode_attention"
 MATMUL_TARGET = "jaxtier_packed_matmul"
 NORM_MATMUL_TARGET = "jaxtier_norm_packed_matmul"

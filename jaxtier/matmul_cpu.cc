@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cpu_crew.h"
+#include "cpu_vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -32,13 +33,9 @@ constexpr int64_t kPanel = 64;     // columns per panel: 4 vectors of 16 floats
 constexpr int64_t kRowBlock = 96;  // rows of x per work item
 constexpr int kTile = 6;           // rows per register tile: 6 x 4 accumulators
 
-typedef float V16 __attribute__((vector_size(64)));
-inline V16 LoadV(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void StoreV(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
+using jaxtier::LoadV;
+using jaxtier::StoreV;
+using jaxtier::V16;
 
 // out[R rows, 64 columns] (row stride n) = x[R rows, K] (row stride k) @ panel [K, 64].
 // No software prefetch: the panel is one sequential stream, which the hardware prefetcher follows

@@ -109,10 +109,10 @@ class FusedDecoderLayer(DecoderLayer):
 
   `packed` stores the four kernels in 64-column panels (`jaxtier.matmul`) and multiplies with the
   CPU kernel, which streams them once per step at the batch sizes of decoding; the q/k/v and
-  gate/up products take their pre-norm in the same call (`matmul.norm_packed_matmul`). The default packs
-  float32 layers built for CPU when the kernel is available (`jaxtier.cpu_kernels`) and every
-  kernel's width is a multiple of 64 (no padding, so the same bytes), and keeps the [in, out]
-  layout elsewhere.
+  gate/up products take their pre-norm in the same call (`matmul.norm_packed_matmul`). The
+  default packs float32 layers built for CPU when the kernel is available (`jaxtier.cpu_kernels`)
+  and every kernel's width is a multiple of 64 (no padding, so the same bytes), and keeps the
+  [in, out] layout elsewhere.
   """
 
   # Each fused parameter is its parts' parameters concatenated along the last (output) axis.
@@ -152,7 +152,7 @@ class FusedDecoderLayer(DecoderLayer):
     return matmul.packed_matmul(y, kernel, dict(self.widths)[name]) if self.packed else y @ kernel
 
   def _normed_matmul(self, x, norm: RMSNorm, name: str):
-    """norm(x) @ the named kernel; packed, one kernel call for both (`matmul.norm_packed_matmul`)."""
+    """norm(x) @ the named kernel; packed, in one kernel call (`matmul.norm_packed_matmul`)."""
     if not self.packed:
       return self._matmul(norm(x), name)
     return matmul.norm_packed_matmul(x, norm.scale[...], getattr(self, name)[...],

@@ -3,8 +3,9 @@
 // One query token per sequence attends to the slots 0..pos of its block table, read in place from
 // the pool: no gathered copy of the context is made. Work items are (sequence, kv head) pairs,
 // pulled from an atomic counter by the calling thread and by the kernels' crew of helper threads
-// (jaxtier/cpu_crew.h). Each item runs two passes: scores q.k for every visible slot (kept in a per-thread
-// buffer), then the softmax and sum of p * v, so each key and value is read once from memory.
+// (jaxtier/cpu_crew.h). Each item runs two passes: scores q.k for every visible slot (kept in a
+// per-thread buffer), then the softmax and sum of p * v, so each key and value is read once from
+// memory.
 //
 // Pages are [kv_heads, pages, block_size, head_dim] of float32, uint16 (bfloat16 bit patterns) or
 // int8 with float32 scales [kv_heads, pages, block_size] (one per token and kv head). The query is
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "../cpu_crew.h"
+#include "../cpu_vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -30,14 +32,10 @@ namespace {
 
 constexpr int kLanes = 16;
 
-typedef float V16 __attribute__((vector_size(64)));
-typedef int32_t I16 __attribute__((vector_size(64)));
-inline V16 LoadV(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void StoreV(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
+using jaxtier::I16;
+using jaxtier::LoadV;
+using jaxtier::StoreV;
+using jaxtier::V16;
 
 // exp of 16 lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial in r,
 // times 2^n from the exponent bits; about 1 ulp). Lanes below -87.3 give ~1e-38 instead of 0;

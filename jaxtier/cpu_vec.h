@@ -1,0 +1,25 @@
+// 16-lane float and int32 vectors (GCC/Clang vector extensions) for jaxtier's CPU kernels: one
+// AVX-512 register each where the CPU has it, two or four narrower ones elsewhere.
+
+#ifndef JAXTIER_CPU_VEC_H_
+#define JAXTIER_CPU_VEC_H_
+
+#include <cstdint>
+#include <cstring>
+
+namespace jaxtier {
+
+typedef float V16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+
+// Unaligned loads and stores of 16 floats.
+inline V16 LoadV(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void StoreV(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+}  // namespace jaxtier
+
+#endif  // JAXTIER_CPU_VEC_H_
