@@ -4,9 +4,9 @@
 // The packed weight is [N / 64, K, 64]: panel p holds columns [64 p, 64 p + 64) of the [K, N]
 // matrix, row by row, so a panel is one contiguous stream. An item is (panel, block of up to 96
 // rows of x); for every tile of up to 6 rows it keeps 6 x 64 sums in registers while it walks the
-// panel's K rows once. At decode (a few rows) each weight is read once from
-// memory in order, which XLA:CPU's skinny matmuls do not manage; at prefill the panel stays in the
-// core's L2 cache across the row tiles. Items are pulled from an atomic counter by the calling
+// panel's K rows once. At decode (a few rows) each weight is read once from memory in order,
+// which XLA:CPU's skinny matmuls do not manage; at prefill the panel stays in the core's L2 cache
+// across the row tiles. Items are pulled from an atomic counter by the calling
 // thread and by the kernels' crew of helper threads (jaxtier/cpu_crew.h).
 //
 // x is float32 [M, K] (row-major), out float32 [M, N]. A second handler applies an RMS norm to
