@@ -6,7 +6,7 @@
 // one pass per row keeps 16 lanes of (largest value, its first index): a later equal value never
 // replaces an earlier one, so the smallest index among the lanes holding the maximum is the first
 // index of the maximum. Rows are the work items, shared with the kernels' crew of helper threads
-// (jaxtier/cpu_crew.h). A row with a NaN gives v - 1, as the reference does.
+// (jaxtier/cpu_crew.h). A row holding a NaN gives v - 1 (the reference does so for a row of NaNs).
 //
 // x is float32 [M, V], out int32 [M].
 
@@ -29,6 +29,7 @@ namespace {
 
 constexpr int kLanes = 16;
 using jaxtier::I16;
+using jaxtier::LoadV;
 using jaxtier::V16;
 
 int32_t RowArgmax(const float* row, int64_t v) {
@@ -37,14 +38,12 @@ int32_t RowArgmax(const float* row, int64_t v) {
   bool nan = false;
   int64_t i = 0;
   if (v >= kLanes) {
-    V16 lane_best;
-    std::memcpy(&lane_best, row, sizeof(lane_best));
+    V16 lane_best = LoadV(row);
     I16 lane_at, index;
     for (int l = 0; l < kLanes; ++l) lane_at[l] = index[l] = l;
     I16 lane_nan = lane_best != lane_best;
     for (i = kLanes; i + kLanes <= v; i += kLanes) {
-      V16 x;
-      std::memcpy(&x, row + i, sizeof(x));
+      const V16 x = LoadV(row + i);
       index += kLanes;
       const I16 greater = x > lane_best;
       lane_best = greater ? x : lane_best;
@@ -78,16 +77,8 @@ int32_t RowArgmax(const float* row, int64_t v) {
 struct Call : jaxtier::Job {
   const float* x;
   int32_t* out;
-  int64_t m, v;
-  std::atomic<int64_t> next{0}, done{0};
-  void Drain() override {
-    for (;;) {
-      const int64_t r = next.fetch_add(1, std::memory_order_relaxed);
-      if (r >= m) return;
-      out[r] = RowArgmax(x + r * v, v);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
+  int64_t v;
+  void RunItem(int64_t row) override { out[row] = RowArgmax(x + row * v, v); }
 };
 
 ffi::Error ArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -99,13 +90,10 @@ ffi::Error ArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   auto call = std::make_shared<Call>();
   call->x = x.typed_data();
   call->out = out->typed_data();
-  call->m = xd[0];
+  call->items = xd[0];
   call->v = xd[1];
-  if (call->m == 0) return ffi::Error::Success();
-  jaxtier::Crew& crew = jaxtier::Crew::Get();
-  crew.Offer(call, std::min<int64_t>({crew.size(), pool.num_threads(), call->m - 1}));
-  call->Drain();
-  while (call->done.load(std::memory_order_acquire) < call->m) std::this_thread::yield();
+  if (call->items == 0) return ffi::Error::Success();
+  jaxtier::RunJob(call, std::min<int64_t>(pool.num_threads(), call->items - 1));
   return ffi::Error::Success();
 }
 

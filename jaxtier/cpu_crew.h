@@ -2,8 +2,7 @@
 // jaxtier/kvcache/paged_attention_cpu.cc; built into one library by jaxtier/cpu_kernels.py).
 //
 // A kernel call splits its work into items that any thread may claim from an atomic counter (a
-// `Job`). The calling thread drains the job, and `Crew::Offer` lets up to n crew threads drain it
-// beside the caller. Why not XLA's intra-op pool: it wakes a sleeping thread per scheduled task,
+// `Job`). `RunJob` drains it on the calling thread and offers it to up to n crew threads beside. Why not XLA's intra-op pool: it wakes a sleeping thread per scheduled task,
 // and a decode step's kernel calls last 50-300 us, so in most calls the pool's helper arrived after
 // the caller had claimed every item, and a small projection ran on one core at half the memory
 // bandwidth. Crew threads spin for `kSpin` after their last job (pausing, and yielding the core to
@@ -40,11 +39,23 @@ inline void CpuRelax() {
 #endif
 }
 
-// Work that the caller and any crew thread claim item by item. `Drain` runs items until none is
-// left to claim; the caller then waits for the items others claimed (the kernel's own counter).
+// Work that the caller and any crew thread claim item by item: `items` calls of `RunItem`.
 struct Job {
   virtual ~Job() = default;
-  virtual void Drain() = 0;
+  virtual void RunItem(int64_t item) = 0;
+
+  // Claims and runs items until none is left to claim.
+  void Drain() {
+    for (;;) {
+      const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
+      if (item >= items) return;
+      RunItem(item);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  int64_t items = 0;
+  std::atomic<int64_t> next{0}, done{0};
   std::atomic<int64_t> seats{0};  // crew threads still allowed to join
 };
 
@@ -114,6 +125,16 @@ class Crew {
   std::mutex mu_;
   std::condition_variable wake_;
 };
+
+// Runs every item of `job` on the calling thread and up to `helpers` crew threads; returns when all
+// are done. Helpers hold the job alive (shared_ptr) and find the counter spent if they start late.
+inline void RunJob(const std::shared_ptr<Job>& job, int64_t helpers) {
+  Crew& crew = Crew::Get();
+  crew.Offer(job, std::min(helpers, crew.size()));
+  job->Drain();
+  // Items that helpers claimed are in progress on running threads: wait for them.
+  while (job->done.load(std::memory_order_acquire) < job->items) std::this_thread::yield();
+}
 
 }  // namespace jaxtier
 

@@ -20,6 +20,13 @@ inline V16 LoadV(const float* p) {
 }
 inline void StoreV(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// The sum of the 16 lanes.
+inline float Sum16(V16 v) {
+  float sum = 0;
+  for (int l = 0; l < 16; ++l) sum += v[l];
+  return sum;
+}
+
 }  // namespace jaxtier
 
 #endif  // JAXTIER_CPU_VEC_H_

@@ -63,38 +63,28 @@ struct Call : jaxtier::Job {
   const float* x;
   const float* w;
   float* out;
-  int64_t m, k, n, row_blocks, items;
-  std::atomic<int64_t> next{0}, done{0};
+  int64_t m, k, n, row_blocks;
   std::vector<float> normed;  // the normalized x of a norm-and-multiply call
-  void Drain() override;
+  void RunItem(int64_t item) override;
 };
 
-void Item(const Call& c, int64_t item) {
-  const int64_t p = item / c.row_blocks;
-  const int64_t first = (item % c.row_blocks) * kRowBlock;
-  const int64_t last = std::min(c.m, first + kRowBlock);
-  const float* panel = c.w + p * c.k * kPanel;
+void Call::RunItem(int64_t item) {
+  const int64_t p = item / row_blocks;
+  const int64_t first = (item % row_blocks) * kRowBlock;
+  const int64_t last = std::min(m, first + kRowBlock);
+  const float* panel = w + p * k * kPanel;
   int64_t r = first;
   for (; r + kTile <= last; r += kTile)
-    Tile<kTile>(c.x + r * c.k, panel, c.out + r * c.n + p * kPanel, c.k, c.n);
-  const float* x = c.x + r * c.k;
-  float* out = c.out + r * c.n + p * kPanel;
+    Tile<kTile>(x + r * k, panel, out + r * n + p * kPanel, k, n);
+  const float* rest = x + r * k;  // the last rows, fewer than a tile
+  float* rest_out = out + r * n + p * kPanel;
   switch (last - r) {
-    case 5: Tile<5>(x, panel, out, c.k, c.n); break;
-    case 4: Tile<4>(x, panel, out, c.k, c.n); break;
-    case 3: Tile<3>(x, panel, out, c.k, c.n); break;
-    case 2: Tile<2>(x, panel, out, c.k, c.n); break;
-    case 1: Tile<1>(x, panel, out, c.k, c.n); break;
+    case 5: Tile<5>(rest, panel, rest_out, k, n); break;
+    case 4: Tile<4>(rest, panel, rest_out, k, n); break;
+    case 3: Tile<3>(rest, panel, rest_out, k, n); break;
+    case 2: Tile<2>(rest, panel, rest_out, k, n); break;
+    case 1: Tile<1>(rest, panel, rest_out, k, n); break;
     default: break;
-  }
-}
-
-void Call::Drain() {
-  for (;;) {
-    const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
-    if (item >= items) return;
-    Item(*this, item);
-    done.fetch_add(1, std::memory_order_release);
   }
 }
 
@@ -107,12 +97,8 @@ ffi::Error Multiply(ffi::ThreadPool pool, std::shared_ptr<Call> call, int64_t pa
   }
   call->row_blocks = (call->m + kRowBlock - 1) / kRowBlock;
   call->items = panels * call->row_blocks;
-  // Helpers hold the call alive (shared_ptr) and find the counter spent if they start late.
-  // XLA's intra-op thread count caps them, as it does XLA's own kernels.
-  jaxtier::Crew& crew = jaxtier::Crew::Get();
-  crew.Offer(call, std::min<int64_t>({crew.size(), pool.num_threads(), call->items - 1}));
-  call->Drain();
-  while (call->done.load(std::memory_order_acquire) < call->items) std::this_thread::yield();
+  // XLA's intra-op thread count caps the helpers, as it does XLA's own kernels.
+  jaxtier::RunJob(call, std::min<int64_t>(pool.num_threads(), call->items - 1));
   return ffi::Error::Success();
 }
 
@@ -165,8 +151,7 @@ ffi::Error NormPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       const V16 v = LoadV(row + i);
       lanes += v * v;
     }
-    float sum = 0.0f;
-    for (int j = 0; j < 16; ++j) sum += lanes[j];
+    float sum = jaxtier::Sum16(lanes);
     for (; i < call->k; ++i) sum += row[i] * row[i];
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(call->k) + eps);
     for (int64_t i = 0; i < call->k; ++i) dst[i] = g[i] * (row[i] * inv);

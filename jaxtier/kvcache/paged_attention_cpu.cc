@@ -35,6 +35,7 @@ constexpr int kLanes = 16;
 using jaxtier::I16;
 using jaxtier::LoadV;
 using jaxtier::StoreV;
+using jaxtier::Sum16;
 using jaxtier::V16;
 
 // exp of 16 lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial in r,
@@ -83,8 +84,7 @@ inline float SoftmaxInPlace(float* row, int64_t n) {
     StoreV(row + i, e);
     lanes += e;
   }
-  float total = 0;
-  for (int l = 0; l < kLanes; ++l) total += lanes[l];
+  float total = Sum16(lanes);
   for (; i < n; ++i) {
     row[i] = std::exp(row[i] - mx);
     total += row[i];
@@ -215,12 +215,6 @@ inline V16 Load16(const int8_t* p) {
   return __builtin_convertvector(u, V16);
 }
 
-inline float Sum16(V16 v) {
-  float sum = 0;
-  for (int l = 0; l < kLanes; ++l) sum += v[l];
-  return sum;
-}
-
 // AttendItem for G query heads per kv head and head_dim = 16 DV, with the G x DV query and output
 // vectors held in registers: each key and value row is loaded once for all G heads, every score
 // takes one lane sum, and pass 2 accumulates without storing the outputs per slot. 1.3x the
@@ -313,42 +307,30 @@ struct Call : jaxtier::Job {
   const float* k_scales;
   const float* v_scales;
   float* out;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  void (*drain)(Call&) = nullptr;  // Drain<T> for the pool's element type
-  void Drain() override { drain(*this); }
+  void (*attend_item)(const Call&, int64_t) = nullptr;  // AttendOne<T> for the pool's type
+  void RunItem(int64_t item) override { attend_item(*this, item); }
 };
 
+// Item (sequence, kv head) = (item / kv_heads, item % kv_heads) of a call on T pages.
 template <typename T>
-void Drain(Call& call) {
+void AttendOne(const Call& call, int64_t item) {
   thread_local std::vector<float> scores;
-  const int64_t total = call.s.batch * call.s.kv_heads;
-  const AttendFn<T> attend = AttendFor<T>(call.s);
-  for (;;) {
-    const int64_t item = call.next.fetch_add(1);
-    if (item >= total) return;
-    attend(call.s, item / call.s.kv_heads, item % call.s.kv_heads, call.q,
-                  static_cast<const T*>(call.k), static_cast<const T*>(call.v), call.tables,
-                  call.pos, call.k_scales, call.v_scales, call.out, scores);
-    call.done.fetch_add(1, std::memory_order_release);
-  }
+  AttendFor<T>(call.s)(call.s, item / call.s.kv_heads, item % call.s.kv_heads, call.q,
+                       static_cast<const T*>(call.k), static_cast<const T*>(call.v), call.tables,
+                       call.pos, call.k_scales, call.v_scales, call.out, scores);
 }
 
 template <typename T>
 ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<Call> call) {
   const Shape& s = call->s;
-  const int64_t total = s.batch * s.kv_heads;
+  call->items = s.batch * s.kv_heads;
+  call->attend_item = AttendOne<T>;
   // Small steps (batch-1 decode) are not worth a helper's start-up.
   int64_t visible = 0;
   for (int64_t b = 0; b < s.batch; ++b) visible += std::max<int32_t>(call->pos[b] + 1, 0);
   const int64_t helpers =
-      visible * s.kv_heads < 1024 ? 0 : std::min<int64_t>(pool.num_threads(), total - 1);
-  call->drain = Drain<T>;
-  jaxtier::Crew& crew = jaxtier::Crew::Get();
-  crew.Offer(call, std::min<int64_t>(crew.size(), helpers));
-  Drain<T>(*call);
-  // Items that helpers pulled are in progress on running threads: wait for them.
-  while (call->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+      visible * s.kv_heads < 1024 ? 0 : std::min<int64_t>(pool.num_threads(), call->items - 1);
+  jaxtier::RunJob(call, helpers);
   return ffi::Error::Success();
 }
 
