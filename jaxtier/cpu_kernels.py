@@ -4,13 +4,13 @@
   way to read a paged pool in place: the fast XLA path gathers every chunk of blocks into a copy
   before its dots, and on CPU those gathers, not the arithmetic, are most of a long-context decode
   step. The kernel reads keys and values straight from the pool.
-- `jaxtier/matmul_cpu.cc`: x @ w with w packed in 64-column panels (`jaxtier.matmul`). XLA:CPU's
-  matmuls with 2-32 rows (batched decode) run at a fraction of the memory bandwidth; the kernel
-  streams each panel once.
+- `jaxtier/matmul_cpu.cc`: x @ w with w packed in column panels (`jaxtier.matmul`; 64 columns with
+  AVX-512, 16 with AVX2: `panel_width()`). XLA:CPU's matmuls with 2-32 rows (batched decode) run
+  at a fraction of the memory bandwidth; the kernel streams each panel once.
 - `jaxtier/argmax_cpu.cc`: greedy decoding's argmax over each row of logits (XLA:CPU's took ~2 ns
   per logit).
 - `jaxtier/cpu_crew.h`: the helper threads the kernels share (why not XLA's intra-op pool: there);
-  `jaxtier/cpu_vec.h`: their 16-lane vector types.
+  `jaxtier/cpu_vec.h`: their vector types.
 
 Building: the sources are compiled once per (sources, compiler, jaxlib, CPU) with the system C++
 compiler (`$CXX`, else `c++`/`g++`/`clang++`) against the FFI headers jaxlib ships
@@ -92,11 +92,12 @@ def _build(compiler: str, path: Path) -> None:
 
 
 @functools.cache
-def _load() -> str | None:
-  """Builds (if needed), loads and registers the kernels; None, or why they are unavailable."""
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+  """Builds (if needed), loads and registers the kernels: (the library, None), or (None, why they
+  are unavailable)."""
   compiler = _compiler()
   if compiler is None:
-    return "no C++ compiler found (set CXX, or install g++ or clang++)"
+    return None, "no C++ compiler found (set CXX, or install g++ or clang++)"
   try:
     path = _library_path(compiler)
     if not path.exists():
@@ -106,13 +107,13 @@ def _load() -> str | None:
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                   platform="cpu")
   except (OSError, RuntimeError, AttributeError) as e:
-    return f"building or loading the CPU kernels failed: {e}"
-  return None
+    return None, f"building or loading the CPU kernels failed: {e}"
+  return library, None
 
 
 def available() -> bool:
   """Whether the kernels are built and registered (builds them on the first call)."""
-  reason = _load()
+  reason = _load()[1]
   if reason is not None:
     _warn_once(reason)
   return reason is None
@@ -120,7 +121,15 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
   """Why `available()` is False, or None."""
-  return _load()
+  return _load()[1]
+
+
+@functools.cache
+def panel_width() -> int | None:
+  """Columns per panel of the packed matmul kernel as built for this CPU: the width of its
+  register tile (64 with AVX-512, 16 with AVX2); None when the kernels are unavailable."""
+  library = _load()[0]
+  return None if library is None else int(library.JaxtierPanelWidth())
 
 
 @functools.cache

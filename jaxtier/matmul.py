@@ -1,11 +1,13 @@
 """Weights packed in column panels, and x @ w on them: the CPU kernel, with an XLA reference.
 
-A [K, N] weight is stored packed as [ceil(N / 64), K, 64]: panel p holds columns
-[64 p, 64 p + 64), row by row, so each panel is one contiguous stream (columns past N are zero,
-and the product is sliced back to N). `jaxtier/matmul_cpu.cc` multiplies by a packed weight
-reading each panel once in order, with a tile of x's rows summed in registers; at 1-32 rows
-(decode) a step's projections and LM head run 1.1-2.5x faster than XLA:CPU's matmuls on the
-[K, N] layout, and on par with them at prefill sizes (WORKSPACE.md, "Packed weights").
+A [K, N] weight is stored packed as [ceil(N / P), K, P]: panel p holds columns [P p, P p + P),
+row by row, so each panel is one contiguous stream (columns past N are zero, and the product is
+sliced back to N). P, `panel_width()`, is the width of the kernel's register tile on this CPU:
+64 columns with AVX-512, 16 with AVX2 (64 where the kernels are unavailable; any P works with the
+reference). `jaxtier/matmul_cpu.cc` multiplies by a packed weight reading each panel once in
+order, with a tile of x's rows summed in registers; at 1-32 rows (decode) a step's projections
+and LM head run 1.1-2.5x faster than XLA:CPU's matmuls on the [K, N] layout, and on par with them
+at prefill sizes (WORKSPACE.md, "Packed weights").
 
 `packed_matmul` picks the kernel when the program is lowered for CPU and the kernel is built
 (`jaxtier.cpu_kernels`); elsewhere, or for dtypes other than float32, it is `reference_matmul`,
@@ -21,33 +23,41 @@ import numpy as np
 
 from jaxtier import cpu_kernels
 
-PANEL = 64  # columns per panel
+DEFAULT_PANEL = 64  # columns per panel where the kernels are unavailable
 
 
-def panels(n: int) -> int:
-  """Panels of a weight with n output columns (the last one zero-padded)."""
-  return -(-n // PANEL)
+def panel_width() -> int:
+  """Columns per panel that `pack` uses: the CPU kernel's tile width (64 with AVX-512, 16 with
+  AVX2), or `DEFAULT_PANEL` without the kernels."""
+  return cpu_kernels.panel_width() or DEFAULT_PANEL
+
+
+def panels(n: int, width: int | None = None) -> int:
+  """Panels of `width` columns (default `panel_width()`) of a weight with n output columns (the
+  last one zero-padded)."""
+  return -(-n // (width or panel_width()))
 
 
 def packs_exactly(*widths: int) -> bool:
   """Whether weights of these output widths pack with no padding (the same bytes packed)."""
-  return all(n % PANEL == 0 for n in widths)
+  return all(n % panel_width() == 0 for n in widths)
 
 
-def pack(w_kn):
-  """[..., K, N] -> [..., ceil(N / 64), K, 64], the columns past N zero (numpy in, numpy out;
-  jax in, jax out)."""
+def pack(w_kn, width: int | None = None):
+  """[..., K, N] -> [..., ceil(N / P), K, P] with P = `width` (default `panel_width()`), the
+  columns past N zero (numpy in, numpy out; jax in, jax out)."""
+  width = width or panel_width()
   *lead, k, n = w_kn.shape
   xp = np if isinstance(w_kn, np.ndarray) else jnp
-  pad = panels(n) * PANEL - n
+  pad = panels(n, width) * width - n
   if pad:
     w_kn = xp.concatenate([w_kn, xp.zeros((*lead, k, pad), w_kn.dtype)], axis=-1)
-  w = xp.swapaxes(w_kn.reshape(*lead, k, panels(n), PANEL), -3, -2)
+  w = xp.swapaxes(w_kn.reshape(*lead, k, panels(n, width), width), -3, -2)
   return np.ascontiguousarray(w) if xp is np else w
 
 
 def unpack(w_pkc, n: int):
-  """[..., P, K, 64] -> [..., K, n]: the inverse of `pack` for a weight of n columns."""
+  """[..., P, K, C] -> [..., K, n]: the inverse of `pack` for a weight of n columns."""
   *lead, p, k, c = w_pkc.shape
   xp = np if isinstance(w_pkc, np.ndarray) else jnp
   return xp.swapaxes(w_pkc, -3, -2).reshape(*lead, k, p * c)[..., :n]
@@ -70,21 +80,28 @@ def _kernel_matmul(x_mk: jax.Array, w_pkc: jax.Array) -> jax.Array:
 
 
 def _check_packed(x_mk, w_pkc, n):
-  if w_pkc.ndim != 3 or w_pkc.shape[-1] != PANEL or w_pkc.shape[1] != x_mk.shape[-1]:
-    raise ValueError(f"expected a packed weight [P, {x_mk.shape[-1]}, {PANEL}] for x of shape "
+  if w_pkc.ndim != 3 or w_pkc.shape[1] != x_mk.shape[-1]:
+    raise ValueError(f"expected a packed weight [P, {x_mk.shape[-1]}, C] for x of shape "
                      f"{x_mk.shape}, got {w_pkc.shape}")
-  if n is not None and not (w_pkc.shape[0] - 1) * PANEL < n <= w_pkc.shape[0] * PANEL:
-    raise ValueError(f"n={n} does not fit a packed weight of {w_pkc.shape[0]} panels")
+  p, _, c = w_pkc.shape
+  if n is not None and not (p - 1) * c < n <= p * c:
+    raise ValueError(f"n={n} does not fit a packed weight of {p} panels of {c} columns")
+
+
+def _kernel_applies(*arrays) -> bool:
+  """Whether the CPU kernel can multiply these: float32, not empty, the kernels built, and
+  panels of the width they were built for (any other width runs the reference)."""
+  return (all(a.dtype == jnp.float32 for a in arrays) and arrays[0].size > 0
+          and cpu_kernels.available() and arrays[-1].shape[-1] == cpu_kernels.panel_width())
 
 
 def packed_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:
-  """x [..., K] @ packed w [P, K, 64] -> [..., n]: the CPU kernel where it applies.
+  """x [..., K] @ packed w [P, K, C] -> [..., n]: the CPU kernel where it applies.
 
-  n: the weight's columns before padding (None: all P * 64).
+  n: the weight's columns before padding (None: all P * C).
   """
   _check_packed(x_mk, w_pkc, n)
-  if (x_mk.dtype != jnp.float32 or w_pkc.dtype != jnp.float32 or not x_mk.size
-      or not cpu_kernels.available()):
+  if not _kernel_applies(x_mk, w_pkc):
     out = reference_matmul(x_mk, w_pkc)
   else:
     out = jax.lax.platform_dependent(x_mk, w_pkc, cpu=_kernel_matmul, default=reference_matmul)
@@ -114,14 +131,13 @@ def _reference_norm_matmul(x_mk, scale_k, w_pkc, *, eps):
 
 def norm_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Array, n: int | None,
                        eps: float) -> jax.Array:
-  """rms_norm(x, scale, eps) [..., K] @ packed w [P, K, 64] -> [..., n], as one CPU kernel call
+  """rms_norm(x, scale, eps) [..., K] @ packed w [P, K, C] -> [..., n], as one CPU kernel call
   where it applies (the norm's reduction and multiply are two more XLA:CPU ops otherwise, each
   slower at decode than the norm's arithmetic); else `rms_norm` then `reference_matmul`."""
   _check_packed(x_mk, w_pkc, n)
   if scale_k.shape != (x_mk.shape[-1],):
     raise ValueError(f"expected a norm scale of shape ({x_mk.shape[-1]},), got {scale_k.shape}")
-  if (x_mk.dtype != jnp.float32 or w_pkc.dtype != jnp.float32 or scale_k.dtype != jnp.float32
-      or not x_mk.size or not cpu_kernels.available()):
+  if not _kernel_applies(x_mk, scale_k, w_pkc):
     out = _reference_norm_matmul(x_mk, scale_k, w_pkc, eps=eps)
   else:
     out = jax.lax.platform_dependent(x_mk, scale_k, w_pkc,

@@ -1,13 +1,20 @@
 // x @ w for XLA:CPU with w packed in column panels, called through the XLA FFI (see
 // jaxtier/matmul.py for the layout and jaxtier/cpu_kernels.py for the build).
 //
-// The packed weight is [N / 64, K, 64]: panel p holds columns [64 p, 64 p + 64) of the [K, N]
-// matrix, row by row, so a panel is one contiguous stream. An item is (panel, block of up to 96
-// rows of x); for every tile of up to 6 rows it keeps 6 x 64 sums in registers while it walks the
-// panel's K rows once. At decode (a few rows) each weight is read once from memory in order,
-// which XLA:CPU's skinny matmuls do not manage; at prefill the panel stays in the core's L2 cache
-// across the row tiles. Items are pulled from an atomic counter by the calling
-// thread and by the kernels' crew of helper threads (jaxtier/cpu_crew.h).
+// The packed weight is [N / P, K, P]: panel p holds columns [P p, P p + P) of the [K, N] matrix,
+// row by row, so a panel is one contiguous stream. P is the width of the register tile, which
+// depends on the vector registers the build has (`JaxtierPanelWidth`): 64 columns (4 vectors of
+// 16) with AVX-512's 32 registers, 16 columns (2 vectors of 8) with AVX2's 16. An item is
+// (panel, block of up to 96 rows of x); for every tile of up to 6 rows it keeps 6 x P sums in
+// registers (24 of 32 registers with AVX-512, 12 of 16 with AVX2) while it walks the panel's K
+// rows once. At decode (a few rows) each weight is read once from memory in order, which
+// XLA:CPU's skinny matmuls do not manage; at prefill the panel stays in the core's cache across
+// the row tiles. Items are pulled from an atomic counter by the calling thread and by the
+// kernels' crew of helper threads (jaxtier/cpu_crew.h).
+//
+// Why the width follows the registers: on a Zen 3 CPU (AVX2) the 64-column tile spilled its 48
+// accumulators and ran at ~5 GFLOP/s, and 16-column tiles walking a 64-column panel (a 256-byte
+// stride) reached ~55 GFLOP/s at 32 rows, against ~105 GFLOP/s over 16-column panels.
 //
 // x is float32 [M, K] (row-major), out float32 [M, N]. A second handler applies an RMS norm to
 // x's rows first (the pre-norm of a decoder layer's q/k/v and gate/up projections).
@@ -29,34 +36,69 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kPanel = 64;     // columns per panel: 4 vectors of 16 floats
-constexpr int64_t kRowBlock = 96;  // rows of x per work item
-constexpr int kTile = 6;           // rows per register tile: 6 x 4 accumulators
-
+using jaxtier::LoadN;
 using jaxtier::LoadV;
-using jaxtier::StoreV;
+using jaxtier::StoreN;
 using jaxtier::V16;
+using jaxtier::VN;
 
-// out[R rows, 64 columns] (row stride n) = x[R rows, K] (row stride k) @ panel [K, 64].
-// No software prefetch: the panel is one sequential stream, which the hardware prefetcher follows
-// best on its own. Prefetching one line per panel row (a quarter of the 256-byte row) cost 10-25%
-// of the streaming rate at 1-32 rows in a two-thread test on a Zen 4 CPU.
+constexpr int kLanes = jaxtier::kNativeLanes;
+constexpr bool kWide = kLanes == 16;            // AVX-512
+constexpr int kVecs = kWide ? 4 : 2;           // vectors per tile row
+constexpr int64_t kPanel = kVecs * kLanes;     // columns per panel
+constexpr int64_t kRowBlock = 96;              // rows of x per work item
+constexpr int kTile = 6;                       // rows per register tile: 6 x kVecs accumulators
+
+// Panel rows per pass of the tiles over an item's rows (0: all K in one pass), and whether the
+// first tile of a pass prefetches the next pass's panel rows. With AVX2 (tuned on a Zen 3 CPU, two
+// threads): each tile walked the whole panel, the first from memory and the others from L2, so
+// the memory stream and the arithmetic took turns and a step's matmuls cost about their sum. In
+// passes of 64 panel rows (4 KB), with the next 64 prefetched by the first tile, the later tiles'
+// arithmetic overlaps that fetch: 15-20% faster at 4-16 rows, ~10% at 32. The sums of a pass live
+// in a buffer of the item's rows (the output rows are n floats apart; their 4 KB aliasing made
+// reloading them there slower than one pass). With AVX-512 (tuned on Zen 4) a tile walks the
+// whole panel with no software prefetch: prefetching one line per 256-byte panel row cost 10-25%
+// of the streaming rate at 1-32 rows in a two-thread test there.
+constexpr int64_t kPassRows = kWide ? 0 : 64;
+constexpr int64_t kLineFloats = 16;            // floats per 64-byte cache line
+
+// Pins freshly loaded values in registers: without it the compiler folds the weight loads into
+// every row's multiply-add, loading each weight vector once per row. With AVX2 that halved the
+// rate of 2-4 row tiles (39 against 93 GFLOP/s on one Zen 3 core, weights in L1).
+inline void KeepInRegisters(VN (&v)[kVecs]) {
+#if defined(__AVX__)  // a VN is one register (elsewhere it is several: leave them be)
+  for (int j = 0; j < kVecs; ++j) asm("" : "+v"(v[j]));
+#endif
+}
+
+// sums[R rows, kPanel columns] (row stride s) += (or =, without `accumulate`) x[R rows, i0..i1)
+// (row stride k) @ panel rows [i0, i1). Each of the first `prefetch_rows` steps prefetches one
+// panel row from `prefetch` on.
 template <int R>
-inline void Tile(const float* x, const float* panel, float* out, int64_t k, int64_t n) {
-  V16 acc[R][4];
+inline void Tile(const float* x, int64_t k, const float* panel, int64_t i0, int64_t i1,
+                 float* sums, int64_t s, bool accumulate, const float* prefetch,
+                 int64_t prefetch_rows) {
+  VN acc[R][kVecs];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = V16{};
-  const float* w = panel;
-  for (int64_t i = 0; i < k; ++i, w += kPanel) {
-    V16 wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = LoadV(w + 16 * j);
+    for (int j = 0; j < kVecs; ++j)
+      acc[r][j] = accumulate ? LoadN(sums + r * s + kLanes * j) : VN{};
+  const float* w = panel + i0 * kPanel;
+  for (int64_t i = i0; i < i1; ++i, w += kPanel) {
+    if (i - i0 < prefetch_rows) {
+      const float* line = prefetch + (i - i0) * kPanel;
+      for (int64_t f = 0; f < kPanel; f += kLineFloats) __builtin_prefetch(line + f);
+    }
+    VN wv[kVecs];
+    for (int j = 0; j < kVecs; ++j) wv[j] = LoadN(w + kLanes * j);
+    KeepInRegisters(wv);
     for (int r = 0; r < R; ++r) {
-      const V16 xv = V16{} + x[r * k + i];
-      for (int j = 0; j < 4; ++j) acc[r][j] += xv * wv[j];
+      // x - 0 is x for every x, so this is one broadcast load (0 + x is not: -0 + 0 is +0).
+      const VN xv = x[r * k + i] - VN{};
+      for (int j = 0; j < kVecs; ++j) acc[r][j] += xv * wv[j];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) StoreV(out + r * n + 16 * j, acc[r][j]);
+    for (int j = 0; j < kVecs; ++j) StoreN(sums + r * s + kLanes * j, acc[r][j]);
 }
 
 struct Call : jaxtier::Job {
@@ -73,22 +115,42 @@ void Call::RunItem(int64_t item) {
   const int64_t first = (item % row_blocks) * kRowBlock;
   const int64_t last = std::min(m, first + kRowBlock);
   const float* panel = w + p * k * kPanel;
-  int64_t r = first;
-  for (; r + kTile <= last; r += kTile)
-    Tile<kTile>(x + r * k, panel, out + r * n + p * kPanel, k, n);
-  const float* rest = x + r * k;  // the last rows, fewer than a tile
-  float* rest_out = out + r * n + p * kPanel;
-  switch (last - r) {
-    case 5: Tile<5>(rest, panel, rest_out, k, n); break;
-    case 4: Tile<4>(rest, panel, rest_out, k, n); break;
-    case 3: Tile<3>(rest, panel, rest_out, k, n); break;
-    case 2: Tile<2>(rest, panel, rest_out, k, n); break;
-    case 1: Tile<1>(rest, panel, rest_out, k, n); break;
-    default: break;
+  float* dst = out + first * n + p * kPanel;
+  // One pass writes the output rows directly; several accumulate in `buffer`, then copy.
+  const int64_t step = kPassRows > 0 && kPassRows < k ? kPassRows : k;
+  alignas(64) float buffer[kPassRows > 0 ? kRowBlock * kPanel : 1];
+  float* sums = step < k ? buffer : dst;
+  const int64_t stride = step < k ? kPanel : n;
+  // One or two rows stream the panel at the memory's rate without help.
+  const bool prefetching = kPassRows > 0 && last - first > 2;
+  for (int64_t i0 = 0; i0 < k; i0 += step) {
+    const int64_t i1 = std::min(k, i0 + step);
+    const int64_t ahead = prefetching ? std::min(i1 - i0, k - i1) : 0;
+    const float* next = panel + i1 * kPanel;
+    int64_t r = first;
+    for (; r + kTile <= last; r += kTile) {
+      Tile<kTile>(x + r * k, k, panel, i0, i1, sums + (r - first) * stride, stride, i0 > 0,
+                  next, r == first ? ahead : 0);
+    }
+    const float* rest = x + r * k;  // the last rows, fewer than a tile
+    float* rest_sums = sums + (r - first) * stride;
+    const int64_t rest_ahead = r == first ? ahead : 0;
+    switch (last - r) {
+      case 5: Tile<5>(rest, k, panel, i0, i1, rest_sums, stride, i0 > 0, next, rest_ahead); break;
+      case 4: Tile<4>(rest, k, panel, i0, i1, rest_sums, stride, i0 > 0, next, rest_ahead); break;
+      case 3: Tile<3>(rest, k, panel, i0, i1, rest_sums, stride, i0 > 0, next, rest_ahead); break;
+      case 2: Tile<2>(rest, k, panel, i0, i1, rest_sums, stride, i0 > 0, next, rest_ahead); break;
+      case 1: Tile<1>(rest, k, panel, i0, i1, rest_sums, stride, i0 > 0, next, rest_ahead); break;
+      default: break;
+    }
+  }
+  if (sums != dst) {
+    for (int64_t r = 0; r < last - first; ++r)
+      std::memcpy(dst + r * n, sums + r * kPanel, sizeof(float) * kPanel);
   }
 }
 
-// Multiplies call->x [M, K] by w [N/64, K, 64] into out [M, N] (shapes checked by the caller).
+// Multiplies call->x [M, K] by w [N/P, K, P] into out [M, N] (shapes checked by the caller).
 ffi::Error Multiply(ffi::ThreadPool pool, std::shared_ptr<Call> call, int64_t panels) {
   if (call->m == 0 || call->n == 0) return ffi::Error::Success();
   if (call->k == 0) {
@@ -112,8 +174,8 @@ bool Fits(const Dims& xd, const Dims& wd, const Dims& od) {
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
   if (!Fits(x.dimensions(), w.dimensions(), out->dimensions()))
-    return ffi::Error::InvalidArgument("packed matmul: expected x [M, K], w [N/64, K, 64], "
-                                       "out [M, N]");
+    return ffi::Error::InvalidArgument("packed matmul: expected x [M, K], w [N/P, K, P] with P "
+                                       "the panel width, out [M, N]");
   auto call = std::make_shared<Call>();
   call->x = x.typed_data();
   call->w = w.typed_data();
@@ -134,7 +196,7 @@ ffi::Error NormPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (!Fits(x.dimensions(), w.dimensions(), out->dimensions()) ||
       scale.dimensions().size() != 1 || scale.dimensions()[0] != x.dimensions()[1])
     return ffi::Error::InvalidArgument("norm packed matmul: expected x [M, K], scale [K], "
-                                       "w [N/64, K, 64], out [M, N]");
+                                       "w [N/P, K, P] with P the panel width, out [M, N]");
   auto call = std::make_shared<Call>();
   call->m = x.dimensions()[0];
   call->k = x.dimensions()[1];
@@ -163,6 +225,9 @@ ffi::Error NormPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 }  // namespace
+
+// The panel width P the handlers expect (jaxtier.matmul packs for it).
+extern "C" int JaxtierPanelWidth() { return kPanel; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierPackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()

@@ -107,12 +107,12 @@ class FusedDecoderLayer(DecoderLayer):
   """A DecoderLayer with its q/k/v and gate/up kernels concatenated: the same arithmetic in three
   fewer matmuls per layer, which matters where each matmul is a separate kernel call (CPU decode).
 
-  `packed` stores the four kernels in 64-column panels (`jaxtier.matmul`) and multiplies with the
+  `packed` stores the four kernels in column panels (`jaxtier.matmul`) and multiplies with the
   CPU kernel, which streams them once per step at the batch sizes of decoding; the q/k/v and
   gate/up products take their pre-norm in the same call (`matmul.norm_packed_matmul`). The
   default packs float32 layers built for CPU when the kernel is available (`jaxtier.cpu_kernels`)
-  and every kernel's width is a multiple of 64 (no padding, so the same bytes), and keeps the
-  [in, out] layout elsewhere.
+  and every kernel's width is a multiple of the panel width (no padding, so the same bytes), and
+  keeps the [in, out] layout elsewhere.
   """
 
   # Each fused parameter is its parts' parameters concatenated along the last (output) axis.
@@ -330,9 +330,9 @@ class GroupedTransformer(Transformer):
   slices.
 
   With `fused`, where fused layers pack (`packs_by_default`) and the vocabulary is a multiple of
-  64, the LM head is packed too (`packed_head`, [v / 64, h, 64], `jaxtier.matmul`): XLA:CPU's
-  product with the [v, h] table at 2-32 rows ran at a third to a half of the bandwidth. A tied
-  table is then held only packed, and embedding a token gathers its column of the panels.
+  the panel width P, the LM head is packed too (`packed_head`, [v / P, h, P], `jaxtier.matmul`):
+  XLA:CPU's product with the [v, h] table at 2-32 rows ran at a third to a half of the bandwidth.
+  A tied table is then held only packed, and embedding a token gathers its column of the panels.
   """
 
   def __init__(self, model: Transformer, groups, fused: bool = True):
@@ -371,7 +371,8 @@ class GroupedTransformer(Transformer):
   def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
     if self.config.tie_word_embeddings and self.packed_head is not None:
       panels_phc = self.packed_head[...]
-      return panels_phc[tokens_bt // matmul.PANEL, :, tokens_bt % matmul.PANEL]
+      width = panels_phc.shape[-1]
+      return panels_phc[tokens_bt // width, :, tokens_bt % width]
     return self.embed(tokens_bt)
 
   def logits(self, h_bth: jax.Array) -> jax.Array:

@@ -4,6 +4,7 @@ packed fused layers against the stacked scan of unpacked layers.
 Skipped only where no C++ compiler exists; a kernel that fails to build is a failure.
 """
 
+import dataclasses
 import threading
 
 import hypothesis
@@ -45,18 +46,27 @@ def test_kernel_builds():
   assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
 
 
+def test_panel_width_is_the_kernels():
+  """The default packing is the width the kernel was built for: 64 columns with AVX-512, 16
+  without (`jaxtier/matmul_cpu.cc`)."""
+  avx512 = "avx512f" in cpu_kernels._cpu_signature().split()
+  assert matmul.panel_width() == cpu_kernels.panel_width() == (64 if avx512 else 16)
+  assert matmul.pack(np.ones((3, 64), np.float32)).shape[-1] == matmul.panel_width()
+
+
+@pytest.mark.parametrize("width", [16, 64])
 @pytest.mark.parametrize("n", [64, 96, 960, 1])
-def test_pack_round_trips_and_pads_with_zeros(n):
+def test_pack_round_trips_and_pads_with_zeros(n, width):
   w = np.arange(5 * n, dtype=np.float32).reshape(5, n)
-  packed = matmul.pack(w)
-  assert packed.shape == (matmul.panels(n), 5, matmul.PANEL)
+  packed = matmul.pack(w, width)
+  assert packed.shape == (-(-n // width), 5, width) == (matmul.panels(n, width), 5, width)
   assert np.array_equal(matmul.unpack(packed, n), w)
-  assert np.array_equal(np.asarray(matmul.unpack(matmul.pack(jnp.asarray(w)), n)), w)
-  assert not matmul.unpack(packed, matmul.panels(n) * matmul.PANEL)[:, n:].any()
-  # panel p, row k holds columns 64 p .. 64 p + 63 of row k
+  assert np.array_equal(np.asarray(matmul.unpack(matmul.pack(jnp.asarray(w), width), n)), w)
+  assert not matmul.unpack(packed, packed.shape[0] * width)[:, n:].any()
+  # panel p, row k holds columns width p .. width (p + 1) - 1 of row k
   assert packed[0, 3, 0] == w[3, 0]
-  if n > 64:
-    assert packed[1, 2, 5] == w[2, 69]
+  if n > width + 5:
+    assert packed[1, 2, 5] == w[2, width + 5]
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 13, 32, 96, 97, 200])
@@ -101,7 +111,7 @@ def test_norm_kernel_matches_numpy(m, k, n):
 
 
 def test_norm_kernel_lowers_for_float32_on_cpu_only():
-  x, g, w = jnp.ones((3, 64)), jnp.ones((64,)), jnp.ones((2, 64, 64))
+  x, g, w = jnp.ones((3, 64)), jnp.ones((64,)), matmul.pack(jnp.ones((64, 128)))
   assert cpu_kernels.NORM_MATMUL_TARGET in norm_kernel.lower(x, g, w, None, 1e-6).as_text()
   bf16 = [a.astype(jnp.bfloat16) for a in (x, g, w)]
   assert cpu_kernels.NORM_MATMUL_TARGET not in norm_kernel.lower(*bf16, None, 1e-6).as_text()
@@ -134,6 +144,16 @@ def test_concurrent_calls_each_get_their_own_product():
       np.testing.assert_array_equal(out, alone[i % len(packed)])
 
 
+@pytest.mark.parametrize("width", [16, 64])
+def test_other_panel_widths_take_the_reference(width):
+  """A weight packed for another CPU's width is multiplied by the reference, not the kernel."""
+  x, w = case(np.random.default_rng(width), 5, 40, 70)
+  packed = jnp.asarray(matmul.pack(w, width))
+  check(x, w, np.asarray(kernel(jnp.asarray(x), packed, 70)))
+  lowered = kernel.lower(jnp.asarray(x), packed, 70).as_text()
+  assert (cpu_kernels.MATMUL_TARGET in lowered) == (width == matmul.panel_width())
+
+
 def test_leading_dims_and_the_reference_path():
   rng = np.random.default_rng(1)
   x, w = case(rng, 6, 48, 100)
@@ -146,7 +166,7 @@ def test_leading_dims_and_the_reference_path():
 
 
 def test_cpu_lowering_calls_the_kernel_and_bfloat16_does_not():
-  x, w = jnp.ones((3, 64)), jnp.ones((2, 64, 64))
+  x, w = jnp.ones((3, 64)), matmul.pack(jnp.ones((64, 128)))
   assert cpu_kernels.MATMUL_TARGET in kernel.lower(x, w, None).as_text()
   bf16 = kernel.lower(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), None).as_text()
   assert cpu_kernels.MATMUL_TARGET not in bf16
@@ -200,8 +220,9 @@ def test_packed_layers_equal_the_stacked_scan(tiny, batch):
   packed = GroupedTransformer(tiny, [(c.num_layers, "unrolled")])
   layers = packed.groups[0].layers
   assert all(type(l) is FusedDecoderLayer and l.packed for l in layers)
-  assert layers[0].qkv_kernel[...].shape == (2, c.hidden_size, 64)  # [panels, in, 64]
-  assert packed.packed_head[...].shape == (3, c.hidden_size, 64)
+  width = matmul.panel_width()
+  assert layers[0].qkv_kernel[...].shape == (128 // width, c.hidden_size, width)  # [P, in, C]
+  assert packed.packed_head[...].shape == (192 // width, c.hidden_size, width)
   assert hasattr(packed, "embed") != c.tie_word_embeddings  # a tied table is held once
   rng = np.random.default_rng(batch)
   ids = jnp.asarray(rng.integers(0, c.vocab_size, (batch, 12)), jnp.int32)
@@ -220,14 +241,23 @@ def test_packed_layers_equal_the_stacked_scan(tiny, batch):
 
 
 def test_widths_off_the_panel_keep_the_in_out_layout():
-  """The tiny fixtures' 48-wide projections would need padding: not packed by default."""
-  model, _ = checkpoint.load_model(fixture_path("tiny_llama"))
-  grouped = GroupedTransformer(model, [(model.config.num_layers, "unrolled")])
+  """Projections (here o and down, of the hidden width) and a vocabulary that would need padding
+  are not packed by default."""
+  off = matmul.panel_width() + 8
+  c = dataclasses.replace(panel_config(True, False), hidden_size=off, vocab_size=3 * off)
+  grouped = GroupedTransformer(Transformer(c, rngs=nnx.Rngs(0)), [(c.num_layers, "unrolled")])
   layer = grouped.groups[0].layers[0]
-  c = model.config
   assert not layer.packed
   assert layer.o_kernel[...].shape == (c.num_heads * c.head_dim, c.hidden_size)
   assert grouped.packed_head is None and hasattr(grouped, "embed")
+
+
+def test_the_fixtures_pack_where_their_widths_fit():
+  """The tiny fixtures' projections (48-96 wide) pack with 16-column panels, not with 64."""
+  model, _ = checkpoint.load_model(fixture_path("tiny_llama"))
+  grouped = GroupedTransformer(model, [(model.config.num_layers, "unrolled")])
+  assert grouped.groups[0].layers[0].packed == (matmul.panel_width() == 16)
+  assert grouped.packed_head is None  # a vocabulary of 300
 
 
 def test_unfused_and_bfloat16_models_are_not_packed(tiny):

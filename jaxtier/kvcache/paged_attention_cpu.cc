@@ -30,61 +30,81 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;
+constexpr int kLanes = 16;  // partial sums of the generic loop's dot products
 
-using jaxtier::I16;
-using jaxtier::LoadV;
-using jaxtier::StoreV;
-using jaxtier::Sum16;
+using jaxtier::IN;
+using jaxtier::LoadN;
+using jaxtier::StoreN;
 using jaxtier::V16;
+using jaxtier::VN;
 
-// exp of 16 lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial in r,
+constexpr int kNL = jaxtier::kNativeLanes;  // lanes of the widest register (VN)
+
+// The sum of a vector's lanes by halves (a scalar loop over the lanes is a chain of 15 dependent
+// adds per score).
+typedef float F4 __attribute__((vector_size(16)));
+typedef float F8 __attribute__((vector_size(32)));
+inline float Reduce(F4 v) {
+  const F4 s = v + __builtin_shufflevector(v, v, 2, 3, 0, 1);
+  return (s + __builtin_shufflevector(s, s, 1, 0, 3, 2))[0];
+}
+inline float Reduce(F8 v) {
+  return Reduce(__builtin_shufflevector(v, v, 0, 1, 2, 3) +
+                __builtin_shufflevector(v, v, 4, 5, 6, 7));
+}
+inline float Reduce(V16 v) {
+  return Reduce(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+// exp of kNL lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial in r,
 // times 2^n from the exponent bits; about 1 ulp). Lanes below -87.3 give ~1e-38 instead of 0;
 // softmax arguments are x - max <= 0, so that only ever meets a sum of at least 1. The scalar
 // std::exp was most of the softmax at long contexts (slots x query heads calls per item).
-inline V16 Exp(V16 x) {
-  const V16 lo = V16{} - 87.33654f;
+inline VN Exp(VN x) {
+  const VN lo = VN{} - 87.33654f;
   x = x < lo ? lo : x;
-  const V16 fx = x * 1.44269504088896341f + 0.5f;
-  I16 n = __builtin_convertvector(fx, I16);  // truncates toward zero
-  V16 nf = __builtin_convertvector(n, V16);
-  const I16 over = nf > fx;                  // -1 where truncation rounded up: floor instead
+  const VN fx = x * 1.44269504088896341f + 0.5f;
+  IN n = __builtin_convertvector(fx, IN);  // truncates toward zero
+  VN nf = __builtin_convertvector(n, VN);
+  const IN over = nf > fx;                 // -1 where truncation rounded up: floor instead
   n += over;
-  nf = __builtin_convertvector(n, V16);
-  const V16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  V16 y = V16{} + 1.9875691500e-4f;
+  nf = __builtin_convertvector(n, VN);
+  const VN r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  VN y = VN{} + 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
-  V16 scale;
-  const I16 bits = (n + 127) << 23;
+  VN scale;
+  const IN bits = (n + 127) << 23;
   std::memcpy(&scale, &bits, sizeof(scale));
   return y * scale;
 }
 
-// Softmax numerators of row[0..n) in place: exp(row - max(row)); returns their sum.
+// Softmax numerators of row[0..n) in place: exp(row - max(row)); returns their sum. In vectors of
+// the widest register: 16-lane selects held in two AVX2 registers compile to lane-by-lane code.
 inline float SoftmaxInPlace(float* row, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
-  if (n >= kLanes) {
-    V16 m = LoadV(row);
-    for (i = kLanes; i + kLanes <= n; i += kLanes) {
-      const V16 v = LoadV(row + i);
+  if (n >= kNL) {
+    VN m = LoadN(row);
+    for (i = kNL; i + kNL <= n; i += kNL) {
+      const VN v = LoadN(row + i);
       m = v > m ? v : m;
     }
-    for (int l = 0; l < kLanes; ++l) mx = std::max(mx, m[l]);
+    for (int l = 0; l < kNL; ++l) mx = std::max(mx, m[l]);
   }
   for (; i < n; ++i) mx = std::max(mx, row[i]);
-  V16 lanes{};
-  for (i = 0; i + kLanes <= n; i += kLanes) {
-    const V16 e = Exp(LoadV(row + i) - mx);
-    StoreV(row + i, e);
+  VN lanes{};
+  for (i = 0; i + kNL <= n; i += kNL) {
+    const VN e = Exp(LoadN(row + i) - mx);
+    StoreN(row + i, e);
     lanes += e;
   }
-  float total = Sum16(lanes);
+  float total = Reduce(lanes);
   for (; i < n; ++i) {
     row[i] = std::exp(row[i] - mx);
     total += row[i];
@@ -137,10 +157,14 @@ bool SameDims(const A& a, const B& b) {
   return true;
 }
 
+// Pages ahead that ForEachSlot prefetches. On a Zen 3 CPU (two threads, 16-slot pages of 256-byte
+// rows, pages in order) two pages ahead read keys and values at ~13 GB/s, one page ahead ~11.
+constexpr int64_t kPrefetchPages = 2;
+
 // Calls fn(slot, row, scale) for slots 0..slots-1 of one kv head, in order: `row` is the slot's
 // d values in `pool`, `scale` its int8 scale (1 without scales). Pages are scattered over the
 // pool, which defeats the hardware prefetcher at every page start, so each slot's step also
-// prefetches its row of the next page.
+// prefetches its row of the page kPrefetchPages ahead.
 template <typename T, typename Fn>
 inline void ForEachSlot(const int32_t* table, int64_t head_base, int64_t slots, int64_t c,
                         int64_t d, const T* pool, const float* scales, Fn&& fn) {
@@ -148,7 +172,8 @@ inline void ForEachSlot(const int32_t* table, int64_t head_base, int64_t slots, 
     const int64_t page = head_base + table[start / c];
     const int64_t n = std::min(c, slots - start);
     const T* rows = pool + page * c * d;
-    const T* next = start + c < slots ? pool + (head_base + table[start / c + 1]) * c * d : nullptr;
+    const int64_t ahead = start + kPrefetchPages * c;
+    const T* next = ahead < slots ? pool + (head_base + table[ahead / c]) * c * d : nullptr;
     for (int64_t j = 0; j < n; ++j) {
       if (next) Prefetch(next + j * d, d);
       fn(start + j, rows + j * d, scales ? scales[page * c + j] : 1.0f);
@@ -197,28 +222,31 @@ void AttendItem(const Shape& s, int64_t b, int64_t kvh, const float* q, const T*
   }
 }
 
-// 16 stored values as floats.
-inline V16 Load16(const float* p) { return LoadV(p); }
-inline V16 Load16(const uint16_t* p) {  // bfloat16 bits: the high half of a float32
-  typedef uint16_t U16x16 __attribute__((vector_size(32)));
-  U16x16 u;
+// kNL stored values as floats.
+typedef uint16_t UN __attribute__((vector_size(2 * kNL)));
+typedef int8_t BN __attribute__((vector_size(kNL)));
+inline VN LoadAsN(const float* p) { return LoadN(p); }
+inline VN LoadAsN(const uint16_t* p) {  // bfloat16 bits: the high half of a float32
+  UN u;
   std::memcpy(&u, p, sizeof(u));
-  const I16 bits = __builtin_convertvector(u, I16) << 16;
-  V16 out;
+  const IN bits = __builtin_convertvector(u, IN) << 16;
+  VN out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
 }
-inline V16 Load16(const int8_t* p) {
-  typedef int8_t I8x16 __attribute__((vector_size(16)));
-  I8x16 u;
+inline VN LoadAsN(const int8_t* p) {
+  BN u;
   std::memcpy(&u, p, sizeof(u));
-  return __builtin_convertvector(u, V16);
+  return __builtin_convertvector(u, VN);
 }
 
-// AttendItem for G query heads per kv head and head_dim = 16 DV, with the G x DV query and output
-// vectors held in registers: each key and value row is loaded once for all G heads, every score
-// takes one lane sum, and pass 2 accumulates without storing the outputs per slot. 1.3x the
-// generic loop over contiguous pages in a two-thread test (batch 32, 512 slots, G 3, d 64).
+// AttendItem for G query heads per kv head and head_dim = kNL x DV, in vectors of the widest
+// register: each key and value row is loaded once for all G heads, every score takes one lane
+// sum, and pass 2 accumulates the G x DV outputs without storing them per slot. With AVX-512
+// (DV 4 at d 64) the queries and sums stay in registers: 1.3x the generic loop over contiguous
+// pages in a two-thread test (batch 32, 512 slots, G 3, d 64). With AVX2's 16 registers (DV 8)
+// the compiler keeps part of them on the stack; splitting pass 2 into column chunks that fit
+// was slower (more passes over the slots) than those spills.
 template <typename T, int G, int DV>
 void AttendItemHeld(const Shape& s, int64_t b, int64_t kvh, const float* q, const T* k,
                     const T* v, const int32_t* tables, const int32_t* pos,
@@ -233,36 +261,37 @@ void AttendItemHeld(const Shape& s, int64_t b, int64_t kvh, const float* q, cons
     return;
   }
   scores.resize(G * slots);
+  float* sc = scores.data();
   const int32_t* table = tables + b * s.table_width;
   const int64_t head_base = kvh * s.pages;
-  V16 qv[G][DV];
+  VN qv[G][DV];
   for (int h = 0; h < G; ++h)
-    for (int j = 0; j < DV; ++j) qv[h][j] = LoadV(q_b + h * d + 16 * j);
+    for (int j = 0; j < DV; ++j) qv[h][j] = LoadN(q_b + h * d + kNL * j);
   ForEachSlot(table, head_base, slots, c, d, k, k_scales,
               [&](int64_t slot, const T* key, float scale) {
-                V16 kv[DV];
-                for (int j = 0; j < DV; ++j) kv[j] = Load16(key + 16 * j);
+                VN kv[DV];
+                for (int j = 0; j < DV; ++j) kv[j] = LoadAsN(key + kNL * j);
                 for (int h = 0; h < G; ++h) {
-                  V16 acc = qv[h][0] * kv[0];
+                  VN acc = qv[h][0] * kv[0];
                   for (int j = 1; j < DV; ++j) acc += qv[h][j] * kv[j];
-                  scores[h * slots + slot] = Sum16(acc) * scale;
+                  sc[h * slots + slot] = Reduce(acc) * scale;
                 }
               });
   float total[G];
-  for (int h = 0; h < G; ++h) total[h] = SoftmaxInPlace(scores.data() + h * slots, slots);
-  V16 acc[G][DV] = {};
+  for (int h = 0; h < G; ++h) total[h] = SoftmaxInPlace(sc + h * slots, slots);
+  VN acc[G][DV] = {};
   ForEachSlot(table, head_base, slots, c, d, v, v_scales,
               [&](int64_t slot, const T* value, float scale) {
-                V16 vv[DV];
-                for (int j = 0; j < DV; ++j) vv[j] = Load16(value + 16 * j);
+                VN vv[DV];
+                for (int j = 0; j < DV; ++j) vv[j] = LoadAsN(value + kNL * j);
                 for (int h = 0; h < G; ++h) {
-                  const float p = scores[h * slots + slot] * scale;
+                  const float p = sc[h * slots + slot] * scale;
                   for (int j = 0; j < DV; ++j) acc[h][j] += p * vv[j];
                 }
               });
   for (int h = 0; h < G; ++h) {
     const float inv = 1.0f / total[h];
-    for (int j = 0; j < DV; ++j) StoreV(out_b + h * d + 16 * j, acc[h][j] * inv);
+    for (int j = 0; j < DV; ++j) StoreN(out_b + h * d + kNL * j, acc[h][j] * inv);
   }
 }
 
@@ -290,8 +319,8 @@ AttendFn<T> HeldFor(int64_t g) {
 // generic one.
 template <typename T>
 AttendFn<T> AttendFor(const Shape& s) {
-  if (s.head_dim == 64) return HeldFor<T, 4>(s.group);
-  if (s.head_dim == 128) return HeldFor<T, 8>(s.group);
+  if (s.head_dim == 64) return HeldFor<T, 64 / kNL>(s.group);
+  if (s.head_dim == 128) return HeldFor<T, 128 / kNL>(s.group);
   return AttendItem<T>;
 }
 
