@@ -12,7 +12,8 @@ at prefill sizes (WORKSPACE.md, "Packed weights").
 `packed_matmul` picks the kernel when the program is lowered for CPU and the kernel is built
 (`jaxtier.cpu_kernels`); elsewhere, or for dtypes other than float32, it is `reference_matmul`,
 an einsum that XLA runs with the weight transposed back (correct everywhere, slower).
-`norm_packed_matmul` is rms_norm(x) @ w in one kernel call (`rms_norm` the reference norm).
+`norm_packed_matmul` is rms_norm(x) @ w in one kernel call (`rms_norm` the reference norm), and
+`glu_packed_matmul` is (silu(gate) * up) @ w (`silu_glu` the reference gating).
 """
 
 import functools
@@ -143,4 +144,41 @@ def norm_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Array, n:
     out = jax.lax.platform_dependent(x_mk, scale_k, w_pkc,
                                      cpu=functools.partial(_kernel_norm_matmul, eps=eps),
                                      default=functools.partial(_reference_norm_matmul, eps=eps))
+  return out if n is None else out[..., :n]
+
+
+def silu_glu(gate_up_mf: jax.Array) -> jax.Array:
+  """silu(gate) * up for gate_up = [gate | up] along the last axis: a SwiGLU MLP's gating, as
+  `jaxtier.model.DecoderLayer.mlp` computes it."""
+  half = gate_up_mf.shape[-1] // 2
+  return jax.nn.silu(gate_up_mf[..., :half]) * gate_up_mf[..., half:]
+
+
+def _kernel_glu_matmul(gate_up_mf, w_pkc):
+  lead, f = gate_up_mf.shape[:-1], gate_up_mf.shape[-1]
+  p, _, c = w_pkc.shape
+  out = jax.ffi.ffi_call(cpu_kernels.GLU_MATMUL_TARGET,
+                         jax.ShapeDtypeStruct((gate_up_mf.size // f, p * c), jnp.float32))(
+                             gate_up_mf.reshape(-1, f), w_pkc)
+  return out.reshape(*lead, p * c)
+
+
+def _reference_glu_matmul(gate_up_mf, w_pkc):
+  return reference_matmul(silu_glu(gate_up_mf), w_pkc)
+
+
+def glu_packed_matmul(gate_up_mf: jax.Array, w_pkc: jax.Array, n: int | None = None
+                      ) -> jax.Array:
+  """silu(gate) * up [..., F] @ packed w [P, F, C] -> [..., n] for gate_up [..., 2F], as one CPU
+  kernel call where it applies (XLA:CPU splits the gating, an elementwise op, over two threads and
+  at decode sizes waits longer for the second than the math takes); else `silu_glu` then
+  `reference_matmul`."""
+  if gate_up_mf.shape[-1] % 2:
+    raise ValueError(f"gate_up must have an even last dimension, got {gate_up_mf.shape}")
+  _check_packed(gate_up_mf[..., :gate_up_mf.shape[-1] // 2], w_pkc, n)
+  if not _kernel_applies(gate_up_mf, w_pkc):
+    out = _reference_glu_matmul(gate_up_mf, w_pkc)
+  else:
+    out = jax.lax.platform_dependent(gate_up_mf, w_pkc, cpu=_kernel_glu_matmul,
+                                     default=_reference_glu_matmul)
   return out if n is None else out[..., :n]

@@ -81,6 +81,11 @@ class DecoderLayer(nnx.Module):
   def project_gate_up(self, y_bth):
     return self.gate_proj(y_bth), self.up_proj(y_bth)
 
+  def mlp(self, x_bth):
+    """The MLP block's output before the residual add: down(silu(gate) * up) of the normed x."""
+    gate, up = self.normed_gate_up(x_bth)
+    return self.project_down(jax.nn.silu(gate) * up)
+
   def project_out(self, attn_btf):
     return self.o_proj(attn_btf)
 
@@ -98,8 +103,7 @@ class DecoderLayer(nnx.Module):
       cache, attn_btnd = cache.update_and_attend(layer, q_btnd, k_btkd, v_btkd, pos_bt, meta)
       x_bth = x_bth + self.project_out(attn_btnd.reshape(b, t, n * d))
     with jax.named_scope("mlp"):
-      gate, up = self.normed_gate_up(x_bth)
-      x_bth = x_bth + self.project_down(jax.nn.silu(gate) * up)
+      x_bth = x_bth + self.mlp(x_bth)
     return x_bth, cache
 
 
@@ -109,7 +113,8 @@ class FusedDecoderLayer(DecoderLayer):
 
   `packed` stores the four kernels in column panels (`jaxtier.matmul`) and multiplies with the
   CPU kernel, which streams them once per step at the batch sizes of decoding; the q/k/v and
-  gate/up products take their pre-norm in the same call (`matmul.norm_packed_matmul`). The
+  gate/up products take their pre-norm in the same call (`matmul.norm_packed_matmul`), and the
+  down projection its SwiGLU gating (`matmul.glu_packed_matmul`). The
   default packs float32 layers built for CPU when the kernel is available (`jaxtier.cpu_kernels`)
   and every kernel's width is a multiple of the panel width (no padding, so the same bytes), and
   keeps the [in, out] layout elsewhere.
@@ -177,6 +182,14 @@ class FusedDecoderLayer(DecoderLayer):
 
   def project_gate_up(self, y_bth):
     return self._split_gate_up(self._matmul(y_bth, "gate_up_kernel"))
+
+  def mlp(self, x_bth):
+    """Packed: the gating in the down projection's kernel call (`matmul.glu_packed_matmul`)."""
+    if not self.packed:
+      return super().mlp(x_bth)
+    gate_up = self._normed_matmul(x_bth, self.mlp_norm, "gate_up_kernel")
+    down = self.down_kernel[...]
+    return matmul.glu_packed_matmul(gate_up, down, dict(self.widths)["down_kernel"])
 
   def normed_gate_up(self, x_bth):
     return self._split_gate_up(self._normed_matmul(x_bth, self.mlp_norm, "gate_up_kernel"))

@@ -110,6 +110,32 @@ def test_norm_kernel_matches_numpy(m, k, n):
   np.testing.assert_allclose(got, ref, rtol=0, atol=atol)
 
 
+glu_kernel = jax.jit(matmul.glu_packed_matmul, static_argnums=2)
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 32, 97])
+@pytest.mark.parametrize("k,n", [(1536, 576), (37, 64)])
+def test_glu_kernel_matches_numpy(m, k, n):
+  """(silu(gate) * up) @ w in one call against float64 numpy and the XLA reference
+  (`silu_glu`, then the product); gate values out to +-100, where exp(-gate) over- and underflows
+  float32, so a wrong clamp of the kernel's exp shows."""
+  rng = np.random.default_rng(m + k)
+  gate_up = rng.standard_normal((m, 2 * k)).astype(np.float32) * 3
+  gate_up[:, :k:7] *= 30
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  got = np.asarray(glu_kernel(jnp.asarray(gate_up), jnp.asarray(matmul.pack(w)), n))
+  g, u = gate_up[:, :k].astype(np.float64), gate_up[:, k:].astype(np.float64)
+  want = (g / (1 + np.exp(-g)) * u) @ w
+  atol = 1e-5 * np.abs(want).max()  # float32 sums of k products, relative to their size
+  np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+  ref = np.asarray(matmul.silu_glu(jnp.asarray(gate_up)) @ jnp.asarray(w))
+  np.testing.assert_allclose(got, ref, rtol=0, atol=atol)
+  assert cpu_kernels.GLU_MATMUL_TARGET in glu_kernel.lower(
+      jnp.asarray(gate_up), jnp.asarray(matmul.pack(w)), n).as_text()
+  with pytest.raises(ValueError, match="even"):
+    matmul.glu_packed_matmul(jnp.ones((2, 5)), jnp.asarray(matmul.pack(w)))
+
+
 def test_norm_kernel_lowers_for_float32_on_cpu_only():
   x, g, w = jnp.ones((3, 64)), jnp.ones((64,)), matmul.pack(jnp.ones((64, 128)))
   assert cpu_kernels.NORM_MATMUL_TARGET in norm_kernel.lower(x, g, w, None, 1e-6).as_text()

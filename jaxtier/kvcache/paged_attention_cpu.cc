@@ -57,33 +57,6 @@ inline float Reduce(V16 v) {
                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
-// exp of kNL lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial in r,
-// times 2^n from the exponent bits; about 1 ulp). Lanes below -87.3 give ~1e-38 instead of 0;
-// softmax arguments are x - max <= 0, so that only ever meets a sum of at least 1. The scalar
-// std::exp was most of the softmax at long contexts (slots x query heads calls per item).
-inline VN Exp(VN x) {
-  const VN lo = VN{} - 87.33654f;
-  x = x < lo ? lo : x;
-  const VN fx = x * 1.44269504088896341f + 0.5f;
-  IN n = __builtin_convertvector(fx, IN);  // truncates toward zero
-  VN nf = __builtin_convertvector(n, VN);
-  const IN over = nf > fx;                 // -1 where truncation rounded up: floor instead
-  n += over;
-  nf = __builtin_convertvector(n, VN);
-  const VN r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  VN y = VN{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * (r * r) + r + 1.0f;
-  VN scale;
-  const IN bits = (n + 127) << 23;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
 // Softmax numerators of row[0..n) in place: exp(row - max(row)); returns their sum. In vectors of
 // the widest register: 16-lane selects held in two AVX2 registers compile to lane-by-lane code.
 inline float SoftmaxInPlace(float* row, int64_t n) {
@@ -100,7 +73,7 @@ inline float SoftmaxInPlace(float* row, int64_t n) {
   for (; i < n; ++i) mx = std::max(mx, row[i]);
   VN lanes{};
   for (i = 0; i + kNL <= n; i += kNL) {
-    const VN e = Exp(LoadN(row + i) - mx);
+    const VN e = jaxtier::Exp(LoadN(row + i) - mx);
     StoreN(row + i, e);
     lanes += e;
   }
