@@ -22,8 +22,11 @@ Every figure comes from the same run, so ratios compare like with like on a nois
                 `Engine.step()`) at each batch in `--batches` and prompt length in `--contexts`,
                 against the bound max((weight bytes + KV bytes read) / read bandwidth,
                 FLOPs / matmul rate), both rates measured in this run (a jitted sum over a large
-                array; a jitted float32 matmul) before each context's steps and after the last,
-                the best of each used (the strictest bound; the samples are reported).
+                array; a jitted float32 matmul) before every (batch, context) point and after
+                the last. A point's `ratio` uses the better of the two samples around it (the
+                machine's rates drift by tens of percent within minutes on shared hosts);
+                `ratio_vs_best_rates` uses the best samples of the whole run, the strictest
+                bound. All samples are reported.
                 FLOPs: 2 x params x batch + 4 x batch x context x layers x heads x head_dim.
                 Beside it, the step's weight matmuls alone at that batch
                 (`measure.weight_matmuls_s`: the model's projection and LM-head shapes,
@@ -544,24 +547,29 @@ def decode_section(tokenizer, hf) -> dict:
   prompts = {ctx: [filler(tokenizer, ctx, i) for i in range(4)] for ctx in contexts}
   steps = []
   for ctx in contexts:
-    sample_rates()
-    steps += [(batch, ctx, decode_step(llm, batch, ctx, prompts[ctx])) for batch in batches]
+    for batch in batches:
+      sample_rates()
+      steps.append((batch, ctx, len(rates) - 1, decode_step(llm, batch, ctx, prompts[ctx])))
   sample_rates()
   bandwidth = max(r[0] for r in rates)
   flops_rate, n = max(r[1] for r in rates), rates[0][2]
   table = []
-  for batch, ctx, step in steps:
+  for batch, ctx, sample, step in steps:
     context = step["mean_context"]
     kv_bytes = batch * context * per_token
     flops = 2 * params * batch + 4 * batch * context * c.num_layers * c.num_heads * c.head_dim
-    bound = max((weight_bytes + kv_bytes) / bandwidth, flops / flops_rate)
+    around = rates[sample:sample + 2]  # the samples just before and just after this point
+    bound = max((weight_bytes + kv_bytes) / max(r[0] for r in around),
+                flops / max(r[1] for r in around))
+    strictest = max((weight_bytes + kv_bytes) / bandwidth, flops / flops_rate)
     table.append({"batch": batch, "context": ctx, "step_ms": 1e3 * step["step_s"],
                   "bound_ms": 1e3 * bound, "ratio": step["step_s"] / bound,
+                  "ratio_vs_best_rates": step["step_s"] / strictest,
                   "weight_matmuls_alone_ms": 1e3 * matmuls[batch],
                   "xla_weight_matmuls_alone_ms": 1e3 * xla_matmuls[batch],
                   "step_over_weight_matmuls": step["step_s"] / matmuls[batch],
-                  "bound_by": ("memory" if (weight_bytes + kv_bytes) / bandwidth
-                               >= flops / flops_rate else "compute"),
+                  "bound_by": ("memory" if (weight_bytes + kv_bytes) / max(r[0] for r in around)
+                               >= flops / max(r[1] for r in around) else "compute"),
                   "mean_context": context, "kv_bytes_read": int(kv_bytes), "flops": int(flops),
                   "compile_s_in_timed_steps": step["compile_s_in_timed_steps"]})
   report = {
@@ -570,8 +578,11 @@ def decode_section(tokenizer, hf) -> dict:
       "read_bandwidth_gb_s_samples": [r[0] / 1e9 for r in rates],
       "matmul_gflop_s_samples": [r[1] / 1e9 for r in rates], "matmul_n": n,
       "packed_weights": packed, "steps_timed": FLAGS.decode_steps, "table": table,
-      "targets": {"all_steps_le_1_5x_bound": all(
-          row["ratio"] <= TARGETS["decode_step_over_bound"] for row in table)}}
+      "targets": {
+          "all_steps_le_1_5x_bound": all(
+              row["ratio"] <= TARGETS["decode_step_over_bound"] for row in table),
+          "all_steps_le_1_5x_bound_at_best_rates": all(
+              row["ratio_vs_best_rates"] <= TARGETS["decode_step_over_bound"] for row in table)}}
   # Batch 1 against Hugging Face, same prompt and tokens, per-token times on each side.
   ids = prompts[min(contexts)][0]
   engine_decode_tokens_per_s(llm, ids, FLAGS.hf_decode_tokens, "batch1-warm-up")
