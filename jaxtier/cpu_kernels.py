@@ -42,10 +42,12 @@ ATTENTION_TARGET = "jaxtier_paged_decode_attention"
 MATMUL_TARGET = "jaxtier_packed_matmul"
 NORM_MATMUL_TARGET = "jaxtier_norm_packed_matmul"
 GLU_MATMUL_TARGET = "jaxtier_glu_packed_matmul"
+NORM_ROPE_MATMUL_TARGET = "jaxtier_norm_rope_packed_matmul"
 ARGMAX_TARGET = "jaxtier_argmax"
 _SYMBOLS = {ATTENTION_TARGET: "JaxtierPagedDecodeAttention", MATMUL_TARGET: "JaxtierPackedMatmul",
-            NORM_MATMUL_TARGET: "JaxtierNormPackedMatmul", GLU_MATMUL_TARGET: "JaxtierGluPackedMatmul",
-            ARGMAX_TARGET: "JaxtierArgmax"}
+            NORM_MATMUL_TARGET: "JaxtierNormPackedMatmul",
+            NORM_ROPE_MATMUL_TARGET: "JaxtierNormRopePackedMatmul",
+            GLU_MATMUL_TARGET: "JaxtierGluPackedMatmul", ARGMAX_TARGET: "JaxtierArgmax"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 

@@ -12,8 +12,10 @@ at prefill sizes (WORKSPACE.md, "Packed weights").
 `packed_matmul` picks the kernel when the program is lowered for CPU and the kernel is built
 (`jaxtier.cpu_kernels`); elsewhere, or for dtypes other than float32, it is `reference_matmul`,
 an einsum that XLA runs with the weight transposed back (correct everywhere, slower).
-`norm_packed_matmul` is rms_norm(x) @ w in one kernel call (`rms_norm` the reference norm), and
-`glu_packed_matmul` is (silu(gate) * up) @ w (`silu_glu` the reference gating).
+`norm_packed_matmul` is rms_norm(x) @ w in one kernel call (`rms_norm` the reference norm),
+`norm_rope_packed_matmul` that plus a bias and the rotary embedding of the leading heads (a
+decoder layer's q/k/v), and `glu_packed_matmul` is (silu(gate) * up) @ w (`silu_glu` the reference
+gating).
 """
 
 import functools
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtier import cpu_kernels
+from jaxtier.rotary import apply_rotary
 
 DEFAULT_PANEL = 64  # columns per panel where the kernels are unavailable
 
@@ -89,11 +92,12 @@ def _check_packed(x_mk, w_pkc, n):
     raise ValueError(f"n={n} does not fit a packed weight of {p} panels of {c} columns")
 
 
-def _kernel_applies(*arrays) -> bool:
-  """Whether the CPU kernel can multiply these: float32, not empty, the kernels built, and
-  panels of the width they were built for (any other width runs the reference)."""
-  return (all(a.dtype == jnp.float32 for a in arrays) and arrays[0].size > 0
-          and cpu_kernels.available() and arrays[-1].shape[-1] == cpu_kernels.panel_width())
+def _kernel_applies(x, w_pkc, *others) -> bool:
+  """Whether the CPU kernel can multiply x by w (with `others`, the call's other arrays): all
+  float32, x not empty, the kernels built, and panels of the width they were built for (any
+  other width runs the reference)."""
+  return (all(a.dtype == jnp.float32 for a in (x, w_pkc, *others)) and x.size > 0
+          and cpu_kernels.available() and w_pkc.shape[-1] == cpu_kernels.panel_width())
 
 
 def packed_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:
@@ -138,12 +142,70 @@ def norm_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Array, n:
   _check_packed(x_mk, w_pkc, n)
   if scale_k.shape != (x_mk.shape[-1],):
     raise ValueError(f"expected a norm scale of shape ({x_mk.shape[-1]},), got {scale_k.shape}")
-  if not _kernel_applies(x_mk, scale_k, w_pkc):
+  if not _kernel_applies(x_mk, w_pkc, scale_k):
     out = _reference_norm_matmul(x_mk, scale_k, w_pkc, eps=eps)
   else:
     out = jax.lax.platform_dependent(x_mk, scale_k, w_pkc,
                                      cpu=functools.partial(_kernel_norm_matmul, eps=eps),
                                      default=functools.partial(_reference_norm_matmul, eps=eps))
+  return out if n is None else out[..., :n]
+
+
+def _kernel_norm_rope_matmul(x_mk, scale_k, w_pkc, bias_n, cos_md, sin_md, *, eps, rotary):
+  lead, k = x_mk.shape[:-1], x_mk.shape[-1]
+  p, _, c = w_pkc.shape
+  d = cos_md.shape[-1]
+  out = jax.ffi.ffi_call(cpu_kernels.NORM_ROPE_MATMUL_TARGET,
+                         jax.ShapeDtypeStruct((x_mk.size // k, p * c), jnp.float32))(
+                             x_mk.reshape(-1, k), scale_k, w_pkc, bias_n, cos_md.reshape(-1, d),
+                             sin_md.reshape(-1, d), eps=np.float32(eps), rotary_columns=rotary)
+  return out.reshape(*lead, p * c)
+
+
+def _reference_norm_rope_matmul(x_mk, scale_k, w_pkc, bias_n, cos_md, sin_md, *, eps, rotary):
+  y = _reference_norm_matmul(x_mk, scale_k, w_pkc, eps=eps)
+  if bias_n.shape[0]:
+    y = y + bias_n
+  d = cos_md.shape[-1]
+  heads = y[..., :rotary].reshape(*y.shape[:-1], rotary // d, d)
+  return jnp.concatenate([apply_rotary(heads, cos_md, sin_md).reshape(*y.shape[:-1], rotary),
+                          y[..., rotary:]], axis=-1)
+
+
+def norm_rope_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Array,
+                            n: int | None, eps: float, bias_n: jax.Array | None,
+                            cos_md: jax.Array, sin_md: jax.Array, rotary_columns: int
+                            ) -> jax.Array:
+  """rms_norm(x, scale, eps) [..., K] @ packed w [P, K, C] + bias -> [..., n], with the rotary
+  embedding (`jaxtier.rotary.apply_rotary`) of the first `rotary_columns` columns in heads of
+  d = cos's width: a decoder layer's q/k/v projection, as one CPU kernel call where it applies
+  (XLA recomputed cos and sin in each of q's and k's rotary ops, per layer). cos and sin are
+  [..., d] with x's leading dims; bias [n] or None."""
+  _check_packed(x_mk, w_pkc, n)
+  width = w_pkc.shape[0] * w_pkc.shape[2] if n is None else n
+  d = cos_md.shape[-1]
+  if scale_k.shape != (x_mk.shape[-1],):
+    raise ValueError(f"expected a norm scale of shape ({x_mk.shape[-1]},), got {scale_k.shape}")
+  if cos_md.shape != sin_md.shape or cos_md.shape[:-1] != x_mk.shape[:-1] or d % 2:
+    raise ValueError(f"expected cos and sin of shape {x_mk.shape[:-1]} + (d,) with d even, got "
+                     f"{cos_md.shape} and {sin_md.shape}")
+  if not d or rotary_columns % d or not 0 <= rotary_columns <= width:
+    raise ValueError(f"rotary_columns={rotary_columns} must be a multiple of the head dim {d} "
+                     f"and at most the width {width}")
+  if bias_n is not None and bias_n.shape != (width,):
+    raise ValueError(f"expected a bias of shape ({width},), got {bias_n.shape}")
+  # The kernel's product has the padded panels' width: so does its bias (zeros past n).
+  full = w_pkc.shape[0] * w_pkc.shape[2]
+  bias = (jnp.zeros((0,), jnp.float32) if bias_n is None
+          else jnp.pad(bias_n.astype(jnp.float32), (0, full - width)))
+  args = (x_mk, scale_k, w_pkc, bias, cos_md.astype(jnp.float32), sin_md.astype(jnp.float32))
+  static = {"eps": eps, "rotary": rotary_columns}
+  if not _kernel_applies(x_mk, w_pkc, *args):
+    out = _reference_norm_rope_matmul(*args, **static)
+  else:
+    out = jax.lax.platform_dependent(
+        *args, cpu=functools.partial(_kernel_norm_rope_matmul, **static),
+        default=functools.partial(_reference_norm_rope_matmul, **static))
   return out if n is None else out[..., :n]
 
 

@@ -16,9 +16,10 @@
 // accumulators and ran at ~5 GFLOP/s, and 16-column tiles walking a 64-column panel (a 256-byte
 // stride) reached ~55 GFLOP/s at 32 rows, against ~105 GFLOP/s over 16-column panels.
 //
-// x is float32 [M, K] (row-major), out float32 [M, N]. A second handler applies an RMS norm to
-// x's rows first (the pre-norm of a decoder layer's q/k/v and gate/up projections), a third the
-// SwiGLU gating (the input of a decoder layer's down projection).
+// x is float32 [M, K] (row-major), out float32 [M, N]. Other handlers apply an RMS norm to x's
+// rows first (the pre-norm of a decoder layer's q/k/v and gate/up projections), with the bias and
+// rotary embedding of the q/k/v projection after, or the SwiGLU gating (the input of a decoder
+// layer's down projection).
 
 #include <algorithm>
 #include <atomic>
@@ -191,6 +192,25 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // in the order jaxtier.model.RMSNorm computes it. The caller normalizes every row once into a
 // buffer the call owns; all threads then multiply from it. This saves XLA two small ops per norm
 // (a reduction and a multiply), which at 8-32 rows took 15-80 us each: longer than the math.
+void NormRows(const float* x, const float* scale, float eps, Call& call) {
+  call.rows.resize(call.m * call.k);
+  for (int64_t r = 0; r < call.m; ++r) {
+    const float* row = x + r * call.k;
+    float* dst = call.rows.data() + r * call.k;
+    V16 lanes{};  // 16 partial sums of squares (XLA sums in its own order too)
+    int64_t i = 0;
+    for (; i + 16 <= call.k; i += 16) {
+      const V16 v = LoadV(row + i);
+      lanes += v * v;
+    }
+    float sum = jaxtier::Sum16(lanes);
+    for (; i < call.k; ++i) sum += row[i] * row[i];
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(call.k) + eps);
+    for (int64_t i = 0; i < call.k; ++i) dst[i] = scale[i] * (row[i] * inv);
+  }
+  call.x = call.rows.data();
+}
+
 ffi::Error NormPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                 ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> w,
                                 ffi::ResultBuffer<ffi::F32> out, float eps) {
@@ -202,27 +222,86 @@ ffi::Error NormPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   call->m = x.dimensions()[0];
   call->k = x.dimensions()[1];
   call->n = out->dimensions()[1];
-  call->rows.resize(call->m * call->k);
-  const float* src = x.typed_data();
-  const float* g = scale.typed_data();
-  for (int64_t r = 0; r < call->m; ++r) {
-    const float* row = src + r * call->k;
-    float* dst = call->rows.data() + r * call->k;
-    V16 lanes{};  // 16 partial sums of squares (XLA sums in its own order too)
-    int64_t i = 0;
-    for (; i + 16 <= call->k; i += 16) {
-      const V16 v = LoadV(row + i);
-      lanes += v * v;
-    }
-    float sum = jaxtier::Sum16(lanes);
-    for (; i < call->k; ++i) sum += row[i] * row[i];
-    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(call->k) + eps);
-    for (int64_t i = 0; i < call->k; ++i) dst[i] = g[i] * (row[i] * inv);
-  }
-  call->x = call->rows.data();
+  NormRows(x.typed_data(), scale.typed_data(), eps, *call);
   call->w = w.typed_data();
   call->out = out->typed_data();
   return Multiply(pool, call, w.dimensions()[0]);
+}
+
+// Adds the bias and applies the rotary embedding to rows [kRopeRows item, ...) of a product.
+constexpr int64_t kRopeRows = 64;
+struct RopeRows : jaxtier::Job {
+  float* out;
+  const float *bias, *cos, *sin;
+  int64_t m, n, d, rotary_columns;
+  void RunItem(int64_t item) override {
+    const int64_t half = d / 2;
+    for (int64_t r = item * kRopeRows; r < std::min(m, (item + 1) * kRopeRows); ++r) {
+      float* row = out + r * n;
+      if (bias) {
+        for (int64_t c = 0; c < n; ++c) row[c] += bias[c];
+      }
+      const float* c_r = cos + r * d;
+      const float* s_r = sin + r * d;
+      for (int64_t head = 0; head < rotary_columns; head += d) {
+        float* lo = row + head;
+        float* hi = lo + half;
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = lo[j], b = hi[j];
+          lo[j] = a * c_r[j] - b * s_r[j];
+          hi[j] = b * c_r[half + j] + a * s_r[half + j];
+        }
+      }
+    }
+  }
+};
+
+// The q/k/v projection of a decoder layer: rms_norm(x) @ w + bias, then the rotary embedding of
+// the first `rotary_columns` columns (the query and key heads) in heads of d = cos's width, the
+// Hugging Face `rotate_half` convention: out[:d/2] = a cos - b sin, out[d/2:] = b cos + a sin for
+// a head's halves a, b and its row's cos and sin [d]. Applied once every panel is done (a head
+// spans several panels), in blocks of rows shared with the crew. In XLA the rotary embeddings of
+// q and of k were two more elementwise ops per layer that recomputed cos and sin in each (XLA
+// fuses the tables' sin and cos into every consumer): 60-200 us per layer at 16-32 rows of the
+// default model.
+ffi::Error NormRopePackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> w,
+                                    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> cos,
+                                    ffi::Buffer<ffi::F32> sin, ffi::ResultBuffer<ffi::F32> out,
+                                    float eps, int64_t rotary_columns) {
+  const auto cd = cos.dimensions();
+  const int64_t m = x.dimensions().size() == 2 ? x.dimensions()[0] : -1;
+  const int64_t n = out->dimensions().size() == 2 ? out->dimensions()[1] : -1;
+  const int64_t d = cd.size() == 2 ? cd[1] : 0;
+  if (!Fits(x.dimensions(), w.dimensions(), out->dimensions()) ||
+      scale.dimensions().size() != 1 || scale.dimensions()[0] != x.dimensions()[1] ||
+      bias.dimensions().size() != 1 || (bias.dimensions()[0] != n && bias.dimensions()[0] != 0) ||
+      cd.size() != 2 || cd[0] != m || d == 0 || d % 2 || !(sin.dimensions() == cd) ||
+      rotary_columns % d || rotary_columns < 0 || rotary_columns > n)
+    return ffi::Error::InvalidArgument(
+        "norm rope packed matmul: expected x [M, K], scale [K], w [N/P, K, P] with P the panel "
+        "width, bias [N] or [0], cos and sin [M, d] with d even, out [M, N], and rotary columns "
+        "a multiple of d up to N");
+  auto call = std::make_shared<Call>();
+  call->m = m;
+  call->k = x.dimensions()[1];
+  call->n = n;
+  NormRows(x.typed_data(), scale.typed_data(), eps, *call);
+  call->w = w.typed_data();
+  call->out = out->typed_data();
+  if (ffi::Error error = Multiply(pool, call, w.dimensions()[0]); error.failure()) return error;
+  auto rope = std::make_shared<RopeRows>();
+  rope->out = call->out;
+  rope->bias = bias.dimensions()[0] ? bias.typed_data() : nullptr;
+  rope->cos = cos.typed_data();
+  rope->sin = sin.typed_data();
+  rope->m = m;
+  rope->n = n;
+  rope->d = d;
+  rope->rotary_columns = rotary_columns;
+  rope->items = (m + kRopeRows - 1) / kRopeRows;
+  jaxtier::RunJob(rope, std::min<int64_t>(pool.num_threads(), rope->items - 1));
+  return ffi::Error::Success();
 }
 
 // (silu(gate) * up) @ w for gate_up = [gate | up] of K columns each, silu(g) = g / (1 + exp(-g)):
@@ -279,6 +358,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierNormPackedMatmul, NormPackedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierNormRopePackedMatmul, NormRopePackedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("rotary_columns"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierGluPackedMatmul, GluPackedMatmulImpl,
                               ffi::Ffi::Bind()

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxtier import cpu_kernels, matmul
 from jaxtier.config import ModelConfig
+from jaxtier.rotary import apply_rotary, rotary_tables
 
 
 class RMSNorm(nnx.Module):
@@ -28,21 +29,6 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x):
     return matmul.rms_norm(x, self.scale[...], self.eps)
-
-
-def rotary_tables(inv_freq_d2: jax.Array, pos_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cos and sin tables [b, t, d] for the given positions (float32)."""
-  angles_btd2 = pos_bt[..., None].astype(jnp.float32) * inv_freq_d2
-  angles_btd = jnp.concatenate([angles_btd2, angles_btd2], axis=-1)
-  return jnp.cos(angles_btd), jnp.sin(angles_btd)
-
-
-def apply_rotary(x_btnd: jax.Array, cos_btd: jax.Array, sin_btd: jax.Array) -> jax.Array:
-  """Rotates the two halves of each head (the Hugging Face `rotate_half` convention)."""
-  half = x_btnd.shape[-1] // 2
-  rotated = jnp.concatenate([-x_btnd[..., half:], x_btnd[..., :half]], axis=-1)
-  cos, sin = cos_btd[:, :, None, :].astype(x_btnd.dtype), sin_btd[:, :, None, :].astype(x_btnd.dtype)
-  return x_btnd * cos + rotated * sin
 
 
 class DecoderLayer(nnx.Module):
@@ -74,6 +60,15 @@ class DecoderLayer(nnx.Module):
     """q, k and v of the attention block: its norm, then `project_qkv`."""
     return self.project_qkv(self.attn_norm(x_bth))
 
+  def rotated_qkv(self, x_bth, cos_btd, sin_btd):
+    """q [b, t, n, d], k and v [b, t, k, d] of the attention block: `normed_qkv`, then the rotary
+    embedding of q and k."""
+    n, k, d = self.shape
+    b, t, _ = x_bth.shape
+    q, k_new, v_new = self.normed_qkv(x_bth)
+    return (apply_rotary(q.reshape(b, t, n, d), cos_btd, sin_btd),
+            apply_rotary(k_new.reshape(b, t, k, d), cos_btd, sin_btd), v_new.reshape(b, t, k, d))
+
   def normed_gate_up(self, x_bth):
     """gate and up of the MLP block: its norm, then `project_gate_up`."""
     return self.project_gate_up(self.mlp_norm(x_bth))
@@ -96,10 +91,7 @@ class DecoderLayer(nnx.Module):
     n, k, d = self.shape
     b, t, _ = x_bth.shape
     with jax.named_scope("attention"):
-      q, k_new, v_new = self.normed_qkv(x_bth)
-      q_btnd = apply_rotary(q.reshape(b, t, n, d), cos_btd, sin_btd)
-      k_btkd = apply_rotary(k_new.reshape(b, t, k, d), cos_btd, sin_btd)
-      v_btkd = v_new.reshape(b, t, k, d)
+      q_btnd, k_btkd, v_btkd = self.rotated_qkv(x_bth, cos_btd, sin_btd)
       cache, attn_btnd = cache.update_and_attend(layer, q_btnd, k_btkd, v_btkd, pos_bt, meta)
       x_bth = x_bth + self.project_out(attn_btnd.reshape(b, t, n * d))
     with jax.named_scope("mlp"):
@@ -113,11 +105,11 @@ class FusedDecoderLayer(DecoderLayer):
 
   `packed` stores the four kernels in column panels (`jaxtier.matmul`) and multiplies with the
   CPU kernel, which streams them once per step at the batch sizes of decoding; the q/k/v and
-  gate/up products take their pre-norm in the same call (`matmul.norm_packed_matmul`), and the
-  down projection its SwiGLU gating (`matmul.glu_packed_matmul`). The
-  default packs float32 layers built for CPU when the kernel is available (`jaxtier.cpu_kernels`)
-  and every kernel's width is a multiple of the panel width (no padding, so the same bytes), and
-  keeps the [in, out] layout elsewhere.
+  gate/up products take their pre-norm in the same call (`matmul.norm_packed_matmul`), q/k/v its
+  bias and rotary embedding too (`matmul.norm_rope_packed_matmul`), and the down projection its
+  SwiGLU gating (`matmul.glu_packed_matmul`). The default packs float32 layers built for CPU
+  when the kernel is available (`jaxtier.cpu_kernels`) and every kernel's width is a multiple of
+  the panel width (no padding, so the same bytes), and keeps the [in, out] layout elsewhere.
   """
 
   # Each fused parameter is its parts' parameters concatenated along the last (output) axis.
@@ -179,6 +171,20 @@ class FusedDecoderLayer(DecoderLayer):
 
   def normed_qkv(self, x_bth):
     return self._split_qkv(self._normed_matmul(x_bth, self.attn_norm, "qkv_kernel"))
+
+  def rotated_qkv(self, x_bth, cos_btd, sin_btd):
+    """Packed: the bias and rotary embedding in the projection's kernel call
+    (`matmul.norm_rope_packed_matmul`)."""
+    if not self.packed:
+      return super().rotated_qkv(x_bth, cos_btd, sin_btd)
+    n, k, d = self.shape
+    b, t, _ = x_bth.shape
+    qkv = matmul.norm_rope_packed_matmul(
+        x_bth, self.attn_norm.scale[...], self.qkv_kernel[...], dict(self.widths)["qkv_kernel"],
+        self.attn_norm.eps, None if self.qkv_bias is None else self.qkv_bias[...], cos_btd,
+        sin_btd, (n + k) * d)
+    return (qkv[..., :n * d].reshape(b, t, n, d), qkv[..., n * d:(n + k) * d].reshape(b, t, k, d),
+            qkv[..., (n + k) * d:].reshape(b, t, k, d))
 
   def project_gate_up(self, y_bth):
     return self._split_gate_up(self._matmul(y_bth, "gate_up_kernel"))

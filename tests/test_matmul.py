@@ -19,6 +19,7 @@ from jaxtier import checkpoint, cpu_kernels, matmul
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.config import ModelConfig
 from jaxtier.model import FusedDecoderLayer, GroupedTransformer, Transformer, packs_by_default
+from jaxtier.rotary import rotary_tables
 from conftest import fixture_path
 
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
@@ -108,6 +109,61 @@ def test_norm_kernel_matches_numpy(m, k, n):
   np.testing.assert_allclose(got, want, rtol=0, atol=atol)
   ref = np.asarray(matmul.rms_norm(jnp.asarray(x), jnp.asarray(scale), 1e-5) @ jnp.asarray(w))
   np.testing.assert_allclose(got, ref, rtol=0, atol=atol)
+
+
+rope_kernel = jax.jit(matmul.norm_rope_packed_matmul, static_argnums=(3, 4, 8))
+
+
+def rotated_numpy(y, cos, sin, columns):
+  """The rotary embedding of y's first `columns` columns in heads of cos's width, in float64."""
+  y = y.astype(np.float64).copy()
+  d = cos.shape[-1]
+  for head in range(0, columns, d):
+    a, b = y[:, head:head + d // 2].copy(), y[:, head + d // 2:head + d].copy()
+    y[:, head:head + d // 2] = a * cos[:, :d // 2] - b * sin[:, :d // 2]
+    y[:, head + d // 2:head + d] = b * cos[:, d // 2:] + a * sin[:, d // 2:]
+  return y
+
+
+@pytest.mark.parametrize("m", [1, 5, 32, 97])
+@pytest.mark.parametrize("k,n,d,rotary,bias", [(576, 960, 64, 768, False), (48, 96, 12, 72, True),
+                                               (64, 80, 8, 0, True), (64, 80, 8, 80, False)])
+def test_norm_rope_kernel_matches_numpy(m, k, n, d, rotary, bias):
+  """rms_norm(x) @ w + bias with the rotary embedding of the leading heads (the q/k/v projection)
+  against float64 numpy and the XLA reference, at positions up to 4,000 (the angles' cos and sin
+  as the model computes them), with and without a bias (added before the rotation)."""
+  rng = np.random.default_rng(m + k + rotary)
+  x, w = case(rng, m, k, n)
+  scale = rng.standard_normal(k).astype(np.float32)
+  b = rng.standard_normal(n).astype(np.float32) if bias else None
+  pos = jnp.asarray(rng.integers(0, 4000, (m, 1)), jnp.int32)
+  inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), jnp.float32)
+  cos, sin = (a[:, 0] for a in rotary_tables(inv_freq, pos))
+  args = (jnp.asarray(x), jnp.asarray(scale), jnp.asarray(matmul.pack(w)), n, 1e-5,
+          None if b is None else jnp.asarray(b), cos, sin, rotary)
+  got = np.asarray(rope_kernel(*args))
+  x64 = x.astype(np.float64)
+  y = (x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * scale) @ w
+  want = rotated_numpy(y + (0 if b is None else b), np.asarray(cos), np.asarray(sin), rotary)
+  atol = 1e-5 * np.sqrt(k) * 4 * np.abs(scale).max()
+  np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+  full = args[2].shape[0] * args[2].shape[2]  # the padded panels' width
+  ref = np.asarray(matmul._reference_norm_rope_matmul(
+      *args[:3], jnp.zeros((0,)) if b is None else jnp.pad(args[5], (0, full - n)), cos, sin,
+      eps=1e-5, rotary=rotary))
+  np.testing.assert_allclose(got, ref[:, :n], rtol=0, atol=atol)
+  assert cpu_kernels.NORM_ROPE_MATMUL_TARGET in rope_kernel.lower(*args).as_text()
+
+
+def test_norm_rope_kernel_refuses_bad_arguments():
+  x, g, w = jnp.ones((3, 64)), jnp.ones((64,)), matmul.pack(jnp.ones((64, 128)))
+  cos = jnp.ones((3, 16))
+  for bad, match in [((x, g, w, None, 1e-5, None, cos, jnp.ones((3, 8)), 32), "cos and sin"),
+                     ((x, g, w, None, 1e-5, None, cos, cos, 24), "rotary_columns"),
+                     ((x, g, w, None, 1e-5, None, cos, cos, 144), "rotary_columns"),
+                     ((x, g, w, None, 1e-5, jnp.ones((5,)), cos, cos, 32), "bias")]:
+    with pytest.raises(ValueError, match=match):
+      matmul.norm_rope_packed_matmul(*bad)
 
 
 glu_kernel = jax.jit(matmul.glu_packed_matmul, static_argnums=2)

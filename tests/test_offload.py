@@ -20,7 +20,8 @@ from jaxtier import offload
 from jaxtier.config import ModelConfig
 from jaxtier.generate import model_step
 from jaxtier.kvcache import ContiguousKVCache
-from jaxtier.model import Transformer, rotary_tables, scan_layers
+from jaxtier.model import Transformer, scan_layers
+from jaxtier.rotary import rotary_tables
 from jaxtier.offload import hlo
 from jaxtier.sampling import SamplingArrays, SamplingParams
 from conftest import fixture_path

@@ -18,7 +18,8 @@ from flax import nnx
 from jaxtier import matmul
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.config import ModelConfig
-from jaxtier.model import make_layer_stack, rotary_tables
+from jaxtier.model import make_layer_stack
+from jaxtier.rotary import rotary_tables
 from jaxtier.offload import placement
 
 
