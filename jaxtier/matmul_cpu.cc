@@ -50,18 +50,28 @@ constexpr int kVecs = kWide ? 4 : 2;           // vectors per tile row
 constexpr int64_t kPanel = kVecs * kLanes;     // columns per panel
 constexpr int64_t kRowBlock = 96;              // rows of x per work item
 constexpr int kTile = 6;                       // rows per register tile: 6 x kVecs accumulators
+static_assert(kTile == 6, "TileOf dispatches heights 1 to 6");
 
-// Panel rows per pass of the tiles over an item's rows (0: all K in one pass), and whether the
-// first tile of a pass prefetches the next pass's panel rows. With AVX2 (tuned on a Zen 3 CPU, two
-// threads): each tile walked the whole panel, the first from memory and the others from L2, so
-// the memory stream and the arithmetic took turns and a step's matmuls cost about their sum. In
-// passes of 64 panel rows (4 KB), with the next 64 prefetched by the first tile, the later tiles'
-// arithmetic overlaps that fetch: 15-20% faster at 4-16 rows, ~10% at 32. The sums of a pass live
+// Panel rows per pass of the tiles over an item's rows, the rows from which an item prefetches,
+// and the cache level its prefetches fill. Each tile walking the whole panel (the first from
+// memory, the others from cache) made the memory stream and the arithmetic take turns, so a
+// step's matmuls cost about their sum. In passes, the next pass's panel rows are prefetched while
+// this pass computes, the prefetches shared out evenly over the pass's tiles (with the first
+// tile issuing them all, the default model's matmuls took 25-35% longer at 16-32 rows on the
+// Xeon below). The sums of a pass live
 // in a buffer of the item's rows (the output rows are n floats apart; their 4 KB aliasing made
-// reloading them there slower than one pass). With AVX-512 (tuned on Zen 4) a tile walks the
-// whole panel with no software prefetch: prefetching one line per 256-byte panel row cost 10-25%
-// of the streaming rate at 1-32 rows in a two-thread test there.
-constexpr int64_t kPassRows = kWide ? 0 : 64;
+// reloading them there slower than one pass).
+// AVX2, tuned on a Zen 3 CPU with two threads: passes of 64 panel rows (4 KB) prefetched into L1,
+// 15-20% faster than one pass at 4-16 rows, ~10% at 32; one or two rows stream at the memory's
+// rate without help.
+// AVX-512, tuned on an Intel Xeon with AMX (Sapphire Rapids class) with two threads: passes of 64
+// panel rows (16 KB), from one row on, prefetched into L2 (prefetcht1; into L1, the next 16 KB
+// crowds the 48 KB L1 that holds this pass, x and the sums: 15-20% slower at 8-16 rows). Against
+// one pass with no prefetch, the default model's matmuls took ~35% less at 8 rows (34 -> 21 ms)
+// and ~30% less at 32 (51 -> 35 ms).
+constexpr int64_t kPassRows = 64;
+constexpr int64_t kPrefetchFromRows = kWide ? 1 : 3;
+constexpr int kPrefetchLocality = kWide ? 2 : 3;  // __builtin_prefetch: 2 = L2 and out, 3 = L1
 constexpr int64_t kLineFloats = 16;            // floats per 64-byte cache line
 
 // Pins freshly loaded values in registers: without it the compiler folds the weight loads into
@@ -79,17 +89,17 @@ inline void KeepInRegisters(VN (&v)[kVecs]) {
 template <int R>
 inline void Tile(const float* x, int64_t k, const float* panel, int64_t i0, int64_t i1,
                  float* sums, int64_t s, bool accumulate, const float* prefetch,
-                 int64_t prefetch_rows) {
+                 int64_t prefetch_lines) {
   VN acc[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVecs; ++j)
       acc[r][j] = accumulate ? LoadN(sums + r * s + kLanes * j) : VN{};
   const float* w = panel + i0 * kPanel;
+  const int64_t steps = i1 - i0;
+  int64_t credit = 0;
   for (int64_t i = i0; i < i1; ++i, w += kPanel) {
-    if (i - i0 < prefetch_rows) {
-      const float* line = prefetch + (i - i0) * kPanel;
-      for (int64_t f = 0; f < kPanel; f += kLineFloats) __builtin_prefetch(line + f);
-    }
+    for (credit += prefetch_lines; credit >= steps; credit -= steps, prefetch += kLineFloats)
+      __builtin_prefetch(prefetch, 0, kPrefetchLocality);
     VN wv[kVecs];
     for (int j = 0; j < kVecs; ++j) wv[j] = LoadN(w + kLanes * j);
     KeepInRegisters(wv);
@@ -103,47 +113,57 @@ inline void Tile(const float* x, int64_t k, const float* panel, int64_t i0, int6
     for (int j = 0; j < kVecs; ++j) StoreN(sums + r * s + kLanes * j, acc[r][j]);
 }
 
+// Tile<height> for a height of 1 to kTile rows.
+inline void TileOf(int64_t height, const float* x, int64_t k, const float* panel, int64_t i0,
+                   int64_t i1, float* sums, int64_t s, bool accumulate, const float* prefetch,
+                   int64_t prefetch_lines) {
+  switch (height) {
+    case 6: return Tile<6>(x, k, panel, i0, i1, sums, s, accumulate, prefetch, prefetch_lines);
+    case 5: return Tile<5>(x, k, panel, i0, i1, sums, s, accumulate, prefetch, prefetch_lines);
+    case 4: return Tile<4>(x, k, panel, i0, i1, sums, s, accumulate, prefetch, prefetch_lines);
+    case 3: return Tile<3>(x, k, panel, i0, i1, sums, s, accumulate, prefetch, prefetch_lines);
+    case 2: return Tile<2>(x, k, panel, i0, i1, sums, s, accumulate, prefetch, prefetch_lines);
+    case 1: return Tile<1>(x, k, panel, i0, i1, sums, s, accumulate, prefetch, prefetch_lines);
+    default: return;
+  }
+}
+
 struct Call : jaxtier::Job {
   const float* x;
   const float* w;
   float* out;
-  int64_t m, k, n, row_blocks;
+  int64_t m, k, n, row_block, row_blocks;
   std::vector<float> rows;  // x made by the call's prologue (normed rows, silu(gate) * up)
   void RunItem(int64_t item) override;
 };
 
 void Call::RunItem(int64_t item) {
   const int64_t p = item / row_blocks;
-  const int64_t first = (item % row_blocks) * kRowBlock;
-  const int64_t last = std::min(m, first + kRowBlock);
+  const int64_t first = (item % row_blocks) * row_block;
+  const int64_t last = std::min(m, first + row_block);
   const float* panel = w + p * k * kPanel;
   float* dst = out + first * n + p * kPanel;
   // One pass writes the output rows directly; several accumulate in `buffer`, then copy.
-  const int64_t step = kPassRows > 0 && kPassRows < k ? kPassRows : k;
-  alignas(64) float buffer[kPassRows > 0 ? kRowBlock * kPanel : 1];
+  const int64_t step = std::min(kPassRows, k);
+  alignas(64) float buffer[kRowBlock * kPanel];
   float* sums = step < k ? buffer : dst;
   const int64_t stride = step < k ? kPanel : n;
-  // One or two rows stream the panel at the memory's rate without help.
-  const bool prefetching = kPassRows > 0 && last - first > 2;
+  const bool prefetching = last - first >= kPrefetchFromRows;
+  // Tiles of equal height (5 and 6 rows rather than 6 and a lone 2): a short tile's weight loads
+  // feed few multiply-adds.
+  const int64_t rows = last - first;
+  const int64_t tiles = (rows + kTile - 1) / kTile;
   for (int64_t i0 = 0; i0 < k; i0 += step) {
     const int64_t i1 = std::min(k, i0 + step);
-    const int64_t ahead = prefetching ? std::min(i1 - i0, k - i1) : 0;
+    // The next pass's lines, shared out evenly over this pass's tiles.
+    const int64_t lines = prefetching ? std::min(step, k - i1) * kPanel / kLineFloats : 0;
     const float* next = panel + i1 * kPanel;
-    int64_t r = first;
-    for (; r + kTile <= last; r += kTile) {
-      Tile<kTile>(x + r * k, k, panel, i0, i1, sums + (r - first) * stride, stride, i0 > 0,
-                  next, r == first ? ahead : 0);
-    }
-    const float* rest = x + r * k;  // the last rows, fewer than a tile
-    float* rest_sums = sums + (r - first) * stride;
-    const int64_t rest_ahead = r == first ? ahead : 0;
-    switch (last - r) {
-      case 5: Tile<5>(rest, k, panel, i0, i1, rest_sums, stride, i0 > 0, next, rest_ahead); break;
-      case 4: Tile<4>(rest, k, panel, i0, i1, rest_sums, stride, i0 > 0, next, rest_ahead); break;
-      case 3: Tile<3>(rest, k, panel, i0, i1, rest_sums, stride, i0 > 0, next, rest_ahead); break;
-      case 2: Tile<2>(rest, k, panel, i0, i1, rest_sums, stride, i0 > 0, next, rest_ahead); break;
-      case 1: Tile<1>(rest, k, panel, i0, i1, rest_sums, stride, i0 > 0, next, rest_ahead); break;
-      default: break;
+    for (int64_t t = 0, r = 0; t < tiles; ++t) {
+      const int64_t height = rows / tiles + (t < rows % tiles);
+      const int64_t line = lines * t / tiles;
+      TileOf(height, x + (first + r) * k, k, panel, i0, i1, sums + r * stride, stride, i0 > 0,
+             next + line * kLineFloats, lines * (t + 1) / tiles - line);
+      r += height;
     }
   }
   if (sums != dst) {
@@ -160,6 +180,7 @@ ffi::Error Multiply(ffi::ThreadPool pool, std::shared_ptr<Call> call, int64_t pa
     return ffi::Error::Success();
   }
   call->row_blocks = (call->m + kRowBlock - 1) / kRowBlock;
+  call->row_block = (call->m + call->row_blocks - 1) / call->row_blocks;
   call->items = panels * call->row_blocks;
   // XLA's intra-op thread count caps the helpers, as it does XLA's own kernels.
   jaxtier::RunJob(call, std::min<int64_t>(pool.num_threads(), call->items - 1));
