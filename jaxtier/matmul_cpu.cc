@@ -74,13 +74,27 @@ constexpr int64_t kPrefetchFromRows = kWide ? 1 : 3;
 constexpr int kPrefetchLocality = kWide ? 2 : 3;  // __builtin_prefetch: 2 = L2 and out, 3 = L1
 constexpr int64_t kLineFloats = 16;            // floats per 64-byte cache line
 
-// Pins freshly loaded values in registers: without it the compiler folds the weight loads into
-// every row's multiply-add, loading each weight vector once per row. With AVX2 that halved the
-// rate of 2-4 row tiles (39 against 93 GFLOP/s on one Zen 3 core, weights in L1).
-inline void KeepInRegisters(VN (&v)[kVecs]) {
-#if defined(__AVX__)  // a VN is one register (elsewhere it is several: leave them be)
-  for (int j = 0; j < kVecs; ++j) asm("" : "+v"(v[j]));
+// Loads a panel row's kVecs weight vectors into v, pinned in registers by an empty asm: without
+// it the compiler folds the weight loads into every row's multiply-add, loading each weight
+// vector once per row (with AVX2 that halved the rate of 2-4 row tiles: 39 against 93 GFLOP/s on
+// one Zen 3 core, weights in L1). The asm takes named values, not the array: given the array,
+// GCC kept it in memory too and stored every weight vector to the stack on every panel row (4
+// dead 64-byte stores per row with AVX-512: the 32-row matmuls of a decode step took ~20% longer
+// on the Xeon below, 43 against 35.5 ms).
+inline void LoadPanelRow(const float* w, VN (&v)[kVecs]) {
+  VN a = LoadN(w), b = LoadN(w + kLanes);
+  if constexpr (kVecs == 4) {
+    VN c = LoadN(w + 2 * kLanes), d = LoadN(w + 3 * kLanes);
+#if defined(__AVX__)
+    asm("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d));
 #endif
+    v[0] = a, v[1] = b, v[2] = c, v[3] = d;
+  } else {
+#if defined(__AVX__)
+    asm("" : "+v"(a), "+v"(b));
+#endif
+    v[0] = a, v[1] = b;
+  }
 }
 
 // sums[R rows, kPanel columns] (row stride s) += (or =, without `accumulate`) x[R rows, i0..i1)
@@ -101,8 +115,7 @@ inline void Tile(const float* x, int64_t k, const float* panel, int64_t i0, int6
     for (credit += prefetch_lines; credit >= steps; credit -= steps, prefetch += kLineFloats)
       __builtin_prefetch(prefetch, 0, kPrefetchLocality);
     VN wv[kVecs];
-    for (int j = 0; j < kVecs; ++j) wv[j] = LoadN(w + kLanes * j);
-    KeepInRegisters(wv);
+    LoadPanelRow(w, wv);
     for (int r = 0; r < R; ++r) {
       // x - 0 is x for every x, so this is one broadcast load (0 + x is not: -0 + 0 is +0).
       const VN xv = x[r * k + i] - VN{};
