@@ -182,7 +182,8 @@ def norm_rope_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Arra
   (XLA recomputed cos and sin in each of q's and k's rotary ops, per layer). cos and sin are
   [..., d] with x's leading dims; bias [n] or None."""
   _check_packed(x_mk, w_pkc, n)
-  width = w_pkc.shape[0] * w_pkc.shape[2] if n is None else n
+  full = w_pkc.shape[0] * w_pkc.shape[2]  # the padded panels' width: the kernel's product's
+  width = full if n is None else n
   d = cos_md.shape[-1]
   if scale_k.shape != (x_mk.shape[-1],):
     raise ValueError(f"expected a norm scale of shape ({x_mk.shape[-1]},), got {scale_k.shape}")
@@ -194,13 +195,12 @@ def norm_rope_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Arra
                      f"and at most the width {width}")
   if bias_n is not None and bias_n.shape != (width,):
     raise ValueError(f"expected a bias of shape ({width},), got {bias_n.shape}")
-  # The kernel's product has the padded panels' width: so does its bias (zeros past n).
-  full = w_pkc.shape[0] * w_pkc.shape[2]
+  # The bias takes the product's padded width (zeros past n).
   bias = (jnp.zeros((0,), jnp.float32) if bias_n is None
           else jnp.pad(bias_n.astype(jnp.float32), (0, full - width)))
   args = (x_mk, scale_k, w_pkc, bias, cos_md.astype(jnp.float32), sin_md.astype(jnp.float32))
   static = {"eps": eps, "rotary": rotary_columns}
-  if not _kernel_applies(x_mk, w_pkc, *args):
+  if not _kernel_applies(x_mk, w_pkc, scale_k):  # bias, cos and sin are float32 by now
     out = _reference_norm_rope_matmul(*args, **static)
   else:
     out = jax.lax.platform_dependent(

@@ -58,9 +58,8 @@ static_assert(kTile == 6, "TileOf dispatches heights 1 to 6");
 // step's matmuls cost about their sum. In passes, the next pass's panel rows are prefetched while
 // this pass computes, the prefetches shared out evenly over the pass's tiles (with the first
 // tile issuing them all, the default model's matmuls took 25-35% longer at 16-32 rows on the
-// Xeon below). The sums of a pass live
-// in a buffer of the item's rows (the output rows are n floats apart; their 4 KB aliasing made
-// reloading them there slower than one pass).
+// Xeon below). The sums of a pass live in a buffer of the item's rows (the output rows are n
+// floats apart; their 4 KB aliasing made reloading them there slower than one pass).
 // AVX2, tuned on a Zen 3 CPU with two threads: passes of 64 panel rows (4 KB) prefetched into L1,
 // 15-20% faster than one pass at 4-16 rows, ~10% at 32; one or two rows stream at the memory's
 // rate without help.
@@ -161,10 +160,10 @@ void Call::RunItem(int64_t item) {
   alignas(64) float buffer[kRowBlock * kPanel];
   float* sums = step < k ? buffer : dst;
   const int64_t stride = step < k ? kPanel : n;
-  const bool prefetching = last - first >= kPrefetchFromRows;
+  const int64_t rows = last - first;
+  const bool prefetching = rows >= kPrefetchFromRows;
   // Tiles of equal height (5 and 6 rows rather than 6 and a lone 2): a short tile's weight loads
   // feed few multiply-adds.
-  const int64_t rows = last - first;
   const int64_t tiles = (rows + kTile - 1) / kTile;
   for (int64_t i0 = 0; i0 < k; i0 += step) {
     const int64_t i1 = std::min(k, i0 + step);
@@ -180,7 +179,7 @@ void Call::RunItem(int64_t item) {
     }
   }
   if (sums != dst) {
-    for (int64_t r = 0; r < last - first; ++r)
+    for (int64_t r = 0; r < rows; ++r)
       std::memcpy(dst + r * n, sums + r * kPanel, sizeof(float) * kPanel);
   }
 }
