@@ -119,9 +119,15 @@ def test_staggered_mixed_prompts_equal_the_contiguous_reference(tiny):
   assert_all_free(engine)
 
 
-def test_a_prefill_split_in_two_calls_equals_the_contiguous_reference(tiny, monkeypatch):
-  # 8-token rows: the four prompts arriving together are 10 rows, so the step runs 8 rows in
-  # one call and two chunk ends in a second that reads what the first wrote.
+@pytest.mark.parametrize("lengths,call_slots,num_calls", [
+    # 8-token rows: the four prompts arriving together are 10 rows, so the step runs 8 rows in
+    # one call and two chunk ends in a second that reads what the first wrote.
+    ((30, 21, 12, 3), batch.CALL_SLOTS, 2),
+    # 15 rows with calls counted free: calls of 8, 4, 2 and 1 rows, a chunk's pieces spread
+    # over up to three of them.
+    ((30, 21, 12, 3, 40), 0, 4)])
+def test_a_prefill_split_into_calls_equals_the_contiguous_reference(tiny, monkeypatch, lengths,
+                                                                    call_slots, num_calls):
   model, tokenizer = tiny
   split, original = [], batch.prefill_calls
 
@@ -131,10 +137,12 @@ def test_a_prefill_split_in_two_calls_equals_the_contiguous_reference(tiny, monk
     return calls
 
   monkeypatch.setattr(batch, "prefill_calls", prefill_calls)
-  prompts = prompts_of((30, 21, 12, 3))
-  engine = engine_of(model, tokenizer, max_num_batched_tokens=64)
+  monkeypatch.setattr(batch, "CALL_SLOTS", call_slots)
+  prompts = prompts_of(lengths)
+  engine = engine_of(model, tokenizer, max_num_batched_tokens=64 * (len(lengths) - 2),
+                     max_num_seqs=len(lengths))
   out = run(engine, prompts, GREEDY, arrive_every=0)
-  assert split[0] == 2
+  assert split[0] == num_calls
   assert [out[i].token_ids for i in range(len(prompts))] == reference(model, tokenizer, prompts,
                                                                        GREEDY)
   assert_all_free(engine)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxtier.buckets import row_buckets_up_to
+from jaxtier.buckets import pow2_bucket, row_bucket, row_buckets_up_to
 from jaxtier.engine import batch
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler import ComputeBatch
@@ -122,24 +122,46 @@ def test_prefill_calls_take_chunk_ends_in_order_and_keep_sampling_on_the_last_pi
 def test_prefill_calls_keep_every_piece_once_and_each_sequence_in_order(lengths, row_tokens):
   plan = ComputeBatch(tuple(range(len(lengths))), (0,) * len(lengths), tuple(lengths),
                       ((1,),) * len(lengths), (True,) * len(lengths))
-  calls = batch.prefill_calls(plan, row_tokens=row_tokens)
+  calls = [pieces_of(c) for c in batch.prefill_calls(plan, row_tokens=row_tokens)]
   packed = pieces_of(batch.pack_prefill(plan, row_tokens))
-  assert sorted(sum((pieces_of(c) for c in calls), [])) == sorted(packed)
-  if len(calls) == 2:
-    first, second = map(pieces_of, calls)
-    assert len(first) in row_buckets_up_to(len(packed))
-    for rid, start, _, _ in second:  # nothing of its sequence comes later in the first call
-      assert all(s < start for r, s, _, _ in first if r == rid)
-      own = [p for p in second if p[0] == rid]
-      assert own == sorted(own)
+  assert sorted(sum(calls, [])) == sorted(packed)
+  for call in calls[:-1]:  # every call but the last is a whole bucket
+    assert len(call) in row_buckets_up_to(len(packed))
+  seen = {}  # sequence -> the end of its pieces in the calls so far
+  for call in calls:
+    for rid, start, end, _ in call:  # each sequence's pieces come in order, across calls too
+      assert seen.get(rid, 0) == start
+      seen[rid] = end
+  # Splitting never pads more than one call would, counting each extra call's weight read.
+  slots = lambda call: (row_bucket(len(call))
+                        * pow2_bucket(max(e - s for _, s, e, _ in call), batch.MIN_TOKENS))
+  assert sum(map(slots, calls)) + (len(calls) - 1) * batch.CALL_SLOTS <= slots(packed)
 
 
 def test_prefill_calls_stay_one_call_when_the_rows_fill_a_bucket_or_a_split_saves_too_little():
   full = ComputeBatch(("a",), (0,), (2048,), ((1,),), (True,))  # 32 full rows
   assert batch.prefill_calls(full) == [batch.pack_prefill(full)]
-  # 14 rows pad to 16; split, 8 rows stay and 6 move, padded to 8: no saving.
+  # 9 chunks of 20 tokens (rows of 32 slots): 9 rows pad to 16 (512 slots); 8 + 1 rows are
+  # 256 + 32 slots plus one more call's weight read (32), 320 in all: this one splits...
+  nine = ComputeBatch(tuple("abcdefghi"), (0,) * 9, (20,) * 9, ((1,),) * 9, (True,) * 9)
+  assert [len(c) for c in batch.prefill_calls(nine)] == [8, 1]
+  # ...but 3 rows of 16 tokens pad to 4 rows (64 slots); 2 + 1 would be 48 + 32.
+  three = ComputeBatch(tuple("abc"), (0,) * 3, (16,) * 3, ((1,),) * 3, (True,) * 3)
+  assert batch.prefill_calls(three) == [batch.pack_prefill(three)]
+
+
+def test_prefill_calls_split_a_long_prompt_into_whole_buckets():
+  # One 832-token prompt: 13 full rows, which one call pads to 16 (1024 slots). In calls of
+  # 8, 4 and 1 rows nothing is padded (832 slots plus two calls' weight reads).
+  plan = ComputeBatch(("a",), (0,), (832,), ((1,),), (True,))
+  calls = batch.prefill_calls(plan)
+  assert [len(c) for c in calls] == [8, 4, 1]
+  assert pieces_of(calls[0])[0] == ("a", 0, 64, False)
+  assert pieces_of(calls[1]) == [("a", 512 + 64 * i, 576 + 64 * i, False) for i in range(4)]
+  assert pieces_of(calls[2]) == [("a", 768, 832, True)]  # it samples from its last piece
+  # 14 rows: 8 + 4 + 2.
   many = ComputeBatch(tuple("abcdefghijklmn"), (0,) * 14, (64,) * 14, ((1,),) * 14, (True,) * 14)
-  assert batch.prefill_calls(many) == [batch.pack_prefill(many)]
+  assert [len(c) for c in batch.prefill_calls(many)] == [8, 4, 2]
 
 
 def test_bad_columns_are_named():

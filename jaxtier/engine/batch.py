@@ -7,12 +7,12 @@ compiled for, so a run compiles few variants:
   8 (padding rows compute nothing useful: position -1, no table entries, greedy sampling);
 - tokens per row: 1 for a decode batch. Prefill chunks are cut into pieces of at most
   `PREFILL_ROW_TOKENS` tokens, one row each (`pack_prefill`), and rows pad to the next power of
-  two >= `MIN_TOKENS` of the longest piece. All the prefill of a step is one call, or two when
-  its rows land just past a row bucket (`prefill_calls`), and pads at most one partial row per
-  chunk however long the prompts: the pieces of one sequence share its block table, and each
-  layer writes every row's keys and values before any row attends, so a piece sees the pieces
-  before it in the same call (and in the call before). Shorter rows also bound the attention a long
-  prompt computes past the causal triangle to one row's width.
+  two >= `MIN_TOKENS` of the longest piece. All the prefill of a step is one call, or a few
+  when its rows land past a row bucket (`prefill_calls`: whole buckets, then the rest), and pads
+  at most one partial row per chunk however long the prompts: the pieces of one sequence share
+  its block table, and each layer writes every row's keys and values before any row attends,
+  so a piece sees the pieces before it in the same call (and in the calls before). Shorter rows
+  also bound the attention a long prompt computes past the causal triangle to one row's width.
 - table width: one width for every call of an engine, the power of two >= `MIN_WIDTH` that holds a
   max_model_len sequence (`table_width`). The paged attention loop stops at the last chunk any
   query sees, so the unused width costs nothing at run time, and the variants are (rows, tokens)
@@ -79,8 +79,8 @@ def pack_prefill(batch: ComputeBatch, row_tokens: int = PREFILL_ROW_TOKENS) -> C
   return ComputeBatch(*map(tuple, columns))
 
 
-SECOND_CALL_SLOTS = 32  # what a second prefill call costs, in padded token slots: it reads the
-#   weights again (a step's prefill is split in two only when that saves more padding than this)
+CALL_SLOTS = 32  # what one more prefill call costs, in padded token slots: it reads the weights
+#   again (a step's prefill is split into more calls only when that saves more padding than this)
 
 
 def _tokens_bucket(lengths: Sequence[int]) -> int:
@@ -89,39 +89,61 @@ def _tokens_bucket(lengths: Sequence[int]) -> int:
 
 def prefill_calls(batch: ComputeBatch, row_tokens: int = PREFILL_ROW_TOKENS
                   ) -> list[ComputeBatch]:
-  """The model calls of one step's prefill: `pack_prefill`'s rows in one call, or in two when
-  padding the rows up to their `row_bucket` would cost more than a second call.
+  """The model calls of one step's prefill: `pack_prefill`'s rows in the calls that pad least.
 
-  A step of 2048 tokens in 64-token pieces has 32 full rows plus one partial row per chunk, so
-  its rows often land just past a bucket (33 rows pad to 40: a fifth of the call computes
-  nothing). Split, the first call takes exactly a bucket's worth of rows and the second the
-  rest, taken from the ends of chunks (the shortest end piece first, repeatedly): every piece in
-  the second call comes after its sequence's pieces in the first, whose keys and values the
-  first call has written by then, and a chunk still samples from its last piece.
+  One call pads its rows up to their `row_bucket`: a 2048-token step in 64-token pieces has 32
+  full rows plus one partial row per chunk, so its rows often land just past a bucket (33 rows
+  pad to 40), and one 832-token prompt is 13 rows padded to 16 (a fifth of the call computes
+  nothing; the padded call took as long as a 1024-token prompt). Split, the leading calls each
+  take a whole bucket of rows (the largest that fits, then the largest that fits the rest, ...:
+  13 rows are 8 + 4 + 1) and the later calls the chunks' end pieces (the shortest end piece
+  first, repeatedly, from the last call back), so a short last call also pads its tokens less.
+  Every piece in a later call comes after its sequence's pieces in the earlier ones, whose keys
+  and values those calls have written by then, and a chunk still samples from its last piece.
+  The number of calls is the one with the fewest padded slots, counting `CALL_SLOTS` for each
+  call past the first.
   """
   packed = pack_prefill(batch, row_tokens)
   n = len(packed)
   lengths = [end - start for start, end in zip(packed.starts, packed.ends)]
-  first_rows = max(b for b in row_buckets_up_to(n) if b <= n)
-  if first_rows == n:
+  sizes, rest = [], n
+  while rest:
+    sizes.append(max(b for b in row_buckets_up_to(rest) if b <= rest))
+    rest -= sizes[-1]
+  best, best_cost = None, _slots(lengths, range(n))
+  for k in range(1, len(sizes)):  # k calls of whole buckets, then one call of the rest
+    calls = _split(packed.request_ids, lengths, sizes[:k])
+    cost = sum(_slots(lengths, rows) for rows in calls) + (len(calls) - 1) * CALL_SLOTS
+    if cost < best_cost:
+      best, best_cost = calls, cost
+  if best is None:
     return [packed]
+  return [_select(packed, rows) for rows in best]
+
+
+def _slots(lengths: Sequence[int], rows: Sequence[int]) -> int:
+  """Padded token slots of one call of `rows`."""
+  return row_bucket(len(rows)) * _tokens_bucket([lengths[i] for i in rows])
+
+
+def _split(request_ids: Sequence[Hashable], lengths: Sequence[int], leading: Sequence[int]
+           ) -> list[list[int]]:
+  """Row indices of len(leading) + 1 calls: leading[i] rows in call i, the rest in the last.
+  The later calls take the chunks' end pieces, shortest first, from the last call back."""
   pieces: dict = {}  # chunk (request id) -> its rows, in order
-  for i, rid in enumerate(packed.request_ids):
+  for i, rid in enumerate(request_ids):
     pieces.setdefault(rid, []).append(i)
-  second = []
-  while len(second) < n - first_rows:
-    rid = min(pieces, key=lambda r: (lengths[pieces[r][-1]], pieces[r][-1]))
-    second.append(pieces[rid].pop())
-    if not pieces[rid]:
-      del pieces[rid]
-  second.sort()
-  first = sorted(set(range(n)) - set(second))
-  one = row_bucket(n) * _tokens_bucket(lengths)
-  two = (first_rows * _tokens_bucket([lengths[i] for i in first])
-         + row_bucket(len(second)) * _tokens_bucket([lengths[i] for i in second]))
-  if two + SECOND_CALL_SLOTS >= one:
-    return [packed]
-  return [_select(packed, first), _select(packed, second)]
+  sizes = list(leading[1:]) + [len(lengths) - sum(leading)]
+  later = []
+  for size in reversed(sizes):
+    taken = []
+    while len(taken) < size:
+      rid = min(pieces, key=lambda r: (lengths[pieces[r][-1]], pieces[r][-1]))
+      taken.append(pieces[rid].pop())
+      if not pieces[rid]:
+        del pieces[rid]
+    later.append(sorted(taken))
+  return [sorted(i for rows in pieces.values() for i in rows)] + later[::-1]
 
 
 def _select(batch: ComputeBatch, rows: list[int]) -> ComputeBatch:

@@ -43,7 +43,7 @@ class EngineStats:
   waiting: int  # requests queued, not yet admitted (handed to the engine or not)
   swapped: int  # preempted requests whose KV sits in the host pool
   steps: int  # engine steps run since start
-  model_calls: int  # model programs run (a step: its prefill in one or two calls, its decode in one)
+  model_calls: int  # model programs run (a step: its prefill in a call or a few, its decode in one)
   ready: bool  # warm-up has finished: no request will wait for a compile
   engine: dict  # `Engine.stats()` as of the last step (swap timings may lag a step)
 
