@@ -182,7 +182,7 @@ def norm_rope_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Arra
   (XLA recomputed cos and sin in each of q's and k's rotary ops, per layer). cos and sin are
   [..., d] with x's leading dims; bias [n] or None."""
   _check_packed(x_mk, w_pkc, n)
-  full = w_pkc.shape[0] * w_pkc.shape[2]  # the padded panels' width: the kernel's product's
+  full = w_pkc.shape[0] * w_pkc.shape[2]  # the kernel's product spans the padded panels
   width = full if n is None else n
   d = cos_md.shape[-1]
   if scale_k.shape != (x_mk.shape[-1],):
