@@ -118,8 +118,9 @@ class EngineArgs:
     tensor_parallel_size: devices the model, both KV pools and the offloaded tail are sharded over
       (a `tp` mesh of this process's first devices; see `jaxtier.sharding`).
     trace_path: where to append a per-step JSONL trace (None: no trace).
-    attention_impl: decode-step attention: "cpu" (a C++ kernel reading the paged pool in place,
-      built on first use; see `jaxtier.cpu_kernels`), "xla", "pallas" (the GPU kernel), or
+    attention_impl: paged attention: "cpu" (C++ kernels for decode and prefill rows reading the
+      paged pool in place, built on first use; see `jaxtier.cpu_kernels`), "xla", "pallas" (the
+      GPU kernel for decode steps), or
       "auto": "cpu" for a pool on one CPU device when a C++ compiler is found, else "xla".
   """
   model: str = "smollm2-135m-instruct"

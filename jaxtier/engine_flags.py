@@ -60,8 +60,9 @@ flags.DEFINE_integer("tensor_parallel_size", 1, "devices the model and KV pools 
                      "(tensor parallel, split by heads; must divide the model's kv heads)")
 flags.DEFINE_string("trace_path", None, "append a per-step JSONL trace of the engine here (read "
                     "by scripts/doctor.py)")
-flags.DEFINE_enum("attention_impl", "auto", list(engine_args.ATTENTION_IMPLS), "decode attention: "
-                  "cpu (C++ kernel over the paged pool, built on first use), xla, pallas (GPU); "
+flags.DEFINE_enum("attention_impl", "auto", list(engine_args.ATTENTION_IMPLS), "paged attention: "
+                  "cpu (C++ kernels over the paged pool, built on first use), xla, pallas (GPU "
+                  "decode steps); "
                   "auto: cpu on one CPU device when a C++ compiler is found, else xla")
 
 # `seed` stays with each script: the batch job's --seed seeds its records' sampling.

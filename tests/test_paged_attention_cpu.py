@@ -1,5 +1,6 @@
-"""The CPU decode-attention kernel against an independent numpy attention over hand-gathered
-blocks (the helpers of test_paged_attention.py), and the choice of attention path.
+"""The CPU attention kernels (decode: one query token per row; prefill: several) against an
+independent numpy attention over hand-gathered blocks (the helpers of test_paged_attention.py),
+and the choice of attention path.
 
 Skipped only where no C++ compiler exists; a kernel that fails to build is a failure.
 """
@@ -97,11 +98,60 @@ def test_random_shapes_match_dense(c, g, lengths, seed):
   np.testing.assert_allclose(run(*case), expected(*case), atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_rows_are_refused():
-  rng = np.random.default_rng(4)
-  case = make_case(rng, b=1, t=2, kv=1, g=1, d=8, c=4, lengths=[6])
-  with pytest.raises(ValueError, match="decode steps only"):
-    run(*case)
+@pytest.mark.parametrize("c", [1, 5, 16])
+@pytest.mark.parametrize("g", [1, 3, 8])
+@pytest.mark.parametrize("d", [8, 64, 72, 128])
+def test_prefill_matches_dense(c, g, d):
+  """Rows of several query tokens over a cached prefix: head dims below, at and past a vector
+  of lanes (72: the generic probabilities @ values loop), the tiled ones (64, 128), query
+  counts that leave a partial score tile, and padding tokens at a row's start and end."""
+  rng = np.random.default_rng(c * 100 + g * 10 + d)
+  q, kp, vp, table, pos = make_case(rng, b=3, t=7, kv=2, g=g, d=d, c=c, lengths=[7, 40, 301])
+  pos[0, :2] = -1
+  pos[2, -1] = -1
+  out = run(q, kp, vp, table, pos)
+  np.testing.assert_allclose(out, expected(q, kp, vp, table, pos), atol=1e-5, rtol=1e-5)
+  assert np.all(out[0, :2] == 0) and np.all(out[2, -1] == 0)
+
+
+def test_prefill_rows_of_one_prompt_split_over_threads():
+  """The engine's prefill shape: one long prompt cut into 64-token rows that share a table
+  (each row sees the rows before it), plus an all-padding row; enough work for the helpers."""
+  rng = np.random.default_rng(9)
+  t, rows, c = 64, 9, 16
+  q, kp, vp, table, _ = make_case(rng, b=1, t=t, kv=3, g=3, d=64, c=c, lengths=[t * rows])
+  table = np.repeat(table, rows + 1, axis=0)
+  pos = np.stack([np.arange(r * t, (r + 1) * t) for r in range(rows)] + [np.full(t, -1)])
+  pos = pos.astype(np.int32)
+  q = rng.normal(size=(rows + 1, t, 9, 64)).astype(np.float32)
+  out = run(q, kp, vp, table, pos)
+  np.testing.assert_allclose(out, expected(q, kp, vp, table, pos), atol=1e-5, rtol=1e-5)
+  assert np.all(out[-1] == 0)
+
+
+@pytest.mark.parametrize("d", [16, 64])
+def test_prefill_int8_and_bfloat16_pages(d):
+  rng = np.random.default_rng(3)
+  q, kp, vp, table, pos = make_case(rng, b=2, t=5, kv=2, g=3, d=d, c=4, lengths=[5, 33])
+  (kq, ks), (vq, vs) = quantize_int8(jnp.asarray(kp)), quantize_int8(jnp.asarray(vp))
+  k_deq, v_deq = np.asarray(dequantize_int8(kq, ks)), np.asarray(dequantize_int8(vq, vs))
+  np.testing.assert_allclose(run(q, kq, vq, table, pos, ks, vs),
+                             expected(q, k_deq, v_deq, table, pos), atol=1e-5, rtol=1e-5)
+  kb, vb = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
+  want = expected(q, np.asarray(kb, np.float32), np.asarray(vb, np.float32), table, pos)
+  np.testing.assert_allclose(run(q, kb, vb, table, pos), want, atol=1e-5, rtol=1e-5)
+
+
+@hypothesis.settings(max_examples=8, deadline=None)
+@hypothesis.given(c=st.sampled_from([1, 3, 16]), g=st.sampled_from([1, 3]),
+                  t=st.integers(2, 20), lengths=st.lists(st.integers(1, 200), min_size=1,
+                                                         max_size=4),
+                  seed=st.integers(0, 2**16))
+def test_prefill_random_shapes_match_dense(c, g, t, lengths, seed):
+  lengths = [max(length, t) for length in lengths]
+  case = make_case(np.random.default_rng(seed), b=len(lengths), t=t, kv=2, g=g, d=16, c=c,
+                   lengths=lengths)
+  np.testing.assert_allclose(run(*case), expected(*case), atol=1e-5, rtol=1e-5)
 
 
 def test_auto_picks_the_kernel_for_one_cpu_device_only():

@@ -40,10 +40,10 @@ class PagedCacheConfig:
   """Shape, storage dtype and attention path of a paged cache.
 
   The host pool is sized by `num_host_blocks` or by `host_pool_gib` (at most one of them);
-  `attention_impl` picks the decode-step attention: "cpu" is the CPU kernel
-  (`jaxtier.cpu_kernels`), "pallas" the GPU kernel, "xla" the XLA path; "auto" (the
-  default) becomes "cpu" for a pool on one CPU device when the kernel builds, else "xla" (see
-  `resolve_attention_impl`). Prefill rows always take the XLA path.
+  `attention_impl` picks the attention path: "cpu" is the CPU kernels (`jaxtier.cpu_kernels`;
+  decode and prefill rows), "pallas" the GPU kernel (decode steps; prefill rows take the XLA
+  path), "xla" the XLA path; "auto" (the default) becomes "cpu" for a pool on one CPU device
+  when the kernels build, else "xla" (see `resolve_attention_impl`).
   """
   num_layers: int
   num_kv_heads: int
@@ -297,7 +297,7 @@ def attend(cache: PagedKVCache, layer: jax.Array, q_btnd: jax.Array, pos_bt: jax
     return paged_attention_reference(*args)
   if impl.startswith("pallas") and q_btnd.shape[1] == 1:
     return paged_attention_pallas(*args, interpret=impl == "pallas_interpret")
-  if impl == "cpu" and q_btnd.shape[1] == 1:
+  if impl == "cpu":
     return paged_attention_cpu(*args)
   return paged_attention(*args)
 

@@ -4,7 +4,7 @@ Pages hold float32, bfloat16, uint16 (bfloat16 bit patterns, how the cache store
 or int8 values with float32 scales per token and kv head. Four implementations, one signature:
 - `paged_attention_reference`: gathers every sequence token by token into a dense [batch, slots]
   array and calls `dense_attention`. Obviously right; a token-granular gather plus a transpose.
-- `paged_attention`: the XLA path (every prefill row, and decode steps off CPU), flash-decoding
+- `paged_attention`: the XLA path (everything off CPU but Pallas decode steps), flash-decoding
   style: a loop over chunks of the block tables with an online softmax, up to the last chunk a
   query can see. Each step gathers whole blocks (contiguous block_size x head_dim runs per kv
   head) of ~128 slots, so no dense copy of the context is materialized, and INT8 scales are
@@ -14,9 +14,9 @@ or int8 values with float32 scales per token and kv head. Four implementations, 
 - `paged_attention_pallas`: the Pallas GPU kernel shipped with JAX
   (`jax.experimental.pallas.ops.gpu.paged_attention`) for decode steps (one query per sequence);
   `interpret=True` runs it on CPU.
-- `paged_attention_cpu`: decode steps on CPU, a C++ kernel called through the XLA FFI
-  (`jaxtier.cpu_kernels`) that reads each table's pages in place: XLA:CPU's gathers copy
-  every chunk first, and at long contexts those copies were most of a decode step.
+- `paged_attention_cpu`: on CPU, C++ kernels called through the XLA FFI (`jaxtier.cpu_kernels`;
+  one for decode steps, one for prefill rows) that read each table's pages in place: XLA:CPU's
+  gathers copy every chunk first, and at long contexts those copies were most of a decode step.
 
 The pool is addressed by flat page ids: the cache stores [kv_heads, layers, blocks, block_size,
 head_dim] and views it as [kv_heads, layers * blocks, block_size, head_dim] (a free reshape), so
@@ -246,10 +246,12 @@ def paged_attention_pallas(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt,
 
 def paged_attention_cpu(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc=None,
                         v_scales_kfc=None) -> jax.Array:
-  """Decode-step paged attention (t == 1) with the CPU kernel; output [b, 1, n, d].
+  """Paged attention with the CPU kernels; output [b, t, n, d].
 
-  The kernel (`jaxtier.cpu_kernels`) reads each sequence's keys and values in place from
-  the pool, so no gathered copy is made. Raises RuntimeError where it cannot be built.
+  The kernels (`jaxtier.cpu_kernels`) read each sequence's keys and values in place from the
+  pool, so no gathered copy is made: the decode kernel for one query token per row, the prefill
+  kernel for more (each row's queries in register tiles against its keys, transposed once per
+  row and kv head). Raises RuntimeError where they cannot be built.
   """
   if not cpu_kernels.available():
     raise RuntimeError(f"the CPU attention kernel is unavailable: "
@@ -257,18 +259,22 @@ def paged_attention_cpu(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_
   check_paged_inputs(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc,
                      v_scales_kfc)
   b, t, n, d = q_btnd.shape
-  if t != 1:
-    raise ValueError(f"the CPU kernel serves decode steps only; got {t=} tokens")
   f = k_pages_kfcd.shape[1]
-  if k_pages_kfcd.dtype == jnp.bfloat16:  # the kernel reads bfloat16 as its uint16 bit patterns
+  if k_pages_kfcd.dtype == jnp.bfloat16:  # the kernels read bfloat16 as its uint16 bit patterns
     k_pages_kfcd, v_pages_kfcd = (jax.lax.bitcast_convert_type(x, jnp.uint16)
                                   for x in (k_pages_kfcd, v_pages_kfcd))
-  q_bnd = q_btnd[:, 0].astype(jnp.float32) * jnp.float32(d ** -0.5)
+  q_btnd_scaled = q_btnd.astype(jnp.float32) * jnp.float32(d ** -0.5)
   no_scales = jnp.zeros((1,), SCALE_DTYPE)
-  out_bnd = jax.ffi.ffi_call(cpu_kernels.ATTENTION_TARGET,
-                             jax.ShapeDtypeStruct((b, n, d), jnp.float32),
-                             vmap_method="sequential")(
-      q_bnd, k_pages_kfcd, v_pages_kfcd, jnp.clip(pages_bm, 0, f - 1), pos_bt[:, 0],
-      no_scales if k_scales_kfc is None else k_scales_kfc,
-      no_scales if v_scales_kfc is None else v_scales_kfc)
-  return out_bnd[:, None].astype(q_btnd.dtype)
+  pages = (k_pages_kfcd, v_pages_kfcd, jnp.clip(pages_bm, 0, f - 1))
+  scales = (no_scales if k_scales_kfc is None else k_scales_kfc,
+            no_scales if v_scales_kfc is None else v_scales_kfc)
+  if t == 1:
+    out_bnd = jax.ffi.ffi_call(cpu_kernels.ATTENTION_TARGET,
+                               jax.ShapeDtypeStruct((b, n, d), jnp.float32),
+                               vmap_method="sequential")(
+        q_btnd_scaled[:, 0], *pages, pos_bt[:, 0], *scales)
+    return out_bnd[:, None].astype(q_btnd.dtype)
+  out_btnd = jax.ffi.ffi_call(cpu_kernels.PREFILL_ATTENTION_TARGET,
+                              jax.ShapeDtypeStruct((b, t, n, d), jnp.float32),
+                              vmap_method="sequential")(q_btnd_scaled, *pages, pos_bt, *scales)
+  return out_btnd.astype(q_btnd.dtype)

@@ -1,11 +1,12 @@
-// Decode-step paged attention for XLA:CPU, called through the XLA FFI (see jaxtier/cpu_kernels.py).
+// Paged attention for XLA:CPU, called through the XLA FFI (see jaxtier/cpu_kernels.py): decode
+// steps here, prefill rows (several query tokens per row) further down.
 //
-// One query token per sequence attends to the slots 0..pos of its block table, read in place from
-// the pool: no gathered copy of the context is made. Work items are (sequence, kv head) pairs,
-// pulled from an atomic counter by the calling thread and by the kernels' crew of helper threads
-// (jaxtier/cpu_crew.h). Each item runs two passes: scores q.k for every visible slot (kept in a
-// per-thread buffer), then the softmax and sum of p * v, so each key and value is read once from
-// memory.
+// Decode: one query token per sequence attends to the slots 0..pos of its block table, read in
+// place from the pool: no gathered copy of the context is made. Work items are (sequence, kv head)
+// pairs, pulled from an atomic counter by the calling thread and by the kernels' crew of helper
+// threads (jaxtier/cpu_crew.h). Each item runs two passes: scores q.k for every visible slot (kept
+// in a per-thread buffer), then the softmax and sum of p * v, so each key and value is read once
+// from memory.
 //
 // Pages are [kv_heads, pages, block_size, head_dim] of float32, uint16 (bfloat16 bit patterns) or
 // int8 with float32 scales [kv_heads, pages, block_size] (one per token and kv head). The query is
@@ -391,9 +392,317 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Prefill rows: t query tokens per row (the pieces of prompts a prefill step computes), each
+// attending to the slots 0..its position of the row's table. An item is (row, kv head): its t x g
+// query vectors against the row's visible slots, in four steps:
+//   1. the visible keys, transposed into blocks of kNL slots ([blocks][d][kNL] floats), and the
+//      visible values as float rows ([slots][d]), int8 scales applied, in per-thread buffers;
+//   2. for each tile of kScoreRows query vectors, their scores over the slots the tile sees, kept
+//      as kScoreRows x kScoreBlocks vectors of sums in registers while the tile walks d (each
+//      key vector loaded once for the tile's queries, no lane sums);
+//   3. each query's softmax over its own visible slots, zeros past them;
+//   4. probabilities @ values in tiles of PvRows queries x d / kNL vectors of sums.
+// The XLA path's scan gathered every chunk's pages into copies and recomputed the rows of a
+// group past each row's own end: 25-40% of a long prompt's prefill step on the Xeon of
+// jaxtier/matmul_cpu.cc. Items are claimed longest row first (dynamic claiming balances the rest).
+
+constexpr int kScoreRows = kNL == 16 ? 12 : 4;  // query vectors per score tile
+constexpr int kScoreBlocks = 2;                 // blocks of kNL slots per score tile
+constexpr int kPvVectors = kNL == 16 ? 24 : 12;  // output vectors a PV tile keeps in registers
+
+// Scores [kScoreRows, kScoreBlocks * kNL] of query tile qt [kScoreRows][d] against key blocks
+// kt [blocks][d][kNL] from block `blk`, stored at sc[r * stride + slot].
+inline void ScoreTile(const float* qt, const float* kt, int64_t d, int64_t blk, float* sc,
+                      int64_t stride) {
+  static_assert(kScoreBlocks == 2, "ScoreTile loads two key vectors per step");
+  VN acc[kScoreRows][kScoreBlocks] = {};
+  const float* k0 = kt + blk * d * kNL;
+  const float* k1 = k0 + d * kNL;
+  for (int64_t i = 0; i < d; ++i) {
+    VN a = LoadN(k0 + i * kNL), b = LoadN(k1 + i * kNL);
+#if defined(__AVX__)
+    asm("" : "+v"(a), "+v"(b));  // keep them in registers (see LoadPanelRow in matmul_cpu.cc)
+#endif
+    for (int r = 0; r < kScoreRows; ++r) {
+      const VN qv = qt[r * d + i] - VN{};  // one broadcast load
+      acc[r][0] += qv * a;
+      acc[r][1] += qv * b;
+    }
+  }
+  for (int r = 0; r < kScoreRows; ++r)
+    for (int j = 0; j < kScoreBlocks; ++j) StoreN(sc + r * stride + (blk + j) * kNL, acc[r][j]);
+}
+
+// out[r] += sum_s p[r * stride + s] * vc[s] for R query rows and slots [0, slots), with d = DV
+// vectors of kNL: R x DV sums in registers.
+template <int R, int DV>
+inline void PvTile(const float* p, int64_t stride, const float* vc, int64_t slots, float* out,
+                   int64_t out_stride) {
+  constexpr int64_t d = DV * kNL;
+  VN acc[R][DV] = {};
+  for (int64_t s = 0; s < slots; ++s) {
+    VN vv[DV];
+    for (int j = 0; j < DV; ++j) {
+      VN x = LoadN(vc + s * d + j * kNL);
+#if defined(__AVX__)
+      asm("" : "+v"(x));
+#endif
+      vv[j] = x;
+    }
+    for (int r = 0; r < R; ++r) {
+      const VN pr = p[r * stride + s] - VN{};
+      for (int j = 0; j < DV; ++j) acc[r][j] += pr * vv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < DV; ++j) StoreN(out + r * out_stride + j * kNL, acc[r][j]);
+}
+
+// PvTile for any head dim: one query row at a time, sums in memory.
+inline void PvRowGeneric(const float* p, const float* vc, int64_t slots, int64_t d, float* out) {
+  std::fill(out, out + d, 0.0f);
+  for (int64_t s = 0; s < slots; ++s) {
+    const float w = p[s];
+    const float* v = vc + s * d;
+    for (int64_t i = 0; i < d; ++i) out[i] += w * v[i];
+  }
+}
+
+// Rows [0, rows) of a PV tile of up to PvRows(DV) rows: PvTile at full height, else a row at a
+// time. The tile's sums land in `out` rows out_stride apart.
+template <int DV>
+void PvRows(const float* p, int64_t stride, const float* vc, int64_t slots, int64_t rows,
+            float* out, int64_t out_stride) {
+  constexpr int R = kPvVectors / DV > 0 ? kPvVectors / DV : 1;
+  int64_t r = 0;
+  for (; r + R <= rows; r += R)
+    PvTile<R, DV>(p + r * stride, stride, vc, slots, out + r * out_stride, out_stride);
+  for (; r < rows; ++r)
+    PvTile<1, DV>(p + r * stride, stride, vc, slots, out + r * out_stride, out_stride);
+}
+
+struct PrefillShape {
+  int64_t batch, tokens, heads, kv_heads, group, head_dim, pages, block_size, table_width;
+};
+
+struct PrefillBuffers {
+  std::vector<float> kt, vc, qt, sc, sums;
+};
+
+// One item: row b, kv head kvh (see the section comment).
+template <typename T>
+void PrefillItem(const PrefillShape& s, int64_t b, int64_t kvh, const float* q, const T* k,
+                 const T* v, const int32_t* tables, const int32_t* pos, const float* k_scales,
+                 const float* v_scales, float* out, PrefillBuffers& buf) {
+  const int64_t t = s.tokens, g = s.group, d = s.head_dim, c = s.block_size;
+  const int64_t capacity = s.table_width * c;
+  const int32_t* pos_b = pos + b * t;
+  // Output rows of query vector qi = token * g + head (token major, as q is laid out).
+  auto offset = [&](int64_t qi) { return ((b * t + qi / g) * s.heads + kvh * g + qi % g) * d; };
+  auto q_row = [&](int64_t qi) { return q + offset(qi); };
+  auto out_row = [&](int64_t qi) { return out + offset(qi); };
+  auto visible = [&](int64_t qi) {  // slots query vector qi sees
+    return std::clamp<int64_t>(static_cast<int64_t>(pos_b[qi / g]) + 1, 0, capacity);
+  };
+  const int64_t queries = t * g;
+  int64_t slots = 0;
+  for (int64_t i = 0; i < t; ++i) slots = std::max(slots, visible(i * g));
+  if (slots == 0) {
+    for (int64_t qi = 0; qi < queries; ++qi) std::fill_n(out_row(qi), d, 0.0f);
+    return;
+  }
+  // 1. Keys transposed into blocks (padded with zeros to whole score tiles), values as rows.
+  const int64_t span = kScoreBlocks * kNL;
+  const int64_t padded = (slots + span - 1) / span * span;
+  buf.kt.assign(padded * d, 0.0f);
+  buf.vc.resize(slots * d);
+  const int32_t* table = tables + b * s.table_width;
+  const int64_t head_base = kvh * s.pages;
+  for (int64_t start = 0; start < slots; start += c) {
+    const int64_t page = head_base + table[start / c];
+    const int64_t n = std::min(c, slots - start);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = start + j;
+      const T* key = k + (page * c + j) * d;
+      const T* value = v + (page * c + j) * d;
+      const float ks = k_scales ? k_scales[page * c + j] : 1.0f;
+      const float vs = v_scales ? v_scales[page * c + j] : 1.0f;
+      float* kt = buf.kt.data() + (slot / kNL) * d * kNL + slot % kNL;
+      float* vc = buf.vc.data() + slot * d;
+      for (int64_t i = 0; i < d; ++i) {
+        kt[i * kNL] = Load(key[i]) * ks;
+        vc[i] = Load(value[i]) * vs;
+      }
+    }
+  }
+  buf.qt.resize(kScoreRows * d);
+  buf.sc.resize(kScoreRows * padded);
+  buf.sums.resize(kScoreRows * d);
+  float* sc = buf.sc.data();
+  for (int64_t first = 0; first < queries; first += kScoreRows) {
+    const int64_t rows = std::min<int64_t>(kScoreRows, queries - first);
+    int64_t seen = 0;  // slots this tile sees
+    for (int64_t r = 0; r < rows; ++r) seen = std::max(seen, visible(first + r));
+    if (seen == 0) {
+      for (int64_t r = 0; r < rows; ++r) std::fill_n(out_row(first + r), d, 0.0f);
+      continue;
+    }
+    // 2. Scores of the tile (missing rows are zero queries, their scores unused).
+    for (int64_t r = 0; r < kScoreRows; ++r) {
+      float* dst = buf.qt.data() + r * d;
+      if (r < rows) std::memcpy(dst, q_row(first + r), sizeof(float) * d);
+      else std::fill(dst, dst + d, 0.0f);
+    }
+    for (int64_t blk = 0; blk * kNL < seen; blk += kScoreBlocks)
+      ScoreTile(buf.qt.data(), buf.kt.data(), d, blk, sc, padded);
+    // 3. Softmax over each query's visible slots; zeros up to the tile's end.
+    float total[kScoreRows];
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = sc + r * padded;
+      const int64_t n = visible(first + r);
+      total[r] = n ? SoftmaxInPlace(row, n) : 1.0f;
+      std::fill(row + n, row + seen, 0.0f);
+    }
+    // 4. Probabilities @ values, normalized.
+    float* sums = buf.sums.data();
+    switch (d / kNL * (d % kNL == 0)) {
+      case 1: PvRows<1>(sc, padded, buf.vc.data(), seen, rows, sums, d); break;
+      case 2: PvRows<2>(sc, padded, buf.vc.data(), seen, rows, sums, d); break;
+      case 4: PvRows<4>(sc, padded, buf.vc.data(), seen, rows, sums, d); break;
+      case 8: PvRows<8>(sc, padded, buf.vc.data(), seen, rows, sums, d); break;
+      case 16: PvRows<16>(sc, padded, buf.vc.data(), seen, rows, sums, d); break;
+      default:
+        for (int64_t r = 0; r < rows; ++r)
+          PvRowGeneric(sc + r * padded, buf.vc.data(), seen, d, sums + r * d);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = out_row(first + r);
+      if (visible(first + r) == 0) {
+        std::fill(dst, dst + d, 0.0f);
+        continue;
+      }
+      const float inv = 1.0f / total[r];
+      for (int64_t i = 0; i < d; ++i) dst[i] = sums[r * d + i] * inv;
+    }
+  }
+}
+
+struct PrefillCall : jaxtier::Job {
+  PrefillShape s;
+  const float* q;
+  const void* k;
+  const void* v;
+  const int32_t* tables;
+  const int32_t* pos;
+  const float* k_scales;
+  const float* v_scales;
+  float* out;
+  std::vector<int64_t> order;  // rows, longest first
+  void (*item_fn)(const PrefillCall&, int64_t) = nullptr;
+  void RunItem(int64_t item) override { item_fn(*this, item); }
+};
+
+template <typename T>
+void PrefillOne(const PrefillCall& call, int64_t item) {
+  thread_local PrefillBuffers buf;
+  PrefillItem<T>(call.s, call.order[item / call.s.kv_heads], item % call.s.kv_heads, call.q,
+                 static_cast<const T*>(call.k), static_cast<const T*>(call.v), call.tables,
+                 call.pos, call.k_scales, call.v_scales, call.out, buf);
+}
+
+template <typename T>
+ffi::Error RunPrefill(ffi::ThreadPool pool, std::shared_ptr<PrefillCall> call) {
+  const PrefillShape& s = call->s;
+  std::vector<std::pair<int64_t, int64_t>> rows(s.batch);  // (-longest position, row)
+  int64_t work = 0;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    int64_t longest = -1;
+    for (int64_t i = 0; i < s.tokens; ++i)
+      longest = std::max<int64_t>(longest, call->pos[b * s.tokens + i]);
+    rows[b] = {-longest, b};
+    work += std::max<int64_t>(longest + 1, 0) * s.tokens;
+  }
+  std::sort(rows.begin(), rows.end());
+  call->order.resize(s.batch);
+  for (int64_t b = 0; b < s.batch; ++b) call->order[b] = rows[b].second;
+  call->items = s.batch * s.kv_heads;
+  call->item_fn = PrefillOne<T>;
+  const int64_t helpers =
+      work * s.kv_heads < 4096 ? 0 : std::min<int64_t>(pool.num_threads(), call->items - 1);
+  jaxtier::RunJob(call, helpers);
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedPrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                     ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                                     ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> pos,
+                                     ffi::Buffer<ffi::F32> k_scales,
+                                     ffi::Buffer<ffi::F32> v_scales,
+                                     ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto kd = k_pages.dimensions();
+  auto td = tables.dimensions();
+  auto pd = pos.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || pd.size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "q [b, t, n, d], pages [k, f, c, d], tables [b, m], positions [b, t] expected");
+  }
+  PrefillShape s{qd[0], qd[1], qd[2], kd[0], 0, qd[3], kd[1], kd[2], td[1]};
+  if (s.kv_heads == 0 || s.heads % s.kv_heads || kd[3] != s.head_dim || td[0] != s.batch ||
+      pd[0] != s.batch || pd[1] != s.tokens || !SameDims(v_pages.dimensions(), kd) ||
+      v_pages.element_type() != k_pages.element_type()) {
+    return ffi::Error::InvalidArgument("paged prefill attention arguments do not fit together");
+  }
+  s.group = s.heads / s.kv_heads;
+  const bool quantized = k_pages.element_type() == ffi::DataType::S8;
+  const int64_t scale_count = s.kv_heads * s.pages * s.block_size;
+  if (quantized && (static_cast<int64_t>(k_scales.element_count()) != scale_count ||
+                    static_cast<int64_t>(v_scales.element_count()) != scale_count)) {
+    return ffi::Error::InvalidArgument("int8 pages need scales [k, f, c]");
+  }
+  const int32_t* t = tables.typed_data();
+  for (int64_t i = 0; i < s.batch * s.table_width; ++i) {
+    if (t[i] < 0 || t[i] >= s.pages) return ffi::Error::InvalidArgument("page id outside the pool");
+  }
+  auto call = std::make_shared<PrefillCall>();
+  call->s = s;
+  call->q = q.typed_data();
+  call->k = k_pages.untyped_data();
+  call->v = v_pages.untyped_data();
+  call->tables = t;
+  call->pos = pos.typed_data();
+  call->k_scales = quantized ? k_scales.typed_data() : nullptr;
+  call->v_scales = quantized ? v_scales.typed_data() : nullptr;
+  call->out = out->typed_data();
+  switch (k_pages.element_type()) {
+    case ffi::DataType::F32:
+      return RunPrefill<float>(pool, call);
+    case ffi::DataType::U16:
+      return RunPrefill<uint16_t>(pool, call);
+    case ffi::DataType::S8:
+      return RunPrefill<int8_t>(pool, call);
+    default:
+      return ffi::Error::InvalidArgument("pages must be float32, uint16 (bfloat16 bits) or int8");
+  }
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierPagedDecodeAttention, PagedDecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierPagedPrefillAttention, PagedPrefillAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
