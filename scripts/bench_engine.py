@@ -137,9 +137,11 @@ def raw_prompt(tokenizer, rng: np.random.Generator, length: int) -> list[int]:
   return ids[:length]
 
 
-def chat_prompt(tokenizer, rng: np.random.Generator, length: int) -> list[int] | None:
-  """A rendered conversation of at most `length` tokens, as close to it as whole sentences allow
-  (None if the template with one sentence is longer already)."""
+def chat_prompt(tokenizer, rng: np.random.Generator, length: int, at_least: int = 0
+                ) -> list[int] | None:
+  """A rendered conversation of at most `length` tokens, as close to it as whole sentences allow,
+  and of at least `at_least` (then one sentence past `length` if need be: whole sentences may
+  not land in [at_least, length]); None if the template with one sentence is longer already."""
   earlier = []
   if rng.random() < 0.5:  # some conversations have an earlier exchange
     earlier = [{"role": "user", "content": sentence(rng)},
@@ -155,7 +157,7 @@ def chat_prompt(tokenizer, rng: np.random.Generator, length: int) -> list[int] |
     longer = body + " " + sentence(rng)
     ids = render(longer)
     if len(ids) > length:
-      return best
+      return best if len(best) >= at_least else ids
     body, best = longer, ids
 
 
@@ -169,7 +171,7 @@ def build_workload(tokenizer, count: int, min_prompt: int, max_prompt: int,
     max_tokens = int(rng.integers(FLAGS.min_output, FLAGS.max_output + 1))
     ids, kind = None, "raw"
     if rng.random() < FLAGS.chat_fraction and tokenizer.chat_template is not None:
-      ids, kind = chat_prompt(tokenizer, rng, length), "chat"
+      ids, kind = chat_prompt(tokenizer, rng, length, at_least=min_prompt), "chat"
     if ids is None:
       ids, kind = raw_prompt(tokenizer, rng, length), "raw"
     requests.append({"ids": ids, "kind": kind, "max_tokens": max_tokens})
