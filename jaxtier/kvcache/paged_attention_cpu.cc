@@ -403,7 +403,8 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 //      as kScoreRows x kScoreBlocks vectors of sums in registers while the tile walks d (each
 //      key vector loaded once for the tile's queries, no lane sums);
 //   3. each query's softmax over its own visible slots, zeros past them;
-//   4. probabilities @ values in tiles of PvRows queries x d / kNL vectors of sums.
+//   4. probabilities @ values in register tiles of up to kPvVectors sums (queries x vectors of
+//      d, in column chunks of at most kPvChunk vectors).
 // The XLA path's scan gathered every chunk's pages into copies and computed the rows of a group
 // up to the group's longest: 25-40% of a long prompt's prefill step on an AVX-512 Xeon, where
 // this kernel runs 3x its rate. Items are claimed longest row first (dynamic claiming balances
@@ -411,7 +412,8 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 
 constexpr int kScoreRows = kNL == 16 ? 12 : 4;  // query vectors per score tile
 constexpr int kScoreBlocks = 2;                 // blocks of kNL slots per score tile
-constexpr int kPvVectors = kNL == 16 ? 24 : 12;  // output vectors a PV tile keeps in registers
+constexpr int kPvVectors = kNL == 16 ? 24 : 8;  // output vectors a PV tile keeps in registers
+constexpr int kPvChunk = kNL == 16 ? 8 : 4;     // most vectors of d one PV pass covers
 
 // Scores [kScoreRows, kScoreBlocks * kNL] of query tile qt [kScoreRows][d] against key blocks
 // kt [blocks][d][kNL] from block `blk`, stored at sc[r * stride + slot].
@@ -436,12 +438,11 @@ inline void ScoreTile(const float* qt, const float* kt, int64_t d, int64_t blk, 
     for (int j = 0; j < kScoreBlocks; ++j) StoreN(sc + r * stride + (blk + j) * kNL, acc[r][j]);
 }
 
-// out[r] = sum_s p[r * stride + s] * vc[s] for R query rows and slots [0, slots), with d = DV
-// vectors of kNL: R x DV sums in registers.
+// out[r][0, DV kNL) = sum_s p[r * stride + s] * vc[s * d, + DV kNL) for R query rows and slots
+// [0, slots): R x DV sums in registers.
 template <int R, int DV>
-inline void PvTile(const float* p, int64_t stride, const float* vc, int64_t slots, float* out,
-                   int64_t out_stride) {
-  constexpr int64_t d = DV * kNL;
+inline void PvTile(const float* p, int64_t stride, const float* vc, int64_t d, int64_t slots,
+                   float* out, int64_t out_stride) {
   VN acc[R][DV] = {};
   for (int64_t s = 0; s < slots; ++s) {
     VN vv[DV];
@@ -471,17 +472,23 @@ inline void PvRowGeneric(const float* p, const float* vc, int64_t slots, int64_t
   }
 }
 
-// Rows [0, rows) of a PV tile of up to PvRows(DV) rows: PvTile at full height, else a row at a
-// time. The tile's sums land in `out` rows out_stride apart.
+// Rows [0, rows) of probabilities @ values for d = DV vectors of kNL, in column chunks of C
+// vectors and PvTiles of R rows (a row at a time for the rest); the sums land in `out` rows
+// out_stride apart. With AVX2's 16 registers, chunks of 4 vectors keep 2 rows' sums held where a
+// whole d-64 row (8 vectors) would leave room for one.
 template <int DV>
 void PvRows(const float* p, int64_t stride, const float* vc, int64_t slots, int64_t rows,
             float* out, int64_t out_stride) {
-  constexpr int R = kPvVectors / DV > 0 ? kPvVectors / DV : 1;
-  int64_t r = 0;
-  for (; r + R <= rows; r += R)
-    PvTile<R, DV>(p + r * stride, stride, vc, slots, out + r * out_stride, out_stride);
-  for (; r < rows; ++r)
-    PvTile<1, DV>(p + r * stride, stride, vc, slots, out + r * out_stride, out_stride);
+  constexpr int C = DV < kPvChunk ? DV : kPvChunk;
+  constexpr int R = kPvVectors / C > 0 ? kPvVectors / C : 1;
+  constexpr int64_t d = DV * kNL;
+  for (int64_t c = 0; c < d; c += C * kNL) {
+    int64_t r = 0;
+    for (; r + R <= rows; r += R)
+      PvTile<R, C>(p + r * stride, stride, vc + c, d, slots, out + r * out_stride + c, out_stride);
+    for (; r < rows; ++r)
+      PvTile<1, C>(p + r * stride, stride, vc + c, d, slots, out + r * out_stride + c, out_stride);
+  }
 }
 
 struct PrefillShape {
