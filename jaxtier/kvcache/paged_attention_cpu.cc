@@ -298,10 +298,9 @@ AttendFn<T> AttendFor(const Shape& s) {
   return AttendItem<T>;
 }
 
-// One call's arguments and its work counter. Helpers hold it by shared_ptr, so a helper that
-// starts after the call returned finds no work left and touches nothing else.
-struct Call : jaxtier::Job {
-  Shape s;
+// What both kernels read and write besides their queries: the pools (of the element type the call
+// dispatches on), tables, positions, int8 scales (null without) and the output.
+struct PoolArgs {
   const float* q;
   const void* k;
   const void* v;
@@ -310,6 +309,54 @@ struct Call : jaxtier::Job {
   const float* k_scales;
   const float* v_scales;
   float* out;
+};
+
+// Checks the pools against each other ([k, f, c, d], same element type), the int8 scales against
+// them ([k, f, c]) and every table entry against the f pages, then fills `args`.
+ffi::Error UnpackPool(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                      ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> pos,
+                      ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
+                      ffi::ResultBuffer<ffi::F32>& out, PoolArgs& args) {
+  const auto kd = k_pages.dimensions();
+  if (kd.size() != 4 || kd[0] == 0 || !SameDims(v_pages.dimensions(), kd) ||
+      v_pages.element_type() != k_pages.element_type()) {
+    return ffi::Error::InvalidArgument("k and v pages must both be [k, f, c, d] of one type");
+  }
+  const bool quantized = k_pages.element_type() == ffi::DataType::S8;
+  const int64_t scale_count = kd[0] * kd[1] * kd[2];
+  if (quantized && (static_cast<int64_t>(k_scales.element_count()) != scale_count ||
+                    static_cast<int64_t>(v_scales.element_count()) != scale_count)) {
+    return ffi::Error::InvalidArgument("int8 pages need scales [k, f, c]");
+  }
+  const int32_t* t = tables.typed_data();
+  for (size_t i = 0; i < tables.element_count(); ++i) {
+    if (t[i] < 0 || t[i] >= kd[1]) return ffi::Error::InvalidArgument("page id outside the pool");
+  }
+  args = {q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), t, pos.typed_data(),
+          quantized ? k_scales.typed_data() : nullptr,
+          quantized ? v_scales.typed_data() : nullptr, out->typed_data()};
+  return ffi::Error::Success();
+}
+
+// run(T{}) for the pages' element type T: float32, uint16 (bfloat16 bits) or int8.
+template <typename Run>
+ffi::Error ByPageType(ffi::DataType type, Run&& run) {
+  switch (type) {
+    case ffi::DataType::F32:
+      return run(float{});
+    case ffi::DataType::U16:
+      return run(uint16_t{});
+    case ffi::DataType::S8:
+      return run(int8_t{});
+    default:
+      return ffi::Error::InvalidArgument("pages must be float32, uint16 (bfloat16 bits) or int8");
+  }
+}
+
+// One call's arguments and its work counter. Helpers hold it by shared_ptr, so a helper that
+// starts after the call returned finds no work left and touches nothing else.
+struct Call : jaxtier::Job, PoolArgs {
+  Shape s;
   void (*attend_item)(const Call&, int64_t) = nullptr;  // AttendOne<T> for the pool's type
   void RunItem(int64_t item) override { attend_item(*this, item); }
 };
@@ -350,46 +397,20 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     return ffi::Error::InvalidArgument("q [b, n, d], pages [k, f, c, d], tables [b, m] expected");
   }
   Shape s{qd[0], qd[1], kd[0], 0, qd[2], kd[1], kd[2], td[1]};
+  auto call = std::make_shared<Call>();
+  if (ffi::Error error = UnpackPool(q, k_pages, v_pages, tables, pos, k_scales, v_scales, out,
+                                    *call);
+      error.failure()) {
+    return error;
+  }
   if (s.heads % s.kv_heads || kd[3] != s.head_dim || td[0] != s.batch ||
-      static_cast<int64_t>(pos.element_count()) != s.batch || !SameDims(v_pages.dimensions(), kd) ||
-      v_pages.element_type() != k_pages.element_type()) {
+      static_cast<int64_t>(pos.element_count()) != s.batch) {
     return ffi::Error::InvalidArgument("paged attention arguments do not fit together");
   }
   s.group = s.heads / s.kv_heads;
-  const bool quantized = k_pages.element_type() == ffi::DataType::S8;
-  const int64_t scale_count = s.kv_heads * s.pages * s.block_size;
-  if (quantized && (static_cast<int64_t>(k_scales.element_count()) != scale_count ||
-                    static_cast<int64_t>(v_scales.element_count()) != scale_count)) {
-    return ffi::Error::InvalidArgument("int8 pages need scales [k, f, c]");
-  }
-  const float* ks = quantized ? k_scales.typed_data() : nullptr;
-  const float* vs = quantized ? v_scales.typed_data() : nullptr;
-  const int32_t* t = tables.typed_data();
-  for (int64_t i = 0; i < s.batch * s.table_width; ++i) {
-    if (t[i] < 0 || t[i] >= s.pages) {
-      return ffi::Error::InvalidArgument("page id outside the pool");
-    }
-  }
-  auto call = std::make_shared<Call>();
   call->s = s;
-  call->q = q.typed_data();
-  call->k = k_pages.untyped_data();
-  call->v = v_pages.untyped_data();
-  call->tables = t;
-  call->pos = pos.typed_data();
-  call->k_scales = ks;
-  call->v_scales = vs;
-  call->out = out->typed_data();
-  switch (k_pages.element_type()) {
-    case ffi::DataType::F32:
-      return Run<float>(pool, call);
-    case ffi::DataType::U16:
-      return Run<uint16_t>(pool, call);
-    case ffi::DataType::S8:
-      return Run<int8_t>(pool, call);
-    default:
-      return ffi::Error::InvalidArgument("pages must be float32, uint16 (bfloat16 bits) or int8");
-  }
+  return ByPageType(k_pages.element_type(),
+                    [&](auto page) { return Run<decltype(page)>(pool, call); });
 }
 
 
@@ -597,16 +618,8 @@ void PrefillItem(const PrefillShape& s, int64_t b, int64_t kvh, const float* q, 
   }
 }
 
-struct PrefillCall : jaxtier::Job {
+struct PrefillCall : jaxtier::Job, PoolArgs {
   PrefillShape s;
-  const float* q;
-  const void* k;
-  const void* v;
-  const int32_t* tables;
-  const int32_t* pos;
-  const float* k_scales;
-  const float* v_scales;
-  float* out;
   std::vector<int64_t> order;  // rows, longest first
   void (*item_fn)(const PrefillCall&, int64_t) = nullptr;
   void RunItem(int64_t item) override { item_fn(*this, item); }
@@ -658,42 +671,20 @@ ffi::Error PagedPrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32>
         "q [b, t, n, d], pages [k, f, c, d], tables [b, m], positions [b, t] expected");
   }
   PrefillShape s{qd[0], qd[1], qd[2], kd[0], 0, qd[3], kd[1], kd[2], td[1]};
-  if (s.kv_heads == 0 || s.heads % s.kv_heads || kd[3] != s.head_dim || td[0] != s.batch ||
-      pd[0] != s.batch || pd[1] != s.tokens || !SameDims(v_pages.dimensions(), kd) ||
-      v_pages.element_type() != k_pages.element_type()) {
+  auto call = std::make_shared<PrefillCall>();
+  if (ffi::Error error = UnpackPool(q, k_pages, v_pages, tables, pos, k_scales, v_scales, out,
+                                    *call);
+      error.failure()) {
+    return error;
+  }
+  if (s.heads % s.kv_heads || kd[3] != s.head_dim || td[0] != s.batch || pd[0] != s.batch ||
+      pd[1] != s.tokens) {
     return ffi::Error::InvalidArgument("paged prefill attention arguments do not fit together");
   }
   s.group = s.heads / s.kv_heads;
-  const bool quantized = k_pages.element_type() == ffi::DataType::S8;
-  const int64_t scale_count = s.kv_heads * s.pages * s.block_size;
-  if (quantized && (static_cast<int64_t>(k_scales.element_count()) != scale_count ||
-                    static_cast<int64_t>(v_scales.element_count()) != scale_count)) {
-    return ffi::Error::InvalidArgument("int8 pages need scales [k, f, c]");
-  }
-  const int32_t* t = tables.typed_data();
-  for (int64_t i = 0; i < s.batch * s.table_width; ++i) {
-    if (t[i] < 0 || t[i] >= s.pages) return ffi::Error::InvalidArgument("page id outside the pool");
-  }
-  auto call = std::make_shared<PrefillCall>();
   call->s = s;
-  call->q = q.typed_data();
-  call->k = k_pages.untyped_data();
-  call->v = v_pages.untyped_data();
-  call->tables = t;
-  call->pos = pos.typed_data();
-  call->k_scales = quantized ? k_scales.typed_data() : nullptr;
-  call->v_scales = quantized ? v_scales.typed_data() : nullptr;
-  call->out = out->typed_data();
-  switch (k_pages.element_type()) {
-    case ffi::DataType::F32:
-      return RunPrefill<float>(pool, call);
-    case ffi::DataType::U16:
-      return RunPrefill<uint16_t>(pool, call);
-    case ffi::DataType::S8:
-      return RunPrefill<int8_t>(pool, call);
-    default:
-      return ffi::Error::InvalidArgument("pages must be float32, uint16 (bfloat16 bits) or int8");
-  }
+  return ByPageType(k_pages.element_type(),
+                    [&](auto page) { return RunPrefill<decltype(page)>(pool, call); });
 }
 
 }  // namespace
