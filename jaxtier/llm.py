@@ -89,7 +89,7 @@ class LLM:
       ("auto", "float32", "bfloat16", "int8"), preemption_mode, watermark, victim_policy,
       enable_prefix_caching, host_prefix_caching, seed,
       layer_execution, offload_tail_layers, prefetch_depth, device_memory_gb,
-      tensor_parallel_size, trace_path, attention_impl. Bad values raise ValueError before any
+      tensor_parallel_size, trace_path, attention_impl, weight_format. Bad values raise ValueError before any
       weight loads.
 
   Loading is placement-first (`jaxtier.checkpoint.placed`): each tensor goes straight to its
@@ -104,7 +104,7 @@ class LLM:
     self.args = EngineArgs(model=model, **engine_args)
     args = self.args
     self.mesh = sharding.make_mesh(args.tensor_parallel_size)
-    opened = checkpoint.open_checkpoint(model)
+    opened = checkpoint.open_checkpoint(model, keep_quantized=args.weight_format == "auto")
     try:
       self.config = opened.config
       self._check_model(self.config)
@@ -118,7 +118,7 @@ class LLM:
       self.offload = self._resolve_offload()
       self.layout = placed.Layout.of(self.config.num_layers, self.offload.offload_tail_layers,
                                      self.offload.prefetch_depth or 1, self.layer_execution,
-                                     self.mesh)
+                                     self.mesh, keep_quantized=args.weight_format == "auto")
     except BaseException:
       opened.close()
       raise

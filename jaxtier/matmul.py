@@ -9,6 +9,17 @@ order, with a tile of x's rows summed in registers; at 1-32 rows (decode) a step
 and LM head run 1.1-2.5x faster than XLA:CPU's matmuls on the [K, N] layout, and on par with them
 at prefill sizes (WORKSPACE.md, "Packed weights").
 
+A weight can also be packed from GGUF's Q4_1 blocks (`pack_q4_1`): uint8 [ceil(N / P), K / 32,
+24 P], for every 32 rows of a panel the blocks' scales d and minimums m (float32, P each) and the
+4-bit values q (row by row, a row's byte j holding column j in its low nibble and column j + P / 2
+in its high one); w = d q + m. Or from Q8_0 blocks (`pack_q8_0`): int8 [ceil(N / P), K / 32,
+36 P], per block the scales d (float32, P) then the 8-bit values row by row; w = d q. Every
+function here takes any of the three formats (`weight_format` tells them apart by dtype). The
+kernel dequantizes each pass of 64 panel rows into its cache and multiplies as for float32
+panels; d q is exact in float32, so d q + m rounds once, as GGUF's dequantization does, and
+products are bit for bit those of the float32 panels of the dequantized weights
+(`dequantize_packed`), from 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4.
+
 `packed_matmul` picks the kernel when the program is lowered for CPU and the kernel is built
 (`jaxtier.cpu_kernels`); elsewhere, or for dtypes other than float32, it is `reference_matmul`,
 an einsum that XLA runs with the weight transposed back (correct everywhere, slower).
@@ -28,6 +39,10 @@ from jaxtier import cpu_kernels
 from jaxtier.rotary import apply_rotary
 
 DEFAULT_PANEL = 64  # columns per panel where the kernels are unavailable
+FORMATS = {"float32": 0, "q4_1": 1, "q8_0": 2}  # the kernels' `format` attribute
+QUANT_BLOCK = 32  # K rows per Q4_1 or Q8_0 block
+# A block's bytes per panel column: Q4_1 d and m (4 bytes each) and 32 nibbles; Q8_0 d and 32 bytes.
+BYTES_PER_COLUMN = {"q4_1": 24, "q8_0": 36}
 
 
 def panel_width() -> int:
@@ -67,37 +82,216 @@ def unpack(w_pkc, n: int):
   return xp.swapaxes(w_pkc, -3, -2).reshape(*lead, k, p * c)[..., :n]
 
 
+def weight_format(w) -> str:
+  """The format of a packed weight, told by its dtype: "q4_1" (uint8, `pack_q4_1`), "q8_0"
+  (int8, `pack_q8_0`), else "float32" (float panels)."""
+  return {np.dtype(np.uint8): "q4_1", np.dtype(np.int8): "q8_0"}.get(np.dtype(w.dtype), "float32")
+
+
+def panel_columns(w) -> int:
+  """Columns per panel of a packed weight of any format."""
+  return w.shape[-1] // BYTES_PER_COLUMN.get(weight_format(w), 1)
+
+
+def packed_rows(w) -> int:
+  """K, the rows of a packed weight of any format."""
+  return w.shape[-2] * (QUANT_BLOCK if weight_format(w) != "float32" else 1)
+
+
+def parameter_count(w) -> int:
+  """Weights (float values) an array holds: 32 per 24 bytes of a Q4_1-packed one and per 36 of a
+  Q8_0-packed one (padding columns included, as in a float panel), its size otherwise."""
+  fmt = weight_format(w)
+  return w.size if fmt == "float32" else w.size // BYTES_PER_COLUMN[fmt] * QUANT_BLOCK
+
+
+def quantize_q4_1(w_kn):
+  """GGUF's Q4_1 quantization of [..., K, N] in blocks of 32 rows (llama.cpp's reference
+  rounding: d = (max - min) / 15, q = floor((w - min) / d + 0.5) clipped to [0, 15], d and min
+  stored as float16): (q uint8 [..., K, N], d [..., K / 32, N], m [..., K / 32, N]) with d and m
+  float32 holding the float16 values, so that `d q + m` is the dequantized weight. Numpy in,
+  numpy out; jax in, jax out."""
+  xp = np if isinstance(w_kn, np.ndarray) else jnp
+  *lead, k, n = w_kn.shape
+  if k % QUANT_BLOCK:
+    raise ValueError(f"Q4_1 needs K to be a multiple of {QUANT_BLOCK}, got {k}")
+  blocks = w_kn.astype(xp.float32).reshape(*lead, k // QUANT_BLOCK, QUANT_BLOCK, n)
+  low, high = blocks.min(axis=-2), blocks.max(axis=-2)
+  d = (high - low) / 15
+  inv = xp.where(d > 0, 1 / xp.where(d > 0, d, 1), 0)
+  q = xp.clip(xp.floor((blocks - low[..., None, :]) * inv[..., None, :] + 0.5), 0, 15)
+  as_half = lambda a: a.astype(xp.float16).astype(xp.float32)
+  return q.astype(xp.uint8).reshape(*lead, k, n), as_half(d), as_half(low)
+
+
+def pack_q4_1(q_kn, d_bn, m_bn, width: int | None = None):
+  """Q4_1 values q [..., K, N] (0-15), scales d and minimums m [..., K / 32, N] (float32) ->
+  uint8 [..., ceil(N / P), K / 32, 24 P], P = `width` (default `panel_width()`); columns past N
+  are zero (d = m = 0). Numpy in, numpy out; jax in, jax out."""
+  width = width or panel_width()
+  xp = np if isinstance(q_kn, np.ndarray) else jnp
+  *lead, k, n = q_kn.shape
+  blocks = k // QUANT_BLOCK
+  if k % QUANT_BLOCK or d_bn.shape != (*lead, blocks, n) or m_bn.shape != d_bn.shape:
+    raise ValueError(f"expected q [..., K, N] with K a multiple of {QUANT_BLOCK} and d, m "
+                     f"[..., K / {QUANT_BLOCK}, N]; got {q_kn.shape}, {d_bn.shape}, {m_bn.shape}")
+  p = panels(n, width)
+  pad = lambda a: xp.concatenate([a, xp.zeros((*a.shape[:-1], p * width - n), a.dtype)], -1) \
+      if p * width != n else a
+  # [..., B, 32, p, P] -> [..., p, B, 32, P]
+  q = xp.moveaxis(pad(q_kn.astype(xp.uint8)).reshape(*lead, blocks, QUANT_BLOCK, p, width), -2, -4)
+  half = width // 2
+  nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(*lead, p, blocks, QUANT_BLOCK * half)
+
+  def as_bytes(a):  # [..., B, N] float32 -> [..., p, B, 4 P] uint8
+    a = xp.moveaxis(pad(a.astype(xp.float32)).reshape(*lead, blocks, p, width), -2, -3)
+    if xp is np:
+      return np.ascontiguousarray(a).view(np.uint8)
+    return jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(*a.shape[:-1], 4 * width)
+
+  out = xp.concatenate([as_bytes(d_bn), as_bytes(m_bn), nibbles], axis=-1)
+  return np.ascontiguousarray(out) if xp is np else out
+
+
+def quantize_q8_0(w_kn):
+  """GGUF's Q8_0 quantization of [..., K, N] in blocks of 32 rows (llama.cpp's reference: d =
+  max |w| / 127 stored as float16, q = w / d rounded half away from zero): (q int8 [..., K, N],
+  d float32 [..., K / 32, N] holding the float16 values), `d q` the dequantized weight."""
+  xp = np if isinstance(w_kn, np.ndarray) else jnp
+  *lead, k, n = w_kn.shape
+  if k % QUANT_BLOCK:
+    raise ValueError(f"Q8_0 needs K to be a multiple of {QUANT_BLOCK}, got {k}")
+  blocks = w_kn.astype(xp.float32).reshape(*lead, k // QUANT_BLOCK, QUANT_BLOCK, n)
+  d = xp.abs(blocks).max(axis=-2) / 127
+  inv = xp.where(d > 0, 1 / xp.where(d > 0, d, 1), 0)
+  scaled = blocks * inv[..., None, :]
+  q = xp.sign(scaled) * xp.floor(xp.abs(scaled) + 0.5)
+  return q.astype(xp.int8).reshape(*lead, k, n), d.astype(xp.float16).astype(xp.float32)
+
+
+def pack_q8_0(q_kn, d_bn, width: int | None = None):
+  """Q8_0 values q [..., K, N] (int8) and scales d [..., K / 32, N] (float32) -> int8 [...,
+  ceil(N / P), K / 32, 36 P]: per block of a panel, d (float32, P) then q row by row; columns
+  past N are zero. Numpy in, numpy out; jax in, jax out."""
+  width = width or panel_width()
+  xp = np if isinstance(q_kn, np.ndarray) else jnp
+  *lead, k, n = q_kn.shape
+  blocks = k // QUANT_BLOCK
+  if k % QUANT_BLOCK or d_bn.shape != (*lead, blocks, n):
+    raise ValueError(f"expected q [..., K, N] with K a multiple of {QUANT_BLOCK} and d "
+                     f"[..., K / {QUANT_BLOCK}, N]; got {q_kn.shape}, {d_bn.shape}")
+  p = panels(n, width)
+  pad = lambda a: xp.concatenate([a, xp.zeros((*a.shape[:-1], p * width - n), a.dtype)], -1) \
+      if p * width != n else a
+  q = xp.moveaxis(pad(q_kn.astype(xp.int8)).reshape(*lead, blocks, QUANT_BLOCK, p, width), -2, -4)
+  q = q.reshape(*lead, p, blocks, QUANT_BLOCK * width)
+  d = xp.moveaxis(pad(d_bn.astype(xp.float32)).reshape(*lead, blocks, p, width), -2, -3)
+  if xp is np:
+    d = np.ascontiguousarray(d).view(np.int8)
+  else:
+    d = jax.lax.bitcast_convert_type(d, jnp.int8).reshape(*d.shape[:-1], 4 * width)
+  out = xp.concatenate([d, q], axis=-1)
+  return np.ascontiguousarray(out) if xp is np else out
+
+
+def _block_floats(a, width: int):
+  """[..., 4 C] bytes (uint8 or int8) -> [..., C] float32, the bytes reinterpreted."""
+  if isinstance(a, np.ndarray):
+    return np.ascontiguousarray(a).view(np.float32)
+  return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], width, 4), jnp.float32)
+
+
+def dequantize_packed(w):
+  """A `pack_q4_1` or `pack_q8_0` weight -> float32 panels [..., P, K, C] (d q + m or d q,
+  GGUF's float32 values); a float weight as it is. Numpy in, numpy out; jax in, jax out."""
+  fmt = weight_format(w)
+  if fmt == "float32":
+    return w
+  xp = np if isinstance(w, np.ndarray) else jnp
+  *lead, blocks, size = w.shape
+  width = size // BYTES_PER_COLUMN[fmt]
+  d = _block_floats(w[..., :4 * width], width)
+  if fmt == "q8_0":
+    q = w[..., 4 * width:].reshape(*lead, blocks, QUANT_BLOCK, width).astype(xp.float32)
+    return (d[..., None, :] * q).reshape(*lead, blocks * QUANT_BLOCK, width)
+  m = _block_floats(w[..., 4 * width:8 * width], width)
+  nibbles = w[..., 8 * width:].reshape(*lead, blocks, QUANT_BLOCK, width // 2)
+  q = xp.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(xp.float32)
+  out = d[..., None, :] * q + m[..., None, :]
+  return out.reshape(*lead, blocks * QUANT_BLOCK, width)
+
+
+def packed_columns(w, ids):
+  """Columns `ids` (any shape) of a packed weight of any format -> float32 [*ids.shape, K]: the
+  embedding rows of a tied table held packed as the LM head. A block format gathers only each
+  column's scale(s) and values, not its panels."""
+  fmt = weight_format(w)
+  width = panel_columns(w)
+  panel, column = ids // width, ids % width
+  if fmt == "float32":
+    return w[panel, :, column]
+  blocks = w.shape[-2]
+  b = jnp.arange(blocks)[:, None]
+  lanes = jnp.arange(4)
+  p, c = panel[..., None, None], column[..., None, None]
+  d = jax.lax.bitcast_convert_type(w[p, b, 4 * c + lanes], jnp.float32)  # [..., B]
+  rows = jnp.arange(QUANT_BLOCK)
+  if fmt == "q8_0":
+    q = w[p, b, 4 * width + rows * width + c].astype(jnp.float32)  # [..., B, 32]
+    return (d[..., None] * q).reshape(*ids.shape, blocks * QUANT_BLOCK)
+  m = jax.lax.bitcast_convert_type(w[p, b, 4 * width + 4 * c + lanes], jnp.float32)
+  half = width // 2
+  byte = w[p, b, 8 * width + rows * half + c % half]
+  q = jnp.where(c < half, byte & 15, byte >> 4).astype(jnp.float32)
+  return (d[..., None] * q + m[..., None]).reshape(*ids.shape, blocks * QUANT_BLOCK)
+
+
 def reference_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:
-  """x [..., K] @ packed w -> [..., n] (n: all the panels' columns if None), by XLA."""
-  out = jnp.einsum("...k,pkc->...pc", x_mk, w_pkc)
+  """x [..., K] @ packed w (either format) -> [..., n] (n: all the panels' columns if None), by
+  XLA."""
+  out = jnp.einsum("...k,pkc->...pc", x_mk, dequantize_packed(w_pkc))
   out = out.reshape(*out.shape[:-2], -1)
   return out if n is None else out[..., :n]
 
 
+def _format_attr(w) -> np.int64:
+  return np.int64(FORMATS[weight_format(w)])
+
+
+def _columns(w) -> int:
+  """All the panels' columns of a packed weight."""
+  return w.shape[0] * panel_columns(w)
+
+
 def _kernel_matmul(x_mk: jax.Array, w_pkc: jax.Array) -> jax.Array:
   lead, k = x_mk.shape[:-1], x_mk.shape[-1]
-  p, _, c = w_pkc.shape
   out = jax.ffi.ffi_call(cpu_kernels.MATMUL_TARGET,
-                         jax.ShapeDtypeStruct((x_mk.size // k, p * c), jnp.float32))(
-                             x_mk.reshape(-1, k), w_pkc)
-  return out.reshape(*lead, p * c)
+                         jax.ShapeDtypeStruct((x_mk.size // k, _columns(w_pkc)), jnp.float32))(
+                             x_mk.reshape(-1, k), w_pkc, format=_format_attr(w_pkc))
+  return out.reshape(*lead, -1)
 
 
 def _check_packed(x_mk, w_pkc, n):
-  if w_pkc.ndim != 3 or w_pkc.shape[1] != x_mk.shape[-1]:
-    raise ValueError(f"expected a packed weight [P, {x_mk.shape[-1]}, C] for x of shape "
-                     f"{x_mk.shape}, got {w_pkc.shape}")
-  p, _, c = w_pkc.shape
+  fmt = weight_format(w_pkc)
+  per_column = BYTES_PER_COLUMN.get(fmt, 1)
+  if (w_pkc.ndim != 3 or packed_rows(w_pkc) != x_mk.shape[-1]
+      or w_pkc.shape[-1] % (2 * per_column)):
+    expected = (f"[P, {x_mk.shape[-1] // QUANT_BLOCK}, {per_column} C] ({fmt.upper()}, "
+                f"{np.dtype(w_pkc.dtype).name})" if fmt != "float32" else f"[P, {x_mk.shape[-1]}, C]")
+    raise ValueError(f"expected a packed weight {expected} for x of shape {x_mk.shape}, got "
+                     f"{w_pkc.shape}")
+  p, c = w_pkc.shape[0], panel_columns(w_pkc)
   if n is not None and not (p - 1) * c < n <= p * c:
     raise ValueError(f"n={n} does not fit a packed weight of {p} panels of {c} columns")
 
 
 def _kernel_applies(x, w_pkc, *others) -> bool:
   """Whether the CPU kernel can multiply x by w (with `others`, the call's other arrays): all
-  float32, x not empty, the kernels built, and panels of the width they were built for (any
-  other width runs the reference)."""
-  return (all(a.dtype == jnp.float32 for a in (x, w_pkc, *others)) and x.size > 0
-          and cpu_kernels.available() and w_pkc.shape[-1] == cpu_kernels.panel_width())
+  float32 but a Q4_1 or Q8_0 weight, x not empty, the kernels built, and panels of the width they
+  were built for (any other width runs the reference)."""
+  return (all(a.dtype == jnp.float32 for a in (x, *others))
+          and w_pkc.dtype in (jnp.float32, jnp.uint8, jnp.int8) and x.size > 0
+          and cpu_kernels.available() and panel_columns(w_pkc) == cpu_kernels.panel_width())
 
 
 def packed_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:
@@ -123,11 +317,11 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 def _kernel_norm_matmul(x_mk, scale_k, w_pkc, *, eps):
   lead, k = x_mk.shape[:-1], x_mk.shape[-1]
-  p, _, c = w_pkc.shape
   out = jax.ffi.ffi_call(cpu_kernels.NORM_MATMUL_TARGET,
-                         jax.ShapeDtypeStruct((x_mk.size // k, p * c), jnp.float32))(
-                             x_mk.reshape(-1, k), scale_k, w_pkc, eps=np.float32(eps))
-  return out.reshape(*lead, p * c)
+                         jax.ShapeDtypeStruct((x_mk.size // k, _columns(w_pkc)), jnp.float32))(
+                             x_mk.reshape(-1, k), scale_k, w_pkc, eps=np.float32(eps),
+                             format=_format_attr(w_pkc))
+  return out.reshape(*lead, -1)
 
 
 def _reference_norm_matmul(x_mk, scale_k, w_pkc, *, eps):
@@ -153,13 +347,13 @@ def norm_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Array, n:
 
 def _kernel_norm_rope_matmul(x_mk, scale_k, w_pkc, bias_n, cos_md, sin_md, *, eps, rotary):
   lead, k = x_mk.shape[:-1], x_mk.shape[-1]
-  p, _, c = w_pkc.shape
   d = cos_md.shape[-1]
   out = jax.ffi.ffi_call(cpu_kernels.NORM_ROPE_MATMUL_TARGET,
-                         jax.ShapeDtypeStruct((x_mk.size // k, p * c), jnp.float32))(
+                         jax.ShapeDtypeStruct((x_mk.size // k, _columns(w_pkc)), jnp.float32))(
                              x_mk.reshape(-1, k), scale_k, w_pkc, bias_n, cos_md.reshape(-1, d),
-                             sin_md.reshape(-1, d), eps=np.float32(eps), rotary_columns=rotary)
-  return out.reshape(*lead, p * c)
+                             sin_md.reshape(-1, d), eps=np.float32(eps), rotary_columns=rotary,
+                             format=_format_attr(w_pkc))
+  return out.reshape(*lead, -1)
 
 
 def _reference_norm_rope_matmul(x_mk, scale_k, w_pkc, bias_n, cos_md, sin_md, *, eps, rotary):
@@ -182,7 +376,7 @@ def norm_rope_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Arra
   (XLA recomputed cos and sin in each of q's and k's rotary ops, per layer). cos and sin are
   [..., d] with x's leading dims; bias [n] or None."""
   _check_packed(x_mk, w_pkc, n)
-  full = w_pkc.shape[0] * w_pkc.shape[2]  # the kernel's product spans the padded panels
+  full = _columns(w_pkc)  # the kernel's product spans the padded panels
   width = full if n is None else n
   d = cos_md.shape[-1]
   if scale_k.shape != (x_mk.shape[-1],):
@@ -218,11 +412,11 @@ def silu_glu(gate_up_mf: jax.Array) -> jax.Array:
 
 def _kernel_glu_matmul(gate_up_mf, w_pkc):
   lead, f = gate_up_mf.shape[:-1], gate_up_mf.shape[-1]
-  p, _, c = w_pkc.shape
   out = jax.ffi.ffi_call(cpu_kernels.GLU_MATMUL_TARGET,
-                         jax.ShapeDtypeStruct((gate_up_mf.size // f, p * c), jnp.float32))(
-                             gate_up_mf.reshape(-1, f), w_pkc)
-  return out.reshape(*lead, p * c)
+                         jax.ShapeDtypeStruct((gate_up_mf.size // f, _columns(w_pkc)),
+                                              jnp.float32))(
+                             gate_up_mf.reshape(-1, f), w_pkc, format=_format_attr(w_pkc))
+  return out.reshape(*lead, -1)
 
 
 def _reference_glu_matmul(gate_up_mf, w_pkc):

@@ -16,6 +16,17 @@
 // accumulators and ran at ~5 GFLOP/s, and 16-column tiles walking a 64-column panel (a 256-byte
 // stride) reached ~55 GFLOP/s at 32 rows, against ~105 GFLOP/s over 16-column panels.
 //
+// Weights come in three formats (the `format` attribute), all in panels: float32; GGUF's Q4_1
+// blocks (kQ4_1: for every 32 K rows of a panel, the blocks' scales d and minimums m, float32,
+// kPanel each, then their 4-bit values q row by row, a row's byte j holding column j in its low
+// nibble and column j + kPanel / 2 in its high one; w = d q + m); or GGUF's Q8_0 blocks (kQ8_0:
+// for every 32 K rows, the scales d, float32, then the 8-bit values row by row; w = d q). Each
+// pass of an item dequantizes its 64 panel rows into a buffer in the core's cache, where the
+// tiles read them as they read float32 panels. d q is exact in float32 (an 11-bit d times a 4- or
+// 8-bit q), so d q + m rounds once, as GGUF's float32 dequantization does, and the product is bit
+// for bit the float32 kernel's on the dequantized weights, from 0.75 (Q4_1) or 1.125 (Q8_0)
+// bytes per weight instead of 4.
+//
 // x is float32 [M, K] (row-major), out float32 [M, N]. Other handlers apply an RMS norm to x's
 // rows first (the pre-norm of a decoder layer's q/k/v and gate/up projections), with the bias and
 // rotary embedding of the q/k/v projection after, or the SwiGLU gating (the input of a decoder
@@ -27,8 +38,13 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_crew.h"
 #include "cpu_vec.h"
@@ -38,6 +54,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxtier::IN;
 using jaxtier::LoadN;
 using jaxtier::LoadV;
 using jaxtier::StoreN;
@@ -71,7 +88,85 @@ static_assert(kTile == 6, "TileOf dispatches heights 1 to 6");
 constexpr int64_t kPassRows = 64;
 constexpr int64_t kPrefetchFromRows = kWide ? 1 : 3;
 constexpr int kPrefetchLocality = kWide ? 2 : 3;  // __builtin_prefetch: 2 = L2 and out, 3 = L1
-constexpr int64_t kLineFloats = 16;            // floats per 64-byte cache line
+constexpr int64_t kLine = 64;                  // bytes per cache line
+
+// Weight formats (the handlers' `format` attribute; jaxtier.matmul's FORMATS).
+constexpr int64_t kF32 = 0;
+constexpr int64_t kQ4_1 = 1;
+constexpr int64_t kQ8_0 = 2;
+constexpr int64_t kQBlock = 32;                            // K rows per Q4_1 or Q8_0 block
+constexpr int64_t kQ4Bytes = 2 * 4 * kPanel + kQBlock * kPanel / 2;  // one Q4_1 block of a panel
+constexpr int64_t kQ8Bytes = 4 * kPanel + kQBlock * kPanel;         // one Q8_0 block of a panel
+static_assert(kPassRows % kQBlock == 0, "a pass dequantizes whole blocks");
+
+// Bytes of a panel's rows [0, i) (i a multiple of kQBlock for the block formats).
+inline int64_t RowBytes(int64_t format, int64_t i) {
+  if (format == kF32) return i * kPanel * 4;
+  return i / kQBlock * (format == kQ4_1 ? kQ4Bytes : kQ8Bytes);
+}
+
+// kLanes bytes widened to int32 lanes (GCC's __builtin_convertvector of a byte vector compiles to
+// a byte at a time).
+inline IN WidenBytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<IN>(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<IN>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(p))));
+#else
+  IN v;
+  for (int l = 0; l < kLanes; ++l) v[l] = p[l];
+  return v;
+#endif
+}
+
+// kLanes signed bytes widened to int32 lanes.
+inline IN WidenSignedBytes(const int8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<IN>(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<IN>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(p))));
+#else
+  IN v;
+  for (int l = 0; l < kLanes; ++l) v[l] = p[l];
+  return v;
+#endif
+}
+
+// Dequantizes one Q8_0 block of a panel into its kQBlock x kPanel floats, d q (exact: an 11-bit
+// d times an 8-bit q).
+inline void DequantizeQ8_0(const uint8_t* block, float* out) {
+  const float* scales = reinterpret_cast<const float*>(block);
+  VN d[kVecs];
+  for (int j = 0; j < kVecs; ++j) d[j] = LoadN(scales + j * kLanes);
+  const int8_t* q = reinterpret_cast<const int8_t*>(block + 4 * kPanel);
+  for (int64_t r = 0; r < kQBlock; ++r, q += kPanel, out += kPanel) {
+    for (int j = 0; j < kVecs; ++j)
+      StoreN(out + j * kLanes, d[j] * __builtin_convertvector(WidenSignedBytes(q + j * kLanes), VN));
+  }
+}
+
+// Dequantizes one Q4_1 block of a panel into its kQBlock x kPanel floats, d q + m.
+inline void DequantizeQ4_1(const uint8_t* block, float* out) {
+  const float* scales = reinterpret_cast<const float*>(block);
+  VN d[kVecs], m[kVecs];
+  for (int j = 0; j < kVecs; ++j) {
+    d[j] = LoadN(scales + j * kLanes);
+    m[j] = LoadN(scales + kPanel + j * kLanes);
+  }
+  const uint8_t* q = block + 2 * 4 * kPanel;
+  for (int64_t r = 0; r < kQBlock; ++r, q += kPanel / 2, out += kPanel) {
+    for (int j = 0; j < kVecs / 2; ++j) {
+      const IN v = WidenBytes(q + j * kLanes);
+      StoreN(out + j * kLanes, d[j] * __builtin_convertvector(v & 15, VN) + m[j]);
+      const int h = j + kVecs / 2;
+      StoreN(out + h * kLanes, d[h] * __builtin_convertvector(v >> 4, VN) + m[h]);
+    }
+  }
+}
 
 // Loads a panel row's kVecs weight vectors into v, pinned in registers by an empty asm: without
 // it the compiler folds the weight loads into every row's multiply-add, loading each weight
@@ -96,22 +191,19 @@ inline void LoadPanelRow(const float* w, VN (&v)[kVecs]) {
   }
 }
 
-// sums[R rows, kPanel columns] (row stride s) += (or =, without `accumulate`) x[R rows, i0..i1)
-// (row stride k) @ panel rows [i0, i1). Each of the first `prefetch_rows` steps prefetches one
-// panel row from `prefetch` on.
+// sums[R rows, kPanel columns] (row stride s) += (or =, without `accumulate`) x[R rows, steps]
+// (row stride k) @ w[steps panel rows], prefetching `prefetch_lines` lines from `prefetch` on,
+// spread evenly over the steps.
 template <int R>
-inline void Tile(const float* x, int64_t k, const float* panel, int64_t i0, int64_t i1,
-                 float* sums, int64_t s, bool accumulate, const float* prefetch,
-                 int64_t prefetch_lines) {
+inline void Tile(const float* x, int64_t k, const float* w, int64_t steps, float* sums,
+                 int64_t s, bool accumulate, const char* prefetch, int64_t prefetch_lines) {
   VN acc[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVecs; ++j)
       acc[r][j] = accumulate ? LoadN(sums + r * s + kLanes * j) : VN{};
-  const float* w = panel + i0 * kPanel;
-  const int64_t steps = i1 - i0;
   int64_t credit = 0;
-  for (int64_t i = i0; i < i1; ++i, w += kPanel) {
-    for (credit += prefetch_lines; credit >= steps; credit -= steps, prefetch += kLineFloats)
+  for (int64_t i = 0; i < steps; ++i, w += kPanel) {
+    for (credit += prefetch_lines; credit >= steps; credit -= steps, prefetch += kLine)
       __builtin_prefetch(prefetch, 0, kPrefetchLocality);
     VN wv[kVecs];
     LoadPanelRow(w, wv);
@@ -126,25 +218,25 @@ inline void Tile(const float* x, int64_t k, const float* panel, int64_t i0, int6
 }
 
 // Tile<height> for a height of 1 to kTile rows.
-inline void TileOf(int64_t height, const float* x, int64_t k, const float* panel, int64_t i0,
-                   int64_t i1, float* sums, int64_t s, bool accumulate, const float* prefetch,
+inline void TileOf(int64_t height, const float* x, int64_t k, const float* w, int64_t steps,
+                   float* sums, int64_t s, bool accumulate, const char* prefetch,
                    int64_t prefetch_lines) {
   switch (height) {
-    case 6: return Tile<6>(x, k, panel, i0, i1, sums, s, accumulate, prefetch, prefetch_lines);
-    case 5: return Tile<5>(x, k, panel, i0, i1, sums, s, accumulate, prefetch, prefetch_lines);
-    case 4: return Tile<4>(x, k, panel, i0, i1, sums, s, accumulate, prefetch, prefetch_lines);
-    case 3: return Tile<3>(x, k, panel, i0, i1, sums, s, accumulate, prefetch, prefetch_lines);
-    case 2: return Tile<2>(x, k, panel, i0, i1, sums, s, accumulate, prefetch, prefetch_lines);
-    case 1: return Tile<1>(x, k, panel, i0, i1, sums, s, accumulate, prefetch, prefetch_lines);
+    case 6: return Tile<6>(x, k, w, steps, sums, s, accumulate, prefetch, prefetch_lines);
+    case 5: return Tile<5>(x, k, w, steps, sums, s, accumulate, prefetch, prefetch_lines);
+    case 4: return Tile<4>(x, k, w, steps, sums, s, accumulate, prefetch, prefetch_lines);
+    case 3: return Tile<3>(x, k, w, steps, sums, s, accumulate, prefetch, prefetch_lines);
+    case 2: return Tile<2>(x, k, w, steps, sums, s, accumulate, prefetch, prefetch_lines);
+    case 1: return Tile<1>(x, k, w, steps, sums, s, accumulate, prefetch, prefetch_lines);
     default: return;
   }
 }
 
 struct Call : jaxtier::Job {
   const float* x;
-  const float* w;
+  const char* w;
   float* out;
-  int64_t m, k, n, row_block, row_blocks;
+  int64_t format, m, k, n, row_block, row_blocks;
   std::vector<float> rows;  // x made by the call's prologue (normed rows, silu(gate) * up)
   void RunItem(int64_t item) override;
 };
@@ -153,11 +245,12 @@ void Call::RunItem(int64_t item) {
   const int64_t p = item / row_blocks;
   const int64_t first = (item % row_blocks) * row_block;
   const int64_t last = std::min(m, first + row_block);
-  const float* panel = w + p * k * kPanel;
+  const char* panel = w + p * RowBytes(format, k);
   float* dst = out + first * n + p * kPanel;
   // One pass writes the output rows directly; several accumulate in `buffer`, then copy.
   const int64_t step = std::min(kPassRows, k);
   alignas(64) float buffer[kRowBlock * kPanel];
+  alignas(64) float rows_w[kPassRows * kPanel];  // a pass of a block format, dequantized
   float* sums = step < k ? buffer : dst;
   const int64_t stride = step < k ? kPanel : n;
   const int64_t rows = last - first;
@@ -168,13 +261,27 @@ void Call::RunItem(int64_t item) {
   for (int64_t i0 = 0; i0 < k; i0 += step) {
     const int64_t i1 = std::min(k, i0 + step);
     // The next pass's lines, shared out evenly over this pass's tiles.
-    const int64_t lines = prefetching ? std::min(step, k - i1) * kPanel / kLineFloats : 0;
-    const float* next = panel + i1 * kPanel;
+    const char* next = panel + RowBytes(format, i1);
+    const int64_t lines =
+        prefetching ? (RowBytes(format, std::min(k, i1 + step)) - RowBytes(format, i1)) / kLine
+                    : 0;
+    const float* pass = reinterpret_cast<const float*>(panel + RowBytes(format, i0));
+    if (format != kF32) {
+      for (int64_t b = i0; b < i1; b += kQBlock) {
+        const auto* block = reinterpret_cast<const uint8_t*>(panel + RowBytes(format, b));
+        if (format == kQ4_1) {
+          DequantizeQ4_1(block, rows_w + (b - i0) * kPanel);
+        } else {
+          DequantizeQ8_0(block, rows_w + (b - i0) * kPanel);
+        }
+      }
+      pass = rows_w;
+    }
     for (int64_t t = 0, r = 0; t < tiles; ++t) {
       const int64_t height = rows / tiles + (t < rows % tiles);
       const int64_t line = lines * t / tiles;
-      TileOf(height, x + (first + r) * k, k, panel, i0, i1, sums + r * stride, stride, i0 > 0,
-             next + line * kLineFloats, lines * (t + 1) / tiles - line);
+      TileOf(height, x + (first + r) * k + i0, k, pass, i1 - i0, sums + r * stride, stride,
+             i0 > 0, next + line * kLine, lines * (t + 1) / tiles - line);
       r += height;
     }
   }
@@ -201,19 +308,37 @@ ffi::Error Multiply(ffi::ThreadPool pool, std::shared_ptr<Call> call, int64_t pa
 
 using Dims = ffi::AnyBuffer::Dimensions;
 
-bool Fits(const Dims& xd, const Dims& wd, const Dims& od) {
-  return xd.size() == 2 && wd.size() == 3 && wd[2] == kPanel && wd[1] == xd[1] &&
-         od.size() == 2 && od[0] == xd[0] && od[1] == wd[0] * kPanel;
+// Whether w [N/P, K, P] (float32) or [N/P, K/32, kQ4Bytes] (Q4_1, uint8) fits x [M, K] and out
+// [M, N] with P the panel width.
+bool Fits(const Dims& xd, const ffi::AnyBuffer& w, int64_t format, const Dims& od) {
+  const Dims wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || od[0] != xd[0] ||
+      od[1] != wd[0] * kPanel)
+    return false;
+  if (format == kF32)
+    return w.element_type() == ffi::F32 && wd[1] == xd[1] && wd[2] == kPanel;
+  if (xd[1] % kQBlock || wd[1] * kQBlock != xd[1]) return false;
+  if (format == kQ4_1) return w.element_type() == ffi::U8 && wd[2] == kQ4Bytes;
+  return format == kQ8_0 && w.element_type() == ffi::S8 && wd[2] == kQ8Bytes;
 }
 
-ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
-  if (!Fits(x.dimensions(), w.dimensions(), out->dimensions()))
-    return ffi::Error::InvalidArgument("packed matmul: expected x [M, K], w [N/P, K, P] with P "
-                                       "the panel width, out [M, N]");
+constexpr char kWeightShapes[] =
+    "w [N/P, K, P] float32 (format 0), [N/P, K/32, 24 P] uint8 (format 1, Q4_1) or [N/P, K/32, "
+    "36 P] int8 (format 2, Q8_0) with P the panel width";
+
+void SetWeight(Call& call, const ffi::AnyBuffer& w, int64_t format) {
+  call.w = static_cast<const char*>(w.untyped_data());
+  call.format = format;
+}
+
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                            ffi::ResultBuffer<ffi::F32> out, int64_t format) {
+  if (!Fits(x.dimensions(), w, format, out->dimensions()))
+    return ffi::Error::InvalidArgument(std::string("packed matmul: expected x [M, K], ") +
+                                       kWeightShapes + ", out [M, N]");
   auto call = std::make_shared<Call>();
   call->x = x.typed_data();
-  call->w = w.typed_data();
+  SetWeight(*call, w, format);
   call->out = out->typed_data();
   call->m = x.dimensions()[0];
   call->k = x.dimensions()[1];
@@ -245,18 +370,19 @@ void NormRows(const float* x, const float* scale, float eps, Call& call) {
 }
 
 ffi::Error NormPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> w,
-                                ffi::ResultBuffer<ffi::F32> out, float eps) {
-  if (!Fits(x.dimensions(), w.dimensions(), out->dimensions()) ||
-      scale.dimensions().size() != 1 || scale.dimensions()[0] != x.dimensions()[1])
-    return ffi::Error::InvalidArgument("norm packed matmul: expected x [M, K], scale [K], "
-                                       "w [N/P, K, P] with P the panel width, out [M, N]");
+                                ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer w,
+                                ffi::ResultBuffer<ffi::F32> out, float eps, int64_t format) {
+  if (!Fits(x.dimensions(), w, format, out->dimensions()) || scale.dimensions().size() != 1 ||
+      scale.dimensions()[0] != x.dimensions()[1])
+    return ffi::Error::InvalidArgument(std::string("norm packed matmul: expected x [M, K], "
+                                                   "scale [K], ") + kWeightShapes +
+                                       ", out [M, N]");
   auto call = std::make_shared<Call>();
   call->m = x.dimensions()[0];
   call->k = x.dimensions()[1];
   call->n = out->dimensions()[1];
   NormRows(x.typed_data(), scale.typed_data(), eps, *call);
-  call->w = w.typed_data();
+  SetWeight(*call, w, format);
   call->out = out->typed_data();
   return Multiply(pool, call, w.dimensions()[0]);
 }
@@ -298,29 +424,29 @@ struct RopeRows : jaxtier::Job {
 // fuses the tables' sin and cos into every consumer): 60-200 us per layer at 16-32 rows of the
 // default model.
 ffi::Error NormRopePackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> w,
+                                    ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer w,
                                     ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> cos,
                                     ffi::Buffer<ffi::F32> sin, ffi::ResultBuffer<ffi::F32> out,
-                                    float eps, int64_t rotary_columns) {
+                                    float eps, int64_t rotary_columns, int64_t format) {
   const auto cd = cos.dimensions();
   const int64_t m = x.dimensions().size() == 2 ? x.dimensions()[0] : -1;
   const int64_t n = out->dimensions().size() == 2 ? out->dimensions()[1] : -1;
   const int64_t d = cd.size() == 2 ? cd[1] : 0;
-  if (!Fits(x.dimensions(), w.dimensions(), out->dimensions()) ||
+  if (!Fits(x.dimensions(), w, format, out->dimensions()) ||
       scale.dimensions().size() != 1 || scale.dimensions()[0] != x.dimensions()[1] ||
       bias.dimensions().size() != 1 || (bias.dimensions()[0] != n && bias.dimensions()[0] != 0) ||
       cd.size() != 2 || cd[0] != m || d == 0 || d % 2 || !(sin.dimensions() == cd) ||
       rotary_columns % d || rotary_columns < 0 || rotary_columns > n)
     return ffi::Error::InvalidArgument(
-        "norm rope packed matmul: expected x [M, K], scale [K], w [N/P, K, P] with P the panel "
-        "width, bias [N] or [0], cos and sin [M, d] with d even, out [M, N], and rotary columns "
-        "a multiple of d up to N");
+        std::string("norm rope packed matmul: expected x [M, K], scale [K], ") + kWeightShapes +
+        ", bias [N] or [0], cos and sin [M, d] with d even, out [M, N], and rotary columns a "
+        "multiple of d up to N");
   auto call = std::make_shared<Call>();
   call->m = m;
   call->k = x.dimensions()[1];
   call->n = n;
   NormRows(x.typed_data(), scale.typed_data(), eps, *call);
-  call->w = w.typed_data();
+  SetWeight(*call, w, format);
   call->out = out->typed_data();
   if (ffi::Error error = Multiply(pool, call, w.dimensions()[0]); error.failure()) return error;
   auto rope = std::make_shared<RopeRows>();
@@ -343,12 +469,13 @@ ffi::Error NormRopePackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 // gating is an elementwise op that it splits over two threads: at 16-32 rows of the default
 // model 50-190 us, plus up to 80 us of waiting for the second thread, where the math takes ~10.
 ffi::Error GluPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate_up,
-                               ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
+                               ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> out,
+                               int64_t format) {
   const auto gd = gate_up.dimensions();
   const int64_t xd[2] = {gd.size() == 2 ? gd[0] : 0, gd.size() == 2 ? gd[1] / 2 : 0};
-  if (gd.size() != 2 || gd[1] % 2 || !Fits(Dims(xd, 2), w.dimensions(), out->dimensions()))
-    return ffi::Error::InvalidArgument("glu packed matmul: expected gate_up [M, 2K], "
-                                       "w [N/P, K, P] with P the panel width, out [M, N]");
+  if (gd.size() != 2 || gd[1] % 2 || !Fits(Dims(xd, 2), w, format, out->dimensions()))
+    return ffi::Error::InvalidArgument(std::string("glu packed matmul: expected gate_up [M, 2K], ")
+                                       + kWeightShapes + ", out [M, N]");
   auto call = std::make_shared<Call>();
   call->m = gd[0];
   call->k = gd[1] / 2;
@@ -366,7 +493,7 @@ ffi::Error GluPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate_
     for (; i < call->k; ++i) dst[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
   }
   call->x = call->rows.data();
-  call->w = w.typed_data();
+  SetWeight(*call, w, format);
   call->out = out->typed_data();
   return Multiply(pool, call, w.dimensions()[0]);
 }
@@ -380,34 +507,38 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierPackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("format"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierNormPackedMatmul, NormPackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps")
+                                  .Attr<int64_t>("format"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierNormRopePackedMatmul, NormRopePackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps")
-                                  .Attr<int64_t>("rotary_columns"));
+                                  .Attr<int64_t>("rotary_columns")
+                                  .Attr<int64_t>("format"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierGluPackedMatmul, GluPackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("format"));

@@ -110,6 +110,10 @@ class FusedDecoderLayer(DecoderLayer):
   SwiGLU gating (`matmul.glu_packed_matmul`). The default packs float32 layers built for CPU
   when the kernel is available (`jaxtier.cpu_kernels`) and every kernel's width is a multiple of
   the panel width (no padding, so the same bytes), and keeps the [in, out] layout elsewhere.
+  `q4_1` packs the kernels in GGUF's Q4_1 blocks instead (`matmul.pack_q4_1`, 0.75 bytes a weight
+  against 4): here by quantizing the layer's weights; the loader fills such a layer with a
+  checkpoint's own Q4_1 blocks (`jaxtier.checkpoint.placed`), whose products are then bit for bit
+  those of the float32 panels of the dequantized weights.
   """
 
   # Each fused parameter is its parts' parameters concatenated along the last (output) axis.
@@ -123,7 +127,7 @@ class FusedDecoderLayer(DecoderLayer):
   KERNELS = ("qkv_kernel", "gate_up_kernel", "o_kernel", "down_kernel")  # packed when `packed`
 
   # pylint: disable-next=super-init-not-called
-  def __init__(self, layer: DecoderLayer, packed: bool | None = None):
+  def __init__(self, layer: DecoderLayer, packed: bool | None = None, q4_1: bool = False):
     self.shape = layer.shape
     self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
     projections = (layer.q_proj, layer.k_proj, layer.v_proj)
@@ -138,9 +142,18 @@ class FusedDecoderLayer(DecoderLayer):
       packed = (packs_by_default(kernels["qkv_kernel"].dtype)
                 and matmul.packs_exactly(*(w.shape[-1] for w in kernels.values())))
     self.packed = packed
+    if q4_1 and not (packed and all(w.shape[0] % matmul.QUANT_BLOCK == 0
+                                    for w in kernels.values())):
+      raise ValueError("q4_1 layers must be packed and have input widths that are multiples of "
+                       f"{matmul.QUANT_BLOCK}; got packed={packed}, input widths "
+                       f"{[w.shape[0] for w in kernels.values()]}")
     self.widths = tuple((name, w.shape[-1]) for name, w in kernels.items())  # before packing
     for name, w in kernels.items():
-      setattr(self, name, nnx.Param(matmul.pack(w) if self.packed else w))
+      if q4_1:
+        w = matmul.pack_q4_1(*matmul.quantize_q4_1(w))
+      elif self.packed:
+        w = matmul.pack(w)
+      setattr(self, name, nnx.Param(w))
     self.qkv_bias = (nnx.Param(jnp.concatenate([p.bias[...] for p in projections]))
                      if layer.q_proj.bias is not None else None)
 
@@ -352,6 +365,8 @@ class GroupedTransformer(Transformer):
   the panel width P, the LM head is packed too (`packed_head`, [v / P, h, P], `jaxtier.matmul`):
   XLA:CPU's product with the [v, h] table at 2-32 rows ran at a third to a half of the bandwidth.
   A tied table is then held only packed, and embedding a token gathers its column of the panels.
+  `model` may bring `packed_head` already packed (the loader packs a checkpoint's Q4_1 or Q8_0
+  blocks, `jaxtier.matmul`); then `embed` is needed only untied.
   """
 
   def __init__(self, model: Transformer, groups, fused: bool = True):
@@ -362,10 +377,14 @@ class GroupedTransformer(Transformer):
     self.config = model.config
     self.final_norm, self.inv_freq = model.final_norm, model.inv_freq
     tied = model.config.tie_word_embeddings
-    table_vh = model.embed.embedding if tied else model.lm_head
-    self.packed_head = (nnx.Param(matmul.pack(table_vh[...].T))
-                        if fused and packs_by_default(table_vh.dtype)
-                        and matmul.packs_exactly(model.config.vocab_size) else None)
+    packed = getattr(model, "packed_head", None)  # a loader's, packed from a table's blocks
+    if packed is not None:
+      self.packed_head = nnx.Param(packed)
+    else:
+      table_vh = model.embed.embedding if tied else model.lm_head
+      self.packed_head = (nnx.Param(matmul.pack(table_vh[...].T))
+                          if fused and packs_by_default(table_vh.dtype)
+                          and matmul.packs_exactly(model.config.vocab_size) else None)
     if not (tied and self.packed_head is not None):
       self.embed = model.embed
     if not tied and self.packed_head is None:
@@ -389,9 +408,7 @@ class GroupedTransformer(Transformer):
 
   def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
     if self.config.tie_word_embeddings and self.packed_head is not None:
-      panels_phc = self.packed_head[...]
-      width = panels_phc.shape[-1]
-      return panels_phc[tokens_bt // width, :, tokens_bt % width]
+      return matmul.packed_columns(self.packed_head[...], tokens_bt)
     return self.embed(tokens_bt)
 
   def logits(self, h_bth: jax.Array) -> jax.Array:

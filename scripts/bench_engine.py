@@ -513,6 +513,7 @@ def engine_decode_tokens_per_s(llm, ids: list[int], new_tokens: int, request_id:
 def decode_section(tokenizer, hf) -> dict:
   import jax
   from flax import nnx
+  from jaxtier import matmul
   from jaxtier.kv_bytes import kv_bytes_per_token
   batches = sorted(int(b) for b in FLAGS.batches)
   contexts = sorted(int(c) for c in FLAGS.contexts)
@@ -530,7 +531,7 @@ def decode_section(tokenizer, hf) -> dict:
   c = llm.config
   leaves = jax.tree_util.tree_leaves(llm.state)
   weight_bytes = sum(x.nbytes for x in leaves)
-  params = sum(x.size for x in leaves)
+  params = sum(matmul.parameter_count(x) for x in leaves)
   per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, llm.kv_cache_dtype)
   from jaxtier.offload import measure
   # The machine's rates vary over minutes (shared cores): they are sampled before each context's
@@ -540,10 +541,12 @@ def decode_section(tokenizer, hf) -> dict:
   def sample_rates():
     rates.append((measure.read_bytes_per_s(), *measure.matmul_flops_per_s()))
 
-  dtype = leaves[0].dtype
+  dtype = next(x.dtype for x in leaves if x.dtype != np.uint8)
   model = nnx.merge(llm.graphdef, llm.state)
   packed = any(getattr(node, "packed", False) is True for _, node in nnx.iter_graph(model))
-  matmuls = {batch: measure.weight_matmuls_s(c, batch, dtype, packed=packed) for batch in batches}
+  q4_1 = any(x.dtype == np.uint8 for x in leaves)
+  matmuls = {batch: measure.weight_matmuls_s(c, batch, dtype, packed=packed, q4_1=q4_1)
+             for batch in batches}
   xla_matmuls = (matmuls if not packed else
                  {batch: measure.weight_matmuls_s(c, batch, dtype) for batch in batches})
   prompts = {ctx: [filler(tokenizer, ctx, i) for i in range(4)] for ctx in contexts}
@@ -579,7 +582,7 @@ def decode_section(tokenizer, hf) -> dict:
       "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_gflop_s": flops_rate / 1e9,
       "read_bandwidth_gb_s_samples": [r[0] / 1e9 for r in rates],
       "matmul_gflop_s_samples": [r[1] / 1e9 for r in rates], "matmul_n": n,
-      "packed_weights": packed, "steps_timed": FLAGS.decode_steps, "table": table,
+      "packed_weights": packed, "q4_1_weights": q4_1, "steps_timed": FLAGS.decode_steps, "table": table,
       "targets": {
           "all_steps_le_1_5x_bound": all(
               row["ratio"] <= TARGETS["decode_step_over_bound"] for row in table),

@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -137,3 +138,40 @@ def test_tensor_parallel_3_equals_tp1_resident_offloaded_and_swapping():
   assert offloaded["transfers"]["per_device"] == 10 * ((layer_bytes - norm_bytes) // 3 + norm_bytes)
   assert results["pressure"]["tp3"]["swap_out_count"] > 0
   assert results["pressure"]["tp3"]["device_pool_spec"][0] == "tp"
+
+
+def test_gguf_blocks_kept_give_the_dequantized_models_logits(smollm_llm):
+  """The default model's Q4_1 layer weights and Q8_0 table stay in their blocks (weight_format
+  "auto", unrolled packed layers on CPU): a fifth of the bytes, and the logits of a prefill and
+  a decode step are bit for bit those of the same file dequantized to float32 on load."""
+  import jax.numpy as jnp
+  from flax import nnx
+  from jaxtier import checkpoint, cpu_kernels
+  from jaxtier.checkpoint import placed
+  from jaxtier.kvcache import ContiguousKVCache
+  from jaxtier.model import FusedDecoderLayer
+  if not cpu_kernels.available():
+    pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+  kept = nnx.merge(smollm_llm.graphdef, smollm_llm.state)
+  c = kept.config
+  layers = kept.groups[0].layers
+  assert all(getattr(layer, name)[...].dtype == jnp.uint8
+             for layer in layers for name in FusedDecoderLayer.KERNELS)
+  assert kept.packed_head[...].dtype == jnp.int8 and not hasattr(kept, "embed")
+  layout = placed.Layout.of(c.num_layers, layer_execution="unrolled")
+  floats = checkpoint.load(smollm_llm.model_name, layout=layout).model
+  assert floats.packed_head[...].dtype == jnp.float32
+  nbytes = lambda model: sum(a.nbytes for a in jax.tree.leaves(nnx.state(model)))
+  assert nbytes(kept) < nbytes(floats) / 4.5
+  ids = REF["cases"][0]["ids"]
+  forward = nnx.jit(lambda m, t, p, k: m(t, p, k))
+  results = []
+  for model in (kept, floats):
+    cache = ContiguousKVCache.create(c.num_layers, 1, len(ids) + 1, c.num_kv_heads, c.head_dim)
+    prefill, cache = forward(model, np.asarray([ids], np.int32),
+                             np.arange(len(ids), dtype=np.int32)[None], cache)
+    step, _ = forward(model, np.asarray([[ids[0]]], np.int32),
+                      np.asarray([[len(ids)]], np.int32), cache)
+    results.append((np.asarray(prefill), np.asarray(step)))
+  for a, b in zip(*results):
+    np.testing.assert_array_equal(a, b)

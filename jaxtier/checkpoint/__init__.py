@@ -65,10 +65,16 @@ def _open_path(path: str) -> Opened:
                           "nor an existing file or directory")
 
 
-def _registered(manifest: registry.Manifest) -> Opened:
+def _registered(manifest: registry.Manifest, keep_quantized: bool = False) -> Opened:
   """A registered model's Orbax copy in the cache; the first open fetches the weights and converts
   them (in host memory, never on a device), holding the entry's lock (a process that waited for it
-  finds the copy made)."""
+  finds the copy made). With `keep_quantized`, a GGUF file whose layer weights are all Q4_1 blocks
+  is opened itself, so the loader can keep them so (the Orbax copy holds float32)."""
+  if keep_quantized and manifest.format == "gguf":
+    opened = _open_path(registry.fetch(manifest))
+    if placed.q4_1_layers(opened.source):
+      return opened
+    opened.close()
   path = os.path.join(registry.model_dir(manifest), "orbax")
   converted_from = None
   if not orbax_io.is_orbax_dir(path):
@@ -94,12 +100,13 @@ def _registered(manifest: registry.Manifest) -> Opened:
   return opened
 
 
-def open_checkpoint(source: str) -> Opened:
+def open_checkpoint(source: str, keep_quantized: bool = False) -> Opened:
   """Opens a registry name (its weights are fetched and checksummed once, converted to an Orbax
-  copy once, and later opens read that copy), a Hugging Face directory, a .gguf file, or a
-  directory written by `orbax_io.save`. Reads metadata only; close it (or `load` from it)."""
+  copy once, and later opens read that copy; with `keep_quantized`, a GGUF file of Q4_1 layer weights
+  is read itself), a Hugging Face directory, a .gguf file, or a directory written by
+  `orbax_io.save`. Reads metadata only; close it (or `load` from it)."""
   manifest = registry.find_manifest(source)
-  return _open_path(source) if manifest is None else _registered(manifest)
+  return _open_path(source) if manifest is None else _registered(manifest, keep_quantized)
 
 
 def load(source: str, dtype="float32", layout: placed.Layout | None = None,

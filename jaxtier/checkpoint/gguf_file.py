@@ -34,6 +34,8 @@ _GLOBAL_NAMES: dict[str, Path] = {
     "output_norm.weight": ("final_norm", "scale"),
     "output.weight": ("lm_head",),
 }
+# Block formats the CPU matmul kernel multiplies as stored (`jaxtier.matmul`).
+_BLOCK_TYPES = {gguf.GGMLQuantizationType.Q4_1: "q4_1", gguf.GGMLQuantizationType.Q8_0: "q8_0"}
 # Pre-tokenizer splits for the `tokenizer.ggml.pre` values we know, as the original tokenizer.json
 # files define them.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -143,6 +145,39 @@ class GGUFSource(TensorSource):
     if sub.endswith("weight") and array.ndim == 2:
       array = array.T  # [out, in] -> [in, out]
     return array
+
+  def quantization(self, path: Path) -> str | None:
+    tensors = ([t for _, t in self._layers.get(path) or ()] if is_layer_path(path)
+               else [self._globals[path]] if path in self._globals else [])
+    kinds = {_BLOCK_TYPES.get(t.tensor_type) if len(t.shape) == 2 else None for t in tensors}
+    return kinds.pop() if len(kinds) == 1 else None
+
+  def _blocks(self, sub: str | None, tensor) -> tuple[np.ndarray, ...]:
+    """A tensor [out, in] as its blocks, transposed to [in, out] (q/k rows unpermuted)."""
+    n, k = (int(v) for v in reversed(tensor.shape))
+    kind = _BLOCK_TYPES[tensor.tensor_type]
+    raw = np.asarray(tensor.data).reshape(n, k // 32, 20 if kind == "q4_1" else 34)
+    half = lambda a: a.copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "q4_1":  # d, m (float16), then 16 bytes: byte i holds q[i] and q[i + 16]
+      qs = raw[..., 4:]
+      parts = (np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k), half(raw[..., 0:2]),
+               half(raw[..., 2:4]))
+    else:  # d (float16), then 32 int8
+      parts = (raw[..., 2:].copy().view(np.int8).reshape(n, k), half(raw[..., 0:2]))
+    if (sub is not None and self._config.architecture == "llama"
+        and sub.startswith(("attn_q", "attn_k"))):
+      heads = self._config.num_heads if sub.startswith("attn_q") else self._config.num_kv_heads
+      parts = tuple(unpermute_rotary(a, heads) for a in parts)
+    return tuple(a.T for a in parts)
+
+  def read_blocks(self, path: Path, layers=None) -> tuple[np.ndarray, ...]:
+    if self.quantization(path) is None:
+      return super().read_blocks(path, layers)
+    if not is_layer_path(path):
+      return self._blocks(None, self._globals[path])
+    slots = self._layers[path]
+    parts = [self._blocks(*slots[i]) for i in (range(len(slots)) if layers is None else layers)]
+    return tuple(np.stack(a) for a in zip(*parts))
 
   def read(self, path: Path, layers=None) -> np.ndarray:
     if is_layer_path(path):

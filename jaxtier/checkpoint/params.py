@@ -68,6 +68,22 @@ class TensorSource:
     del path, sharding, dtype
     return None
 
+  def quantization(self, path: Path) -> str | None:
+    """"q4_1" or "q8_0" where the tensor at `path` (every layer's, for a layer tensor) is stored
+    in GGUF's Q4_1 or Q8_0 blocks of 32 along its input axis (then `read_blocks` reads them as
+    stored); else None."""
+    del path
+    return None
+
+  def read_blocks(self, path: Path, layers: Sequence[int] | None = None
+                  ) -> tuple[np.ndarray, ...]:
+    """A weight as its blocks, the blocked (input) axis K first: a layer weight as
+    (q [L, K, N], d [L, K / 32, N], ...) in `read`'s [in, out] layout, the embedding or LM head
+    table as the transpose of `read`'s [vocab, hidden] (q [K = hidden, N = vocab], ...). Q4_1:
+    (q uint8 0-15, d, m) with the weight d q + m; Q8_0: (q int8, d) with the weight d q (d and m
+    float32, repeated over each block's 32 rows)."""
+    raise NotImplementedError(f"{self.where}: {'/'.join(path)} is not stored in blocks")
+
   def read_all(self) -> dict[Path, np.ndarray]:
     """Every tensor (the whole model in host memory: for converting formats)."""
     return {path: self.read(path) for path in self.shapes()}

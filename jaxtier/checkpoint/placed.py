@@ -34,7 +34,7 @@ from jaxtier.checkpoint.params import (DERIVED, Path, TensorSource, _flatten, _u
                                        check_shapes)
 from jaxtier.config import ModelConfig
 from jaxtier.model import (DecoderLayer, FusedDecoderLayer, GroupedTransformer, LayerStack,
-                           Transformer, UnrolledLayers, make_layer_stack)
+                           Transformer, UnrolledLayers, make_layer_stack, packs_by_default)
 from jaxtier.offload import placement
 from jaxtier.offload.prefetch import OffloadedLayers
 
@@ -49,11 +49,15 @@ class Layout:
   `groups`: consecutive (num_layers, mode) covering every layer, mode "scan" (a stacked scan on the
   device), "unrolled" (per-layer device buffers) or "offload" (a stack in pinned host memory,
   prefetched `prefetch_depth` layers ahead). `mesh`: the tensor-parallel mesh (None: this
-  process's first device).
+  process's first device). `keep_quantized`: where the source stores every layer weight in
+  GGUF's Q4_1 blocks (`TensorSource.quantization`), packed unrolled layers keep them so
+  (`FusedDecoderLayer(q4_1=True)`), and a packed LM head keeps the table's Q4_1 or Q8_0 blocks,
+  instead of dequantizing them on load (`jaxtier.matmul`: the same products, fewer bytes).
   """
   groups: tuple[tuple[int, str], ...]
   prefetch_depth: int = 1
   mesh: Mesh | None = None
+  keep_quantized: bool = False
 
   def __post_init__(self):
     bad = [m for _, m in self.groups if m not in GROUP_MODES]
@@ -63,13 +67,14 @@ class Layout:
 
   @classmethod
   def of(cls, num_layers: int, offload_tail_layers: int = 0, prefetch_depth: int = 1,
-         layer_execution: str = "scan", mesh: Mesh | None = None) -> "Layout":
+         layer_execution: str = "scan", mesh: Mesh | None = None, keep_quantized: bool = False
+         ) -> "Layout":
     """The resident head run as `layer_execution` and the last `offload_tail_layers` offloaded."""
     head = num_layers - offload_tail_layers
     groups = ((head, layer_execution),) if head else ()
     if offload_tail_layers:
       groups += ((offload_tail_layers, "offload"),)
-    return cls(groups, prefetch_depth, mesh)
+    return cls(groups, prefetch_depth, mesh, keep_quantized)
 
   @property
   def num_layers(self) -> int:
@@ -147,6 +152,7 @@ class _Group:
   splits: list
   values: list[dict]
   packed: bool = False  # fused layers whose kernels are packed (`jaxtier.matmul`)
+  q4_1: bool = False  # ... in the source's Q4_1 blocks
   parts: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -159,20 +165,25 @@ class _Group:
     return nnx.merge(graphdef, state)
 
 
-def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused: bool) -> _Group:
+def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused: bool,
+                    q4_1: bool = False) -> _Group:
+  """q4_1: keep Q4_1 blocks where the layers pack."""
   if mode == "unrolled":
     fuse = FusedDecoderLayer if fused else (lambda layer: layer)
     make = lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0)))
+    packed = fused and getattr(nnx.eval_shape(make), "packed", False)
+    q4_1 = q4_1 and packed
+    if q4_1:
+      make = lambda: FusedDecoderLayer(DecoderLayer(config, dtype, nnx.Rngs(0)), q4_1=True)
     modules = [nnx.eval_shape(make) for _ in layers]
     splits = [nnx.split(module) for module in modules]
-    packed = any(getattr(module, "packed", False) for module in modules)
   else:
     stack_config = dataclasses.replace(config, num_layers=len(layers))
     splits = [nnx.split(nnx.eval_shape(lambda: make_layer_stack(stack_config, dtype,
                                                                 nnx.Rngs(0))))]
-    packed = False
+    packed = q4_1 = False
   kind = placement.PINNED_HOST if mode == "offload" else placement.DEVICE
-  return _Group(mode, layers, kind, splits, [{} for _ in splits], packed)
+  return _Group(mode, layers, kind, splits, [{} for _ in splits], packed, q4_1)
 
 
 def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> None:
@@ -197,13 +208,20 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
         group.values[0][sub] = placer.place(("layers",) + sub, read, spec, group.kind)
         continue
       got = group.parts.setdefault(sub, {})
-      got[path[1:]] = placer.host(_Read((path,), list(group.layers)))
+      kernel = group.packed and sub[-1] in FusedDecoderLayer.KERNELS
+      if kernel and group.q4_1:  # (q, d, m) as stored
+        got[path[1:]] = placer.source.read_blocks(path, list(group.layers))
+      else:
+        got[path[1:]] = placer.host(_Read((path,), list(group.layers)))
       if len(got) < len(parts):
         continue
-      host = got.pop(parts[0]) if len(parts) == 1 else np.concatenate(
-          [got.pop(p) for p in parts], axis=-1)
-      if group.packed and sub[-1] in FusedDecoderLayer.KERNELS:
-        host = matmul.pack(host)
+      pieces = [got.pop(p) for p in parts]
+      if kernel and group.q4_1:
+        host = matmul.pack_q4_1(*(np.concatenate(a, axis=-1) for a in zip(*pieces)))
+      else:
+        host = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-1)
+        if kernel:
+          host = matmul.pack(host)
       del group.parts[sub]
       for j, values in enumerate(group.values):
         values[sub] = placer.place(("layers",) + sub, host[j], spec, group.kind)
@@ -218,6 +236,33 @@ class _Globals:
   final_norm: nnx.Module
   inv_freq: nnx.Variable
   lm_head: nnx.Param | None = None
+  packed_head: jax.Array | None = None  # the table's blocks, packed (`GroupedTransformer`)
+
+
+def q4_1_layers(source: TensorSource) -> bool:
+  """Whether `source` stores every weight of the fused layers' kernels in Q4_1 blocks."""
+  return all(source.quantization(("layers",) + part) == "q4_1"
+             for name in FusedDecoderLayer.KERNELS for part in FusedDecoderLayer.PARTS[name])
+
+
+def _head_path(config: ModelConfig) -> Path:
+  return ("embed", "embedding") if config.tie_word_embeddings else ("lm_head",)
+
+
+def _packed_head_blocks(placer: _Placer, config: ModelConfig, dtype, layout: Layout
+                        ) -> jax.Array | None:
+  """The LM head packed from the table's Q4_1 or Q8_0 blocks and placed, where `layout` keeps
+  blocks and `GroupedTransformer` would pack the head; else None."""
+  path = _head_path(config)
+  kind = placer.source.quantization(path)
+  if not (layout.keep_quantized and layout.fused and kind in ("q4_1", "q8_0")
+          and packs_by_default(dtype) and matmul.packs_exactly(config.vocab_size)):
+    return None
+  blocks = placer.source.read_blocks(path)
+  host = matmul.pack_q4_1(*blocks) if kind == "q4_1" else matmul.pack_q8_0(*blocks)
+  del blocks
+  return placer.place(("packed_head",), host, jax.ShapeDtypeStruct(host.shape, host.dtype),
+                      placement.DEVICE)
 
 
 def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
@@ -244,14 +289,19 @@ def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
     value = placer.place((name,), whole((name,)), getattr(shell, name), placement.DEVICE)
     return make(value)
 
+  packed_head = _packed_head_blocks(placer, config, dtype, layout)
+  embed = (None if packed_head is not None and config.tie_word_embeddings  # held packed only
+           else placer.fill(shell.embed, lambda p: whole(("embed",) + p), prefix=("embed",)))
   parts = _Globals(
-      config, placer.fill(shell.embed, lambda p: whole(("embed",) + p), prefix=("embed",)),
+      config, embed,
       placer.fill(shell.final_norm, lambda p: whole(("final_norm",) + p), prefix=("final_norm",)),
       one("inv_freq", nnx.Variable),
-      None if config.tie_word_embeddings else one("lm_head", nnx.Param))
+      None if config.tie_word_embeddings else one("lm_head", nnx.Param), packed_head)
   pending, first = [], 0
+  q4_1 = layout.keep_quantized and q4_1_layers(source)
   for n, mode in layout.groups:
-    pending.append(_abstract_group(config, dtype, mode, range(first, first + n), layout.fused))
+    pending.append(_abstract_group(config, dtype, mode, range(first, first + n), layout.fused,
+                                   q4_1))
     first += n
   _place_groups(placer, pending, config.num_layers)
   groups = []

@@ -51,7 +51,7 @@ def matmul_flops_per_s(repeats: int = 5) -> tuple[float, int]:
 
 
 def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats: int = 5,
-                     packed: bool = False) -> float:
+                     packed: bool = False, q4_1: bool = False) -> float:
   """Seconds of one decode step's weight matmuls alone at `rows` rows: every layer's q/k/v,
   output, gate/up and down projections and the LM head, on random weights of the model's
   shapes (one array per layer, as the engine's unrolled layers hold them), in one jitted
@@ -59,7 +59,8 @@ def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats:
   batch: a floor for the step that the bandwidth/matmul-rate bound does not see (skinny matmuls
   run far below a square matmul's rate). `packed`: the projections and LM head packed and
   multiplied as the packed model does (`jaxtier.matmul`); else XLA's matmuls on [in, out]
-  weights."""
+  weights. `q4_1`: the projections packed in Q4_1 blocks (`matmul.pack_q4_1`) where they
+  pack."""
   c = config
   shapes = [(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
             (c.num_heads * c.head_dim, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),
@@ -70,7 +71,8 @@ def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats:
   widths = [n for _, n in shapes]
   product = lambda x, w, n: x @ w
   if packed and matmul.packs_exactly(*widths):  # as FusedDecoderLayer packs
-    layers = [[matmul.pack(w) for w in layer] for layer in layers]
+    pack = (lambda w: matmul.pack_q4_1(*matmul.quantize_q4_1(w))) if q4_1 else matmul.pack
+    layers = [[pack(w) for w in layer] for layer in layers]
     product = matmul.packed_matmul
   head = jax.random.normal(next(keys), (c.vocab_size, c.hidden_size), dtype) * 0.02
   logits = lambda h, head: h @ head.T

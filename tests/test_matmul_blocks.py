@@ -1,0 +1,285 @@
+"""Weights packed from GGUF's Q4_1 and Q8_0 blocks: the packing against the gguf package's own
+quantization and dequantization, the CPU kernel's products against the float32 kernel's on the
+dequantized weights (bit for bit) and against float64 numpy, the embedding gathered from a packed
+table, and the loader keeping a GGUF file's blocks against loading it dequantized.
+
+Skipped only where no C++ compiler exists; a kernel that fails to build is a failure.
+"""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtier import checkpoint, cpu_kernels, matmul
+from jaxtier.checkpoint import placed
+from jaxtier.config import ModelConfig
+from jaxtier.kvcache import ContiguousKVCache
+from jaxtier.model import FusedDecoderLayer, Transformer
+from jaxtier.rotary import rotary_tables
+
+pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
+                                reason="no C++ compiler to build the CPU kernels")
+
+Q4_1 = gguf.GGMLQuantizationType.Q4_1
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def gguf_q4_1(w_kn: np.ndarray):
+  """(q, d, m) of w [K, N] as the gguf package quantizes it (blocks along K), and its
+  dequantization [K, N]."""
+  blocks = gguf.quants.quantize(np.ascontiguousarray(w_kn.T), Q4_1)  # [N, K / 32 * 20]
+  n, k = w_kn.shape[1], w_kn.shape[0]
+  raw = blocks.reshape(n, k // 32, 20)
+  d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32).T
+  m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32).T
+  q = np.concatenate([raw[..., 4:] & 15, raw[..., 4:] >> 4], axis=-1).reshape(n, k).T
+  return (q, d, m), gguf.quants.dequantize(blocks, Q4_1).T
+
+
+def gguf_q8_0(w_kn: np.ndarray):
+  """(q, d) of w [K, N] as the gguf package quantizes it to Q8_0, and its dequantization."""
+  blocks = gguf.quants.quantize(np.ascontiguousarray(w_kn.T), Q8_0)
+  n, k = w_kn.shape[1], w_kn.shape[0]
+  raw = blocks.reshape(n, k // 32, 34)
+  d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32).T
+  q = raw[..., 2:].copy().view(np.int8).reshape(n, k).T
+  return (q, d), gguf.quants.dequantize(blocks, Q8_0).T
+
+
+def packed_case(rng, k, n, width=None, fmt="q4_1"):
+  w = rng.standard_normal((k, n), np.float32)
+  if fmt == "q8_0":
+    blocks, dequantized = gguf_q8_0(w)
+    return matmul.pack_q8_0(*blocks, width), dequantized
+  blocks, dequantized = gguf_q4_1(w)
+  return matmul.pack_q4_1(*blocks, width), dequantized
+
+
+@pytest.mark.parametrize("n,width", [(64, 64), (100, 64), (40, 16)])
+def test_q8_0_packing_round_trips_gguf_blocks(n, width):
+  rng = np.random.default_rng(n)
+  w = rng.standard_normal((96, n), np.float32) * rng.uniform(0.01, 3, n).astype(np.float32)
+  w[:32, 3] = 0  # an all-zero block: d = 0
+  (q, d), dequantized = gguf_q8_0(w)
+  packed = matmul.pack_q8_0(q, d, width)
+  assert packed.dtype == np.int8 and packed.shape == (-(-n // width), 3, 36 * width)
+  assert matmul.weight_format(packed) == "q8_0" and matmul.parameter_count(packed) == \
+      packed.shape[0] * width * 96
+  floats = matmul.dequantize_packed(packed)
+  np.testing.assert_array_equal(matmul.unpack(floats, n), dequantized)
+  for ours, theirs in zip(matmul.quantize_q8_0(w), (q, d)):
+    np.testing.assert_array_equal(ours, theirs)
+  np.testing.assert_array_equal(np.asarray(matmul.pack_q8_0(jnp.asarray(q), jnp.asarray(d), width)),
+                                packed)
+  np.testing.assert_array_equal(np.asarray(matmul.dequantize_packed(jnp.asarray(packed))), floats)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "q4_1", "q8_0"])
+def test_packed_columns_are_the_dequantized_columns(fmt):
+  """The embedding of a tied table held packed: each id's column, in every format."""
+  rng = np.random.default_rng(5)
+  if fmt == "float32":
+    dequantized = rng.standard_normal((64, 192), np.float32)
+    packed = matmul.pack(dequantized)
+  else:
+    packed, dequantized = packed_case(rng, 64, 192, fmt=fmt)
+  ids = rng.integers(0, 192, (3, 7))
+  got = np.asarray(jax.jit(matmul.packed_columns)(jnp.asarray(packed), jnp.asarray(ids)))
+  np.testing.assert_array_equal(got, dequantized.T[ids])
+
+
+@pytest.mark.parametrize("n,width", [(64, 64), (100, 64), (48, 16), (40, 16)])
+def test_packing_round_trips_gguf_blocks(n, width):
+  """Packed from the gguf package's blocks, the weight dequantizes to the package's own float32
+  values (columns past n zero); our quantizer gives the package's blocks."""
+  rng = np.random.default_rng(n)
+  w = rng.standard_normal((96, n), np.float32) * rng.uniform(0.01, 3, n).astype(np.float32)
+  w[:32, 3] = 0.5  # a constant block: d = 0
+  (q, d, m), dequantized = gguf_q4_1(w)
+  packed = matmul.pack_q4_1(q, d, m, width)
+  assert packed.dtype == np.uint8 and packed.shape == (-(-n // width), 3, 24 * width)
+  floats = matmul.dequantize_packed(packed)
+  np.testing.assert_array_equal(matmul.unpack(floats, n), dequantized)
+  assert not floats.reshape(-1, 96, width).transpose(1, 0, 2).reshape(96, -1)[:, n:].any()
+  for ours, theirs in zip(matmul.quantize_q4_1(w), (q, d, m)):
+    np.testing.assert_array_equal(ours, theirs)
+  # the jax versions give the same bytes and floats
+  np.testing.assert_array_equal(np.asarray(matmul.pack_q4_1(*map(jnp.asarray, (q, d, m)), width)),
+                                packed)
+  np.testing.assert_array_equal(np.asarray(matmul.dequantize_packed(jnp.asarray(packed))), floats)
+
+
+kernel = jax.jit(matmul.packed_matmul, static_argnums=2)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (3, 96, 192), (7, 160, 128), (33, 576, 64),
+                                   (100, 64, 256)])
+def test_kernel_equals_the_float_kernel_on_the_dequantized_weights(m, k, n, fmt):
+  """Bit for bit: each pass's blocks dequantize to GGUF's float32 values and the tiles multiply
+  them in the float32 kernel's order; and within float32 rounding of float64 numpy."""
+  rng = np.random.default_rng(m * k + n)
+  packed, dequantized = packed_case(rng, k, n, fmt=fmt)
+  x = rng.standard_normal((m, k), np.float32)
+  got = np.asarray(kernel(jnp.asarray(x), jnp.asarray(packed), n))
+  floats = np.asarray(kernel(jnp.asarray(x), jnp.asarray(matmul.pack(dequantized)), n))
+  np.testing.assert_array_equal(got, floats)
+  want = x.astype(np.float64) @ dequantized.astype(np.float64)
+  np.testing.assert_allclose(got, want, rtol=0, atol=4e-5 * np.sqrt(k) * np.abs(want).max())
+  ref = np.asarray(matmul.reference_matmul(jnp.asarray(x), jnp.asarray(packed), n))
+  np.testing.assert_allclose(ref, want, rtol=0, atol=4e-5 * np.sqrt(k) * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_fused_handlers_equal_their_float_kernels(fmt):
+  """The norm, norm + bias + rotary and gating handlers take block weights with the same products
+  as float32 panels of the dequantized weights."""
+  rng = np.random.default_rng(0)
+  m, k, n, d = 5, 128, 192, 16
+  packed, dequantized = packed_case(rng, k, n, fmt=fmt)
+  floats = matmul.pack(dequantized)
+  x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+  scale = jnp.asarray(rng.uniform(0.5, 1.5, k).astype(np.float32))
+  bias = jnp.asarray(rng.standard_normal(n, np.float32))
+  inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), jnp.float32)
+  cos, sin = (a[0] for a in rotary_tables(inv_freq, jnp.arange(m)[None]))
+  calls = [
+      lambda w: matmul.norm_packed_matmul(x, scale, w, n, 1e-5),
+      lambda w: matmul.norm_rope_packed_matmul(x, scale, w, n, 1e-5, bias, cos, sin, 128),
+  ]
+  for call in calls:
+    np.testing.assert_array_equal(np.asarray(jax.jit(call)(jnp.asarray(packed))),
+                                  np.asarray(jax.jit(call)(jnp.asarray(floats))))
+  gate_up = jnp.asarray(rng.standard_normal((m, 2 * k), np.float32))
+  glu = jax.jit(lambda w: matmul.glu_packed_matmul(gate_up, w, n))
+  np.testing.assert_array_equal(np.asarray(glu(jnp.asarray(packed))),
+                                np.asarray(glu(jnp.asarray(floats))))
+
+
+def test_bad_q4_1_shapes_are_refused():
+  rng = np.random.default_rng(1)
+  packed, _ = packed_case(rng, 64, 64)
+  with pytest.raises(ValueError, match="Q4_1"):
+    matmul.packed_matmul(jnp.zeros((2, 96), jnp.float32), jnp.asarray(packed))
+  with pytest.raises(ValueError, match="multiple of 32"):
+    matmul.quantize_q4_1(np.zeros((40, 64), np.float32))
+  with pytest.raises(ValueError, match="Q8_0"):
+    matmul.packed_matmul(jnp.zeros((2, 64), jnp.float32), jnp.asarray(packed.view(np.int8)))
+
+
+def q4_config(tied: bool = False) -> ModelConfig:
+  """A tiny Llama whose widths pack (multiples of 64) and whose inputs are whole blocks."""
+  return ModelConfig(architecture="llama", vocab_size=192, hidden_size=64, intermediate_size=128,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     tie_word_embeddings=tied, max_position_embeddings=64)
+
+
+def write_q4_1_gguf(path: str, model: Transformer) -> None:
+  """`model` as a GGUF file with every layer weight in Q4_1 blocks (q/k rows permuted the way
+  llama.cpp's converter does) and the LM head's table (the embedding's, tied) in Q8_0 blocks."""
+  c = model.config
+  writer = gguf.GGUFWriter(path, "llama")
+  writer.add_block_count(c.num_layers)
+  writer.add_context_length(c.max_position_embeddings)
+  writer.add_embedding_length(c.hidden_size)
+  writer.add_feed_forward_length(c.intermediate_size)
+  writer.add_head_count(c.num_heads)
+  writer.add_head_count_kv(c.num_kv_heads)
+  writer.add_rope_freq_base(c.rope_theta)
+  writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+  writer.add_tokenizer_model("gpt2")
+  writer.add_token_list(["a", "b", "ab"] + [f"t{i}" for i in range(3, c.vocab_size)])
+  writer.add_token_merges(["a b"])
+  writer.add_eos_token_id(0)
+  names = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+           "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+  layers = model.layers
+  for i in range(c.num_layers):
+    for name, ours in names.items():
+      w = np.asarray(getattr(layers, ours).kernel[...][i]).T  # [out, in]
+      if name in ("attn_q", "attn_k"):
+        heads = c.num_heads if name == "attn_q" else c.num_kv_heads
+        w = w.reshape(heads, 2, -1, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+      blocks = gguf.quants.quantize(np.ascontiguousarray(w), Q4_1)
+      writer.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_dtype=Q4_1)
+    writer.add_tensor(f"blk.{i}.attn_norm.weight", np.asarray(layers.attn_norm.scale[...][i]))
+    writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.asarray(layers.mlp_norm.scale[...][i]))
+  table = np.asarray(model.embed.embedding[...])
+  if c.tie_word_embeddings:
+    writer.add_tensor("token_embd.weight", gguf.quants.quantize(table, Q8_0), raw_dtype=Q8_0)
+  else:
+    writer.add_tensor("token_embd.weight", table)
+    writer.add_tensor("output.weight", gguf.quants.quantize(np.asarray(model.lm_head[...]), Q8_0),
+                      raw_dtype=Q8_0)
+  writer.add_tensor("output_norm.weight", np.asarray(model.final_norm.scale[...]))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def logits_of(model, c: ModelConfig) -> list[np.ndarray]:
+  """A prefill of 3 rows, then 3 decode steps."""
+  rng = np.random.default_rng(7)
+  ids = jnp.asarray(rng.integers(0, c.vocab_size, (3, 11)), jnp.int32)
+  forward = nnx.jit(lambda m, t, p, k: m(t, p, k))
+  cache = ContiguousKVCache.create(c.num_layers, 3, 16, c.num_kv_heads, c.head_dim, jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (3, 8))
+  logits, cache = forward(model, ids[:, :8], pos, cache)
+  out = [np.asarray(logits)]
+  for i in range(8, 11):
+    logits, cache = forward(model, ids[:, i:i + 1], jnp.full((3, 1), i, jnp.int32), cache)
+    out.append(np.asarray(logits))
+  return out
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_loader_keeps_a_gguf_files_blocks(tmp_path, tied):
+  """Loaded with `keep_quantized`, the unrolled layers hold the file's Q4_1 blocks (uint8, 0.75
+  bytes a weight) and the LM head its Q8_0 blocks (int8; tied, the embedding is gathered from
+  them), and the model gives bit for bit the logits of the same file dequantized on load; the
+  layers quantized by `FusedDecoderLayer(q4_1=True)` from those dequantized weights hold the same
+  blocks."""
+  c = q4_config(tied)
+  path = str(tmp_path / "q4.gguf")
+  write_q4_1_gguf(path, Transformer(c, rngs=nnx.Rngs(3)))
+  layout = placed.Layout.of(c.num_layers, layer_execution="unrolled")
+  floats = checkpoint.load(path, layout=layout).model
+  kept = checkpoint.load(path, layout=placed.Layout.of(c.num_layers, layer_execution="unrolled",
+                                                       keep_quantized=True)).model
+  assert kept.packed_head[...].dtype == jnp.int8 and floats.packed_head[...].dtype == jnp.float32
+  assert hasattr(kept, "embed") != tied
+  kept_layers, float_layers = kept.groups[0].layers, floats.groups[0].layers
+  for layer in kept_layers:
+    assert all(getattr(layer, name)[...].dtype == jnp.uint8 for name in FusedDecoderLayer.KERNELS)
+  for layer in float_layers:
+    assert all(getattr(layer, name)[...].dtype == jnp.float32
+               for name in FusedDecoderLayer.KERNELS)
+  bytes_of = lambda layers: sum(getattr(l, name)[...].nbytes for l in layers
+                                for name in FusedDecoderLayer.KERNELS)
+  assert bytes_of(kept_layers) * 32 == bytes_of(float_layers) * 6  # 0.75 bytes against 4
+  for a, b in zip(logits_of(kept, c), logits_of(floats, c)):
+    np.testing.assert_array_equal(a, b)
+  # quantizing the dequantized weights again finds the same blocks
+  reference = checkpoint.load(path).model  # the stacked scan, float32
+  for i, layer in enumerate(kept_layers):
+    plain = nnx.merge(*nnx.split(reference.layers))
+    one = jax.tree.map(lambda a: a[i], nnx.state(plain))
+    graphdef = nnx.graphdef(plain)
+    single = nnx.merge(graphdef, one)
+    again = FusedDecoderLayer(single, packed=True, q4_1=True)
+    for name in FusedDecoderLayer.KERNELS:
+      np.testing.assert_array_equal(np.asarray(getattr(again, name)[...]),
+                                    np.asarray(getattr(layer, name)[...]))
+
+
+def test_q4_1_needs_packed_layers_with_whole_blocks():
+  c = q4_config()
+  model = Transformer(c, rngs=nnx.Rngs(0))
+  plain = jax.tree.map(lambda a: a[0], nnx.state(model.layers))
+  single = nnx.merge(nnx.graphdef(model.layers), plain)
+  with pytest.raises(ValueError, match="q4_1 layers must be packed"):
+    FusedDecoderLayer(single, packed=False, q4_1=True)
