@@ -541,11 +541,18 @@ def decode_section(tokenizer, hf) -> dict:
   def sample_rates():
     rates.append((measure.read_bytes_per_s(), *measure.matmul_flops_per_s()))
 
-  dtype = next(x.dtype for x in leaves if x.dtype != np.uint8)
+  dtype = next(x.dtype for x in leaves if np.issubdtype(x.dtype, np.floating))
   model = nnx.merge(llm.graphdef, llm.state)
   packed = any(getattr(node, "packed", False) is True for _, node in nnx.iter_graph(model))
-  q4_1 = any(x.dtype == np.uint8 for x in leaves)
-  matmuls = {batch: measure.weight_matmuls_s(c, batch, dtype, packed=packed, q4_1=q4_1)
+  # the formats the model holds its packed layers and head in (`jaxtier.matmul`)
+  from jaxtier.model import FusedDecoderLayer
+  layer_format = next((matmul.weight_format(node.qkv_kernel[...])
+                       for _, node in nnx.iter_graph(model)
+                       if isinstance(node, FusedDecoderLayer) and node.packed), "float32")
+  head = getattr(model, "packed_head", None)
+  head_format = matmul.weight_format(head[...]) if head is not None else "float32"
+  matmuls = {batch: measure.weight_matmuls_s(c, batch, dtype, packed=packed,
+                                             layer_format=layer_format, head_format=head_format)
              for batch in batches}
   xla_matmuls = (matmuls if not packed else
                  {batch: measure.weight_matmuls_s(c, batch, dtype) for batch in batches})
@@ -582,7 +589,8 @@ def decode_section(tokenizer, hf) -> dict:
       "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_gflop_s": flops_rate / 1e9,
       "read_bandwidth_gb_s_samples": [r[0] / 1e9 for r in rates],
       "matmul_gflop_s_samples": [r[1] / 1e9 for r in rates], "matmul_n": n,
-      "packed_weights": packed, "q4_1_weights": q4_1, "steps_timed": FLAGS.decode_steps, "table": table,
+      "packed_weights": packed, "layer_format": layer_format, "head_format": head_format,
+      "steps_timed": FLAGS.decode_steps, "table": table,
       "targets": {
           "all_steps_le_1_5x_bound": all(
               row["ratio"] <= TARGETS["decode_step_over_bound"] for row in table),

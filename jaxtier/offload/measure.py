@@ -50,8 +50,17 @@ def matmul_flops_per_s(repeats: int = 5) -> tuple[float, int]:
   return 2 * n**3 / _median_seconds(lambda: product(a, b), repeats), n
 
 
+def _pack(w, fmt: str):
+  if fmt == "q4_1":
+    return matmul.pack_q4_1(*matmul.quantize_q4_1(w))
+  if fmt == "q8_0":
+    return matmul.pack_q8_0(*matmul.quantize_q8_0(w))
+  return matmul.pack(w)
+
+
 def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats: int = 5,
-                     packed: bool = False, q4_1: bool = False) -> float:
+                     packed: bool = False, layer_format: str = "float32",
+                     head_format: str = "float32") -> float:
   """Seconds of one decode step's weight matmuls alone at `rows` rows: every layer's q/k/v,
   output, gate/up and down projections and the LM head, on random weights of the model's
   shapes (one array per layer, as the engine's unrolled layers hold them), in one jitted
@@ -59,8 +68,9 @@ def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats:
   batch: a floor for the step that the bandwidth/matmul-rate bound does not see (skinny matmuls
   run far below a square matmul's rate). `packed`: the projections and LM head packed and
   multiplied as the packed model does (`jaxtier.matmul`); else XLA's matmuls on [in, out]
-  weights. `q4_1`: the projections packed in Q4_1 blocks (`matmul.pack_q4_1`) where they
-  pack."""
+  weights. `layer_format` / `head_format` ("float32", "q4_1", "q8_0"): where they pack, the
+  projections / LM head packed in those blocks (`matmul.pack_q4_1`, `pack_q8_0`), as the
+  loader keeps a GGUF file's."""
   c = config
   shapes = [(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
             (c.num_heads * c.head_dim, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),
@@ -71,13 +81,12 @@ def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats:
   widths = [n for _, n in shapes]
   product = lambda x, w, n: x @ w
   if packed and matmul.packs_exactly(*widths):  # as FusedDecoderLayer packs
-    pack = (lambda w: matmul.pack_q4_1(*matmul.quantize_q4_1(w))) if q4_1 else matmul.pack
-    layers = [[pack(w) for w in layer] for layer in layers]
+    layers = [[_pack(w, layer_format) for w in layer] for layer in layers]
     product = matmul.packed_matmul
   head = jax.random.normal(next(keys), (c.vocab_size, c.hidden_size), dtype) * 0.02
   logits = lambda h, head: h @ head.T
   if packed and matmul.packs_exactly(c.vocab_size):  # as GroupedTransformer packs the LM head
-    head = matmul.pack(head.T)
+    head = _pack(head.T, head_format)
     logits = lambda h, head: matmul.packed_matmul(h, head, c.vocab_size)
   x = jnp.ones((rows, c.hidden_size), dtype)
 
