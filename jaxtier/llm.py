@@ -89,8 +89,8 @@ class LLM:
       ("auto", "float32", "bfloat16", "int8"), preemption_mode, watermark, victim_policy,
       enable_prefix_caching, host_prefix_caching, seed,
       layer_execution, offload_tail_layers, prefetch_depth, device_memory_gb,
-      tensor_parallel_size, trace_path, attention_impl, weight_format. Bad values raise ValueError before any
-      weight loads.
+      tensor_parallel_size, trace_path, attention_impl, weight_format. Bad values raise
+      ValueError before any weight loads.
 
   Loading is placement-first (`jaxtier.checkpoint.placed`): each tensor goes straight to its
   device shard or, for the offloaded tail, to pinned host memory.
@@ -104,7 +104,11 @@ class LLM:
     self.args = EngineArgs(model=model, **engine_args)
     args = self.args
     self.mesh = sharding.make_mesh(args.tensor_parallel_size)
-    opened = checkpoint.open_checkpoint(model, keep_quantized=args.weight_format == "auto")
+    # GGUF blocks are kept only by packed unrolled layers and head (one device, CPU kernels);
+    # otherwise a registry model loads from its float32 Orbax copy.
+    keep_quantized = (args.weight_format == "auto" and args.tensor_parallel_size == 1
+                      and resolve_layer_execution(args.layer_execution) == "unrolled")
+    opened = checkpoint.open_checkpoint(model, keep_quantized=keep_quantized)
     try:
       self.config = opened.config
       self._check_model(self.config)
@@ -118,7 +122,7 @@ class LLM:
       self.offload = self._resolve_offload()
       self.layout = placed.Layout.of(self.config.num_layers, self.offload.offload_tail_layers,
                                      self.offload.prefetch_depth or 1, self.layer_execution,
-                                     self.mesh, keep_quantized=args.weight_format == "auto")
+                                     self.mesh, keep_quantized=keep_quantized)
     except BaseException:
       opened.close()
       raise

@@ -64,11 +64,10 @@ def test_memory_report_and_placement_after_generate(smollm_llm):
   c = llm.config
   layer_bytes = c.layer_param_count * 4
   after = llm.memory_report()
-  # On the device: the tied table as the packed LM head in its Q8_0 blocks (32 int8 values and a
-  # float32 scale per 32 weights), the final norm, the rotary table and 20 scanned layers, which
-  # hold the checkpoint dequantized to float32 (only packed unrolled layers keep Q4_1 blocks).
-  head = c.vocab_size * c.hidden_size // 32 * 36
-  resident = head + (c.hidden_size + c.head_dim // 2) * 4
+  # Scanned layers load the float32 copy of the checkpoint (only packed unrolled layers keep its
+  # GGUF blocks): on the device the tied table (held as the packed LM head), the final norm, the
+  # rotary table and 20 layers.
+  resident = (c.vocab_size * c.hidden_size + c.hidden_size + c.head_dim // 2) * 4
   assert after["device_weight_bytes"] == resident + (c.num_layers - OFFLOADED) * layer_bytes
   assert after["host_weight_bytes"] == after["weight_transfer_bytes_per_step"] \
       == OFFLOADED * layer_bytes == 141_603_840
