@@ -105,23 +105,48 @@ def parameter_count(w) -> int:
   return w.size if fmt == "float32" else w.size // BYTES_PER_COLUMN[fmt] * QUANT_BLOCK
 
 
+def _blocks_of(w_kn, name: str):
+  """(numpy or jax.numpy, w [..., K, N] as float32 blocks [..., K / 32, 32, N])."""
+  xp = np if isinstance(w_kn, np.ndarray) else jnp
+  *lead, k, n = w_kn.shape
+  if k % QUANT_BLOCK:
+    raise ValueError(f"{name} needs K to be a multiple of {QUANT_BLOCK}, got {k}")
+  return xp, w_kn.astype(xp.float32).reshape(*lead, k // QUANT_BLOCK, QUANT_BLOCK, n)
+
+
 def quantize_q4_1(w_kn):
   """GGUF's Q4_1 quantization of [..., K, N] in blocks of 32 rows (llama.cpp's reference
   rounding: d = (max - min) / 15, q = floor((w - min) / d + 0.5) clipped to [0, 15], d and min
   stored as float16): (q uint8 [..., K, N], d [..., K / 32, N], m [..., K / 32, N]) with d and m
   float32 holding the float16 values, so that `d q + m` is the dequantized weight. Numpy in,
   numpy out; jax in, jax out."""
-  xp = np if isinstance(w_kn, np.ndarray) else jnp
-  *lead, k, n = w_kn.shape
-  if k % QUANT_BLOCK:
-    raise ValueError(f"Q4_1 needs K to be a multiple of {QUANT_BLOCK}, got {k}")
-  blocks = w_kn.astype(xp.float32).reshape(*lead, k // QUANT_BLOCK, QUANT_BLOCK, n)
+  xp, blocks = _blocks_of(w_kn, "Q4_1")
   low, high = blocks.min(axis=-2), blocks.max(axis=-2)
   d = (high - low) / 15
   inv = xp.where(d > 0, 1 / xp.where(d > 0, d, 1), 0)
   q = xp.clip(xp.floor((blocks - low[..., None, :]) * inv[..., None, :] + 0.5), 0, 15)
   as_half = lambda a: a.astype(xp.float16).astype(xp.float32)
-  return q.astype(xp.uint8).reshape(*lead, k, n), as_half(d), as_half(low)
+  return q.astype(xp.uint8).reshape(w_kn.shape), as_half(d), as_half(low)
+
+
+def _block_panels(a_kn, width: int, rows: int):
+  """[..., K, N] -> [..., ceil(N / P), K / rows, rows, P] (P = width), columns past N zero: a
+  weight's blocks of `rows` rows (or, rows=1, their scales) in panel order."""
+  xp = np if isinstance(a_kn, np.ndarray) else jnp
+  *lead, k, n = a_kn.shape
+  p = panels(n, width)
+  if p * width != n:
+    a_kn = xp.concatenate([a_kn, xp.zeros((*lead, k, p * width - n), a_kn.dtype)], -1)
+  return xp.moveaxis(a_kn.reshape(*lead, k // rows, rows, p, width), -2, -4)
+
+
+def _scale_bytes(a_bn, width: int, dtype):
+  """Block scales [..., K / 32, N] -> their float32 bytes in panel order, [..., ceil(N / P),
+  K / 32, 4 P] of `dtype` (uint8 or int8)."""
+  a = _block_panels(a_bn.astype(np.float32), width, 1)[..., 0, :]
+  if isinstance(a, np.ndarray):
+    return np.ascontiguousarray(a).view(dtype)
+  return jax.lax.bitcast_convert_type(a, dtype).reshape(*a.shape[:-1], 4 * width)
 
 
 def pack_q4_1(q_kn, d_bn, m_bn, width: int | None = None):
@@ -135,21 +160,11 @@ def pack_q4_1(q_kn, d_bn, m_bn, width: int | None = None):
   if k % QUANT_BLOCK or d_bn.shape != (*lead, blocks, n) or m_bn.shape != d_bn.shape:
     raise ValueError(f"expected q [..., K, N] with K a multiple of {QUANT_BLOCK} and d, m "
                      f"[..., K / {QUANT_BLOCK}, N]; got {q_kn.shape}, {d_bn.shape}, {m_bn.shape}")
-  p = panels(n, width)
-  pad = lambda a: xp.concatenate([a, xp.zeros((*a.shape[:-1], p * width - n), a.dtype)], -1) \
-      if p * width != n else a
-  # [..., B, 32, p, P] -> [..., p, B, 32, P]
-  q = xp.moveaxis(pad(q_kn.astype(xp.uint8)).reshape(*lead, blocks, QUANT_BLOCK, p, width), -2, -4)
+  q = _block_panels(q_kn.astype(xp.uint8), width, QUANT_BLOCK)  # [..., p, B, 32, P]
   half = width // 2
-  nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(*lead, p, blocks, QUANT_BLOCK * half)
-
-  def as_bytes(a):  # [..., B, N] float32 -> [..., p, B, 4 P] uint8
-    a = xp.moveaxis(pad(a.astype(xp.float32)).reshape(*lead, blocks, p, width), -2, -3)
-    if xp is np:
-      return np.ascontiguousarray(a).view(np.uint8)
-    return jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(*a.shape[:-1], 4 * width)
-
-  out = xp.concatenate([as_bytes(d_bn), as_bytes(m_bn), nibbles], axis=-1)
+  nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(*q.shape[:-2], QUANT_BLOCK * half)
+  out = xp.concatenate([_scale_bytes(d_bn, width, np.uint8), _scale_bytes(m_bn, width, np.uint8),
+                        nibbles], axis=-1)
   return np.ascontiguousarray(out) if xp is np else out
 
 
@@ -157,16 +172,12 @@ def quantize_q8_0(w_kn):
   """GGUF's Q8_0 quantization of [..., K, N] in blocks of 32 rows (llama.cpp's reference: d =
   max |w| / 127 stored as float16, q = w / d rounded half away from zero): (q int8 [..., K, N],
   d float32 [..., K / 32, N] holding the float16 values), `d q` the dequantized weight."""
-  xp = np if isinstance(w_kn, np.ndarray) else jnp
-  *lead, k, n = w_kn.shape
-  if k % QUANT_BLOCK:
-    raise ValueError(f"Q8_0 needs K to be a multiple of {QUANT_BLOCK}, got {k}")
-  blocks = w_kn.astype(xp.float32).reshape(*lead, k // QUANT_BLOCK, QUANT_BLOCK, n)
+  xp, blocks = _blocks_of(w_kn, "Q8_0")
   d = xp.abs(blocks).max(axis=-2) / 127
   inv = xp.where(d > 0, 1 / xp.where(d > 0, d, 1), 0)
   scaled = blocks * inv[..., None, :]
   q = xp.sign(scaled) * xp.floor(xp.abs(scaled) + 0.5)
-  return q.astype(xp.int8).reshape(*lead, k, n), d.astype(xp.float16).astype(xp.float32)
+  return q.astype(xp.int8).reshape(w_kn.shape), d.astype(xp.float16).astype(xp.float32)
 
 
 def pack_q8_0(q_kn, d_bn, width: int | None = None):
@@ -180,17 +191,9 @@ def pack_q8_0(q_kn, d_bn, width: int | None = None):
   if k % QUANT_BLOCK or d_bn.shape != (*lead, blocks, n):
     raise ValueError(f"expected q [..., K, N] with K a multiple of {QUANT_BLOCK} and d "
                      f"[..., K / {QUANT_BLOCK}, N]; got {q_kn.shape}, {d_bn.shape}")
-  p = panels(n, width)
-  pad = lambda a: xp.concatenate([a, xp.zeros((*a.shape[:-1], p * width - n), a.dtype)], -1) \
-      if p * width != n else a
-  q = xp.moveaxis(pad(q_kn.astype(xp.int8)).reshape(*lead, blocks, QUANT_BLOCK, p, width), -2, -4)
-  q = q.reshape(*lead, p, blocks, QUANT_BLOCK * width)
-  d = xp.moveaxis(pad(d_bn.astype(xp.float32)).reshape(*lead, blocks, p, width), -2, -3)
-  if xp is np:
-    d = np.ascontiguousarray(d).view(np.int8)
-  else:
-    d = jax.lax.bitcast_convert_type(d, jnp.int8).reshape(*d.shape[:-1], 4 * width)
-  out = xp.concatenate([d, q], axis=-1)
+  q = _block_panels(q_kn.astype(xp.int8), width, QUANT_BLOCK)
+  out = xp.concatenate([_scale_bytes(d_bn, width, np.int8),
+                        q.reshape(*q.shape[:-2], QUANT_BLOCK * width)], axis=-1)
   return np.ascontiguousarray(out) if xp is np else out
 
 

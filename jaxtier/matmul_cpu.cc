@@ -105,66 +105,69 @@ inline int64_t RowBytes(int64_t format, int64_t i) {
   return i / kQBlock * (format == kQ4_1 ? kQ4Bytes : kQ8Bytes);
 }
 
-// kLanes bytes widened to int32 lanes (GCC's __builtin_convertvector of a byte vector compiles to
-// a byte at a time).
+// kLanes bytes (signed or not) widened to int32 lanes (GCC's __builtin_convertvector of a byte
+// vector compiles to a byte at a time).
+template <bool kSigned>
 inline IN WidenBytes(const uint8_t* p) {
 #if defined(__AVX512F__)
-  return reinterpret_cast<IN>(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-      reinterpret_cast<const __m128i*>(p))));
+  const auto* in = reinterpret_cast<const __m128i*>(p);
+  return reinterpret_cast<IN>(kSigned ? _mm512_cvtepi8_epi32(_mm_loadu_si128(in))
+                                      : _mm512_cvtepu8_epi32(_mm_loadu_si128(in)));
 #elif defined(__AVX2__)
-  return reinterpret_cast<IN>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-      reinterpret_cast<const __m128i*>(p))));
+  const auto* in = reinterpret_cast<const __m128i*>(p);
+  return reinterpret_cast<IN>(kSigned ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(in))
+                                      : _mm256_cvtepu8_epi32(_mm_loadl_epi64(in)));
 #else
   IN v;
-  for (int l = 0; l < kLanes; ++l) v[l] = p[l];
+  for (int l = 0; l < kLanes; ++l)
+    v[l] = kSigned ? static_cast<int8_t>(p[l]) : static_cast<int32_t>(p[l]);
   return v;
 #endif
 }
 
-// kLanes signed bytes widened to int32 lanes.
-inline IN WidenSignedBytes(const int8_t* p) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<IN>(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-      reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-  return reinterpret_cast<IN>(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-      reinterpret_cast<const __m128i*>(p))));
-#else
-  IN v;
-  for (int l = 0; l < kLanes; ++l) v[l] = p[l];
-  return v;
-#endif
-}
-
-// Dequantizes one Q8_0 block of a panel into its kQBlock x kPanel floats, d q (exact: an 11-bit
-// d times an 8-bit q).
-inline void DequantizeQ8_0(const uint8_t* block, float* out) {
-  const float* scales = reinterpret_cast<const float*>(block);
-  VN d[kVecs];
-  for (int j = 0; j < kVecs; ++j) d[j] = LoadN(scales + j * kLanes);
-  const int8_t* q = reinterpret_cast<const int8_t*>(block + 4 * kPanel);
-  for (int64_t r = 0; r < kQBlock; ++r, q += kPanel, out += kPanel) {
-    for (int j = 0; j < kVecs; ++j)
-      StoreN(out + j * kLanes, d[j] * __builtin_convertvector(WidenSignedBytes(q + j * kLanes), VN));
-  }
-}
-
-// Dequantizes one Q4_1 block of a panel into its kQBlock x kPanel floats, d q + m.
-inline void DequantizeQ4_1(const uint8_t* block, float* out) {
-  const float* scales = reinterpret_cast<const float*>(block);
+// A block of a panel in format kFormat (kQ4_1 or kQ8_0): its bytes, where its values start, the
+// bytes of one of its rows, and its scales d (and minimums m) as vectors.
+template <int64_t kFormat>
+struct Block {
+  static constexpr int64_t kBytes = kFormat == kQ4_1 ? kQ4Bytes : kQ8Bytes;
+  static constexpr int64_t kValues = (kFormat == kQ4_1 ? 8 : 4) * kPanel;
+  static constexpr int64_t kRowBytes = kFormat == kQ4_1 ? kPanel / 2 : kPanel;
   VN d[kVecs], m[kVecs];
-  for (int j = 0; j < kVecs; ++j) {
-    d[j] = LoadN(scales + j * kLanes);
-    m[j] = LoadN(scales + kPanel + j * kLanes);
-  }
-  const uint8_t* q = block + 2 * 4 * kPanel;
-  for (int64_t r = 0; r < kQBlock; ++r, q += kPanel / 2, out += kPanel) {
-    for (int j = 0; j < kVecs / 2; ++j) {
-      const IN v = WidenBytes(q + j * kLanes);
-      StoreN(out + j * kLanes, d[j] * __builtin_convertvector(v & 15, VN) + m[j]);
-      const int h = j + kVecs / 2;
-      StoreN(out + h * kLanes, d[h] * __builtin_convertvector(v >> 4, VN) + m[h]);
+  explicit Block(const uint8_t* block) {
+    const float* scales = reinterpret_cast<const float*>(block);
+    for (int j = 0; j < kVecs; ++j) {
+      d[j] = LoadN(scales + j * kLanes);
+      if constexpr (kFormat == kQ4_1) m[j] = LoadN(scales + kPanel + j * kLanes);
     }
+  }
+  // The kVecs weight vectors of the panel row whose values start at q: d q + m (Q4_1: byte j
+  // holds columns j and j + kPanel / 2), or d q (Q8_0). d q is exact in float32 (an 11-bit d
+  // times a 4- or 8-bit q), so d q + m rounds once, as GGUF's float32 dequantization does.
+  void Row(const uint8_t* q, VN (&w)[kVecs]) const {
+    if constexpr (kFormat == kQ4_1) {
+      constexpr int kHalf = kVecs / 2;
+      for (int j = 0; j < kHalf; ++j) {
+        const IN v = WidenBytes<false>(q + j * kLanes);
+        w[j] = d[j] * __builtin_convertvector(v & 15, VN) + m[j];
+        w[j + kHalf] = d[j + kHalf] * __builtin_convertvector(v >> 4, VN) + m[j + kHalf];
+      }
+    } else {
+      for (int j = 0; j < kVecs; ++j)
+        w[j] = d[j] * __builtin_convertvector(WidenBytes<true>(q + j * kLanes), VN);
+    }
+  }
+};
+
+// Dequantizes one block of a panel into its kQBlock x kPanel floats.
+template <int64_t kFormat>
+inline void Dequantize(const uint8_t* block, float* out) {
+  using B = Block<kFormat>;
+  const B scales(block);
+  const uint8_t* q = block + B::kValues;
+  for (int64_t r = 0; r < kQBlock; ++r, q += B::kRowBytes, out += kPanel) {
+    VN w[kVecs];
+    scales.Row(q, w);
+    for (int j = 0; j < kVecs; ++j) StoreN(out + j * kLanes, w[j]);
   }
 }
 
@@ -242,38 +245,20 @@ template <int64_t kFormat, int R>
 inline void TileBlocks(const float* x, int64_t k, const uint8_t* blocks, int64_t steps,
                        float* sums, int64_t s, bool accumulate, const char* prefetch,
                        int64_t prefetch_lines) {
-  constexpr int kHalf = kVecs / 2;
-  constexpr int64_t kBytes = kFormat == kQ4_1 ? kQ4Bytes : kQ8Bytes;
+  using B = Block<kFormat>;
   VN acc[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < kVecs; ++j)
       acc[r][j] = accumulate ? LoadN(sums + r * s + kLanes * j) : VN{};
   int64_t credit = 0;
-  for (int64_t i = 0; i < steps; blocks += kBytes) {
-    const float* scales = reinterpret_cast<const float*>(blocks);
-    VN d[kVecs], m[kVecs];
-    for (int j = 0; j < kVecs; ++j) {
-      d[j] = LoadN(scales + j * kLanes);
-      if constexpr (kFormat == kQ4_1) m[j] = LoadN(scales + kPanel + j * kLanes);
-    }
-    const uint8_t* q = blocks + (kFormat == kQ4_1 ? 8 : 4) * kPanel;
-    for (int64_t row = 0; row < kQBlock; ++row, ++i) {
+  for (int64_t i = 0; i < steps; blocks += B::kBytes) {
+    const B scales(blocks);
+    const uint8_t* q = blocks + B::kValues;
+    for (int64_t row = 0; row < kQBlock; ++row, ++i, q += B::kRowBytes) {
       for (credit += prefetch_lines; credit >= steps; credit -= steps, prefetch += kLine)
         __builtin_prefetch(prefetch, 0, kPrefetchLocality);
       VN w[kVecs];
-      if constexpr (kFormat == kQ4_1) {
-        for (int j = 0; j < kHalf; ++j) {
-          const IN v = WidenBytes(q + j * kLanes);
-          w[j] = d[j] * __builtin_convertvector(v & 15, VN) + m[j];
-          w[j + kHalf] = d[j + kHalf] * __builtin_convertvector(v >> 4, VN) + m[j + kHalf];
-        }
-        q += kPanel / 2;
-      } else {
-        for (int j = 0; j < kVecs; ++j)
-          w[j] = d[j] * __builtin_convertvector(
-                            WidenSignedBytes(reinterpret_cast<const int8_t*>(q) + j * kLanes), VN);
-        q += kPanel;
-      }
+      scales.Row(q, w);
       for (int r = 0; r < R; ++r) {
         const VN xv = x[r * k + i] - VN{};
         for (int j = 0; j < kVecs; ++j) acc[r][j] += xv * w[j];
@@ -350,9 +335,9 @@ void Call::RunItem(int64_t item) {
       for (int64_t b = i0; b < i1; b += kQBlock) {
         const auto* block = reinterpret_cast<const uint8_t*>(panel + RowBytes(format, b));
         if (format == kQ4_1) {
-          DequantizeQ4_1(block, rows_w + (b - i0) * kPanel);
+          Dequantize<kQ4_1>(block, rows_w + (b - i0) * kPanel);
         } else {
-          DequantizeQ8_0(block, rows_w + (b - i0) * kPanel);
+          Dequantize<kQ8_0>(block, rows_w + (b - i0) * kPanel);
         }
       }
       pass = rows_w;

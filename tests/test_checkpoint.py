@@ -34,12 +34,8 @@ def _encode(w_oi, qtype):
   return data, None, data.astype(np.float32)
 
 
-def write_tiny_gguf(path):
-  """The tiny Llama as a GGUF file (Q8_0, F16 and F32 tensors); returns the params it encodes."""
-  directory = fixture_path("tiny_llama")
-  config = hf.read_config(directory)
-  params = hf.read_params(directory, config)
-  tok = json.load(open(os.path.join(directory, "tokenizer.json")))
+def llama_gguf_writer(path: str, config) -> gguf.GGUFWriter:
+  """A GGUF writer for a Llama `config`, its shape metadata and a gpt2 tokenizer model added."""
   writer = gguf.GGUFWriter(path, "llama")
   writer.add_block_count(config.num_layers)
   writer.add_context_length(config.max_position_embeddings)
@@ -50,6 +46,16 @@ def write_tiny_gguf(path):
   writer.add_rope_freq_base(config.rope_theta)
   writer.add_layer_norm_rms_eps(config.rms_norm_eps)
   writer.add_tokenizer_model("gpt2")
+  return writer
+
+
+def write_tiny_gguf(path):
+  """The tiny Llama as a GGUF file (Q8_0, F16 and F32 tensors); returns the params it encodes."""
+  directory = fixture_path("tiny_llama")
+  config = hf.read_config(directory)
+  params = hf.read_params(directory, config)
+  tok = json.load(open(os.path.join(directory, "tokenizer.json")))
+  writer = llama_gguf_writer(path, config)
   vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
   writer.add_token_list([t for t, _ in vocab])
   writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])

@@ -19,6 +19,7 @@ from jaxtier.config import ModelConfig
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.model import FusedDecoderLayer, Transformer
 from jaxtier.rotary import rotary_tables
+from test_checkpoint import llama_gguf_writer
 
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
                                 reason="no C++ compiler to build the CPU kernels")
@@ -182,16 +183,7 @@ def write_q4_1_gguf(path: str, model: Transformer) -> None:
   """`model` as a GGUF file with every layer weight in Q4_1 blocks (q/k rows permuted the way
   llama.cpp's converter does) and the LM head's table (the embedding's, tied) in Q8_0 blocks."""
   c = model.config
-  writer = gguf.GGUFWriter(path, "llama")
-  writer.add_block_count(c.num_layers)
-  writer.add_context_length(c.max_position_embeddings)
-  writer.add_embedding_length(c.hidden_size)
-  writer.add_feed_forward_length(c.intermediate_size)
-  writer.add_head_count(c.num_heads)
-  writer.add_head_count_kv(c.num_kv_heads)
-  writer.add_rope_freq_base(c.rope_theta)
-  writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-  writer.add_tokenizer_model("gpt2")
+  writer = llama_gguf_writer(path, c)
   writer.add_token_list(["a", "b", "ab"] + [f"t{i}" for i in range(3, c.vocab_size)])
   writer.add_token_merges(["a b"])
   writer.add_eos_token_id(0)
