@@ -141,5 +141,13 @@ def panel_width() -> int | None:
 
 
 @functools.cache
+def lanes() -> int | None:
+  """Columns per panel of the int16-activation block formats as built for this CPU: the lanes of
+  a vector register (16 with AVX-512, 8 with AVX2); None when the kernels are unavailable."""
+  library = _load()[0]
+  return None if library is None else int(library.JaxtierLanes())
+
+
+@functools.cache
 def _warn_once(reason: str) -> None:
   logging.warning("CPU kernels unavailable, using the XLA paths: %s", reason)

@@ -89,8 +89,8 @@ class LLM:
       ("auto", "float32", "bfloat16", "int8"), preemption_mode, watermark, victim_policy,
       enable_prefix_caching, host_prefix_caching, seed,
       layer_execution, offload_tail_layers, prefetch_depth, device_memory_gb,
-      tensor_parallel_size, trace_path, attention_impl, weight_format. Bad values raise
-      ValueError before any weight loads.
+      tensor_parallel_size, trace_path, attention_impl, weight_format, block_activations. Bad
+      values raise ValueError before any weight loads.
 
   Loading is placement-first (`jaxtier.checkpoint.placed`): each tensor goes straight to its
   device shard or, for the offloaded tail, to pinned host memory.
@@ -122,7 +122,8 @@ class LLM:
       self.offload = self._resolve_offload()
       self.layout = placed.Layout.of(self.config.num_layers, self.offload.offload_tail_layers,
                                      self.offload.prefetch_depth or 1, self.layer_execution,
-                                     self.mesh, keep_quantized=keep_quantized)
+                                     self.mesh, keep_quantized=keep_quantized,
+                                     block_activations=args.block_activations)
     except BaseException:
       opened.close()
       raise

@@ -20,6 +20,15 @@ panels; d q is exact in float32, so d q + m rounds once, as GGUF's dequantizatio
 products are bit for bit those of the float32 panels of the dequantized weights
 (`dequantize_packed`), from 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4.
 
+The same blocks can instead multiply with int16 activations (`pack_q4_1(..., activations="int16")`,
+`pack_q8_0` likewise): uint16 (Q4_1) or int16 (Q8_0) words holding the blocks in panels of L
+columns, L = `lanes()` (16 with AVX-512, 8 with AVX2), per block d (and m) then the values in pairs
+of K rows (see `jaxtier/matmul_cpu.cc`). The kernel quantizes x per block of 32 values to int16
+(`quantize_activations`) and sums each block's products exactly in int32; the reference is x's
+dequantized int16 values times the dequantized weights. Faster (no float dequantization, a
+multiply-add per pair of rows), but no longer bit for bit the dequantized model: on the default
+model logits move by up to ~5e-3 (WORKSPACE.md, "int16 activations").
+
 `packed_matmul` picks the kernel when the program is lowered for CPU and the kernel is built
 (`jaxtier.cpu_kernels`); elsewhere, or for dtypes other than float32, it is `reference_matmul`,
 an einsum that XLA runs with the weight transposed back (correct everywhere, slower).
@@ -39,16 +48,27 @@ from jaxtier import cpu_kernels
 from jaxtier.rotary import apply_rotary
 
 DEFAULT_PANEL = 64  # columns per panel where the kernels are unavailable
-FORMATS = {"float32": 0, "q4_1": 1, "q8_0": 2}  # the kernels' `format` attribute
+DEFAULT_LANES = 16  # columns per int16-activation panel where the kernels are unavailable
+# The kernels' `format` attribute: float32 panels, GGUF blocks, GGUF blocks with int16 activations.
+FORMATS = {"float32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i16": 3, "q8_0_i16": 4}
+ACTIVATIONS = ("float32", "int16")  # how block formats multiply
 QUANT_BLOCK = 32  # K rows per Q4_1 or Q8_0 block
 # A block's bytes per panel column: Q4_1 d and m (4 bytes each) and 32 nibbles; Q8_0 d and 32 bytes.
-BYTES_PER_COLUMN = {"q4_1": 24, "q8_0": 36}
+BYTES_PER_COLUMN = {"q4_1": 24, "q8_0": 36, "q4_1_i16": 24, "q8_0_i16": 36}
+_DTYPES = {np.dtype(np.uint8): "q4_1", np.dtype(np.int8): "q8_0", np.dtype(np.uint16): "q4_1_i16",
+           np.dtype(np.int16): "q8_0_i16"}
 
 
 def panel_width() -> int:
   """Columns per panel that `pack` uses: the CPU kernel's tile width (64 with AVX-512, 16 with
   AVX2), or `DEFAULT_PANEL` without the kernels."""
   return cpu_kernels.panel_width() or DEFAULT_PANEL
+
+
+def lanes() -> int:
+  """Columns per panel of the int16-activation block formats: the kernel's vector lanes (16 with
+  AVX-512, 8 with AVX2), or `DEFAULT_LANES` without the kernels."""
+  return cpu_kernels.lanes() or DEFAULT_LANES
 
 
 def panels(n: int, width: int | None = None) -> int:
@@ -84,13 +104,19 @@ def unpack(w_pkc, n: int):
 
 def weight_format(w) -> str:
   """The format of a packed weight, told by its dtype: "q4_1" (uint8, `pack_q4_1`), "q8_0"
-  (int8, `pack_q8_0`), else "float32" (float panels)."""
-  return {np.dtype(np.uint8): "q4_1", np.dtype(np.int8): "q8_0"}.get(np.dtype(w.dtype), "float32")
+  (int8, `pack_q8_0`), "q4_1_i16" (uint16) and "q8_0_i16" (int16) (the same with
+  activations="int16"), else "float32" (float panels)."""
+  return _DTYPES.get(np.dtype(w.dtype), "float32")
+
+
+def _per_column(fmt: str, dtype) -> int:
+  """Elements of `dtype` per panel column of one block (1 for float panels)."""
+  return BYTES_PER_COLUMN[fmt] // np.dtype(dtype).itemsize if fmt in BYTES_PER_COLUMN else 1
 
 
 def panel_columns(w) -> int:
   """Columns per panel of a packed weight of any format."""
-  return w.shape[-1] // BYTES_PER_COLUMN.get(weight_format(w), 1)
+  return w.shape[-1] // _per_column(weight_format(w), w.dtype)
 
 
 def packed_rows(w) -> int:
@@ -102,7 +128,7 @@ def parameter_count(w) -> int:
   """Weights (float values) an array holds: 32 per 24 bytes of a Q4_1-packed one and per 36 of a
   Q8_0-packed one (padding columns included, as in a float panel), its size otherwise."""
   fmt = weight_format(w)
-  return w.size if fmt == "float32" else w.size // BYTES_PER_COLUMN[fmt] * QUANT_BLOCK
+  return w.size if fmt == "float32" else w.size // _per_column(fmt, w.dtype) * QUANT_BLOCK
 
 
 def _blocks_of(w_kn, name: str):
@@ -149,11 +175,13 @@ def _scale_bytes(a_bn, width: int, dtype):
   return jax.lax.bitcast_convert_type(a, dtype).reshape(*a.shape[:-1], 4 * width)
 
 
-def pack_q4_1(q_kn, d_bn, m_bn, width: int | None = None):
+def pack_q4_1(q_kn, d_bn, m_bn, width: int | None = None, activations: str = "float32"):
   """Q4_1 values q [..., K, N] (0-15), scales d and minimums m [..., K / 32, N] (float32) ->
   uint8 [..., ceil(N / P), K / 32, 24 P], P = `width` (default `panel_width()`); columns past N
-  are zero (d = m = 0). Numpy in, numpy out; jax in, jax out."""
-  width = width or panel_width()
+  are zero (d = m = 0). With activations="int16": uint16 [..., ceil(N / L), K / 32, 12 L], L =
+  `width` (default `lanes()`). Numpy in, numpy out; jax in, jax out."""
+  _check_activations(activations)
+  width = width or (panel_width() if activations == "float32" else lanes())
   xp = np if isinstance(q_kn, np.ndarray) else jnp
   *lead, k, n = q_kn.shape
   blocks = k // QUANT_BLOCK
@@ -161,11 +189,16 @@ def pack_q4_1(q_kn, d_bn, m_bn, width: int | None = None):
     raise ValueError(f"expected q [..., K, N] with K a multiple of {QUANT_BLOCK} and d, m "
                      f"[..., K / {QUANT_BLOCK}, N]; got {q_kn.shape}, {d_bn.shape}, {m_bn.shape}")
   q = _block_panels(q_kn.astype(xp.uint8), width, QUANT_BLOCK)  # [..., p, B, 32, P]
-  half = width // 2
-  nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(*q.shape[:-2], QUANT_BLOCK * half)
+  if activations == "int16":  # rows 2t + j (low nibble) and 16 + 2t + j (high) at [t, c, j]
+    half = _row_pairs(q[..., :16, :]) | (_row_pairs(q[..., 16:, :]) << 4)
+    nibbles = half.reshape(*q.shape[:-2], 16 * width)
+  else:
+    half = width // 2
+    nibbles = (q[..., :half] | (q[..., half:] << 4)).reshape(*q.shape[:-2], QUANT_BLOCK * half)
   out = xp.concatenate([_scale_bytes(d_bn, width, np.uint8), _scale_bytes(m_bn, width, np.uint8),
                         nibbles], axis=-1)
-  return np.ascontiguousarray(out) if xp is np else out
+  out = np.ascontiguousarray(out) if xp is np else out
+  return out if activations == "float32" else _as_words(out, np.uint16)
 
 
 def quantize_q8_0(w_kn):
@@ -180,21 +213,52 @@ def quantize_q8_0(w_kn):
   return q.astype(xp.int8).reshape(w_kn.shape), d.astype(xp.float16).astype(xp.float32)
 
 
-def pack_q8_0(q_kn, d_bn, width: int | None = None):
+def pack_q8_0(q_kn, d_bn, width: int | None = None, activations: str = "float32"):
   """Q8_0 values q [..., K, N] (int8) and scales d [..., K / 32, N] (float32) -> int8 [...,
   ceil(N / P), K / 32, 36 P]: per block of a panel, d (float32, P) then q row by row; columns
-  past N are zero. Numpy in, numpy out; jax in, jax out."""
-  width = width or panel_width()
+  past N are zero. With activations="int16": int16 [..., ceil(N / L), K / 32, 18 L], L = `width`
+  (default `lanes()`), the values in pairs of rows. Numpy in, numpy out; jax in, jax out."""
+  _check_activations(activations)
+  width = width or (panel_width() if activations == "float32" else lanes())
   xp = np if isinstance(q_kn, np.ndarray) else jnp
   *lead, k, n = q_kn.shape
   blocks = k // QUANT_BLOCK
   if k % QUANT_BLOCK or d_bn.shape != (*lead, blocks, n):
     raise ValueError(f"expected q [..., K, N] with K a multiple of {QUANT_BLOCK} and d "
                      f"[..., K / {QUANT_BLOCK}, N]; got {q_kn.shape}, {d_bn.shape}")
-  q = _block_panels(q_kn.astype(xp.int8), width, QUANT_BLOCK)
-  out = xp.concatenate([_scale_bytes(d_bn, width, np.int8),
-                        q.reshape(*q.shape[:-2], QUANT_BLOCK * width)], axis=-1)
-  return np.ascontiguousarray(out) if xp is np else out
+  q = _block_panels(q_kn.astype(xp.int8), width, QUANT_BLOCK)  # [..., p, B, 32, P]
+  values = (_row_pairs(q) if activations == "int16" else q).reshape(*q.shape[:-2], -1)
+  out = xp.concatenate([_scale_bytes(d_bn, width, np.int8), values], axis=-1)
+  out = np.ascontiguousarray(out) if xp is np else out
+  return out if activations == "float32" else _as_words(out, np.int16)
+
+
+def _check_activations(activations: str) -> None:
+  if activations not in ACTIVATIONS:
+    raise ValueError(f"activations={activations!r}: expected one of {ACTIVATIONS}")
+
+
+def _row_pairs(q):
+  """Block rows [..., 2 T, C] -> [..., T, C, 2]: each column's rows 2t and 2t + 1 side by side."""
+  xp = np if isinstance(q, np.ndarray) else jnp
+  *lead, rows, c = q.shape
+  return xp.swapaxes(q.reshape(*lead, rows // 2, 2, c), -1, -2)
+
+
+def _as_words(a, dtype):
+  """Bytes [..., 2 n] (uint8 or int8) -> [..., n] of the 16-bit `dtype`, the same memory."""
+  if isinstance(a, np.ndarray):
+    return a.view(np.dtype(dtype))
+  return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2), dtype)
+
+
+def _as_bytes(w):
+  """An int16-activation block weight's words [..., n] -> its bytes [..., 2 n] (uint8 for Q4_1,
+  int8 for Q8_0)."""
+  dtype = np.uint8 if weight_format(w) == "q4_1_i16" else np.int8
+  if isinstance(w, np.ndarray):
+    return np.ascontiguousarray(w).view(dtype)
+  return jax.lax.bitcast_convert_type(w, dtype).reshape(*w.shape[:-1], 2 * w.shape[-1])
 
 
 def _block_floats(a, width: int):
@@ -211,8 +275,10 @@ def dequantize_packed(w):
   if fmt == "float32":
     return w
   xp = np if isinstance(w, np.ndarray) else jnp
+  width = panel_columns(w)
+  if fmt.endswith("_i16"):
+    return _dequantize_pairs(_as_bytes(w), fmt, width, xp)
   *lead, blocks, size = w.shape
-  width = size // BYTES_PER_COLUMN[fmt]
   d = _block_floats(w[..., :4 * width], width)
   if fmt == "q8_0":
     q = w[..., 4 * width:].reshape(*lead, blocks, QUANT_BLOCK, width).astype(xp.float32)
@@ -224,6 +290,35 @@ def dequantize_packed(w):
   return out.reshape(*lead, blocks * QUANT_BLOCK, width)
 
 
+def _dequantize_pairs(b, fmt: str, width: int, xp):
+  """`dequantize_packed` of an int16-activation format's bytes b [..., B, 24 L or 36 L]."""
+  *lead, blocks, _ = b.shape
+  unpair = lambda v: xp.swapaxes(v, -1, -2).reshape(*lead, blocks, -1, width)  # [.., T, L, 2]
+  d = _block_floats(b[..., :4 * width], width)[..., None, :]
+  if fmt == "q8_0_i16":
+    q = unpair(b[..., 4 * width:].reshape(*lead, blocks, 16, width, 2)).astype(xp.float32)
+    return (d * q).reshape(*lead, blocks * QUANT_BLOCK, width)
+  m = _block_floats(b[..., 4 * width:8 * width], width)[..., None, :]
+  nibbles = b[..., 8 * width:].reshape(*lead, blocks, 8, width, 2)
+  q = xp.concatenate([unpair(nibbles & 15), unpair(nibbles >> 4)], axis=-2).astype(xp.float32)
+  return (d * q + m).reshape(*lead, blocks * QUANT_BLOCK, width)
+
+
+def quantize_activations(x):
+  """x [..., K] (K a multiple of 32) quantized as the int16-activation formats multiply it: per
+  block of 32 values d = max |x| / 32767 and q = x * (1 / d) rounded to nearest even (0 where
+  the block is all zero). Returns (q [..., K] float32 holding the integers, d [..., K / 32]).
+  The kernel's product is sum over blocks of d_x d_w sum(q_x q_w) (+ m_w d_x sum(q_x) for Q4_1),
+  the block sums exact."""
+  xp = np if isinstance(x, np.ndarray) else jnp
+  *lead, k = x.shape
+  blocks = x.astype(xp.float32).reshape(*lead, k // QUANT_BLOCK, QUANT_BLOCK)
+  d = xp.abs(blocks).max(axis=-1) / xp.float32(32767)
+  inv = xp.where(d > 0, xp.float32(1) / xp.where(d > 0, d, xp.float32(1)), xp.float32(0))
+  q = xp.round(blocks * inv[..., None])  # round half to even, like the kernel
+  return q.reshape(x.shape), d
+
+
 def packed_columns(w, ids):
   """Columns `ids` (any shape) of a packed weight of any format -> float32 [*ids.shape, K]: the
   embedding rows of a tied table held packed as the LM head. A block format gathers only each
@@ -233,6 +328,8 @@ def packed_columns(w, ids):
   panel, column = ids // width, ids % width
   if fmt == "float32":
     return w[panel, :, column]
+  if fmt.endswith("_i16"):
+    return _pair_columns(_as_bytes(w), fmt, width, panel, column, ids.shape)
   blocks = w.shape[-2]
   b = jnp.arange(blocks)[:, None]
   lanes = jnp.arange(4)
@@ -249,9 +346,31 @@ def packed_columns(w, ids):
   return (d[..., None] * q + m[..., None]).reshape(*ids.shape, blocks * QUANT_BLOCK)
 
 
+def _pair_columns(b, fmt: str, width: int, panel, column, shape):
+  """`packed_columns` of an int16-activation format's bytes b [P, B, 24 L or 36 L]."""
+  blocks = b.shape[-2]
+  blk = jnp.arange(blocks)[:, None]
+  p, c = panel[..., None, None], column[..., None, None]
+  floats = lambda start: jax.lax.bitcast_convert_type(
+      b[p, blk, start + 4 * c + jnp.arange(4)].astype(jnp.uint8), jnp.float32)  # [..., B]
+  d = floats(0)
+  rows = jnp.arange(QUANT_BLOCK)
+  if fmt == "q8_0_i16":  # row i: pair i // 2, byte i % 2
+    q = b[p, blk, 4 * width + (rows // 2) * 2 * width + 2 * c + rows % 2].astype(jnp.float32)
+    return (d[..., None] * q).reshape(*shape, blocks * QUANT_BLOCK)
+  m = floats(4 * width)
+  low = rows % 16
+  byte = b[p, blk, 8 * width + (low // 2) * 2 * width + 2 * c + low % 2]
+  q = jnp.where(rows < 16, byte & 15, byte >> 4).astype(jnp.float32)
+  return (d[..., None] * q + m[..., None]).reshape(*shape, blocks * QUANT_BLOCK)
+
+
 def reference_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:
-  """x [..., K] @ packed w (either format) -> [..., n] (n: all the panels' columns if None), by
-  XLA."""
+  """x [..., K] @ packed w (any format) -> [..., n] (n: all the panels' columns if None), by
+  XLA. For the int16-activation formats x is first quantized (`quantize_activations`)."""
+  if weight_format(w_pkc).endswith("_i16"):
+    q, d = quantize_activations(x_mk)
+    x_mk = (q.reshape(*d.shape, QUANT_BLOCK) * d[..., None]).reshape(x_mk.shape)
   out = jnp.einsum("...k,pkc->...pc", x_mk, dequantize_packed(w_pkc))
   out = out.reshape(*out.shape[:-2], -1)
   return out if n is None else out[..., :n]
@@ -276,7 +395,7 @@ def _kernel_matmul(x_mk: jax.Array, w_pkc: jax.Array) -> jax.Array:
 
 def _check_packed(x_mk, w_pkc, n):
   fmt = weight_format(w_pkc)
-  per_column = BYTES_PER_COLUMN.get(fmt, 1)
+  per_column = _per_column(fmt, w_pkc.dtype)
   if (w_pkc.ndim != 3 or packed_rows(w_pkc) != x_mk.shape[-1]
       or w_pkc.shape[-1] % (2 * per_column)):
     expected = (f"[P, {x_mk.shape[-1] // QUANT_BLOCK}, {per_column} C] ({fmt.upper()}, "
@@ -293,8 +412,10 @@ def _kernel_applies(x, w_pkc, *others) -> bool:
   float32 but a Q4_1 or Q8_0 weight, x not empty, the kernels built, and panels of the width they
   were built for (any other width runs the reference)."""
   return (all(a.dtype == jnp.float32 for a in (x, *others))
-          and w_pkc.dtype in (jnp.float32, jnp.uint8, jnp.int8) and x.size > 0
-          and cpu_kernels.available() and panel_columns(w_pkc) == cpu_kernels.panel_width())
+          and w_pkc.dtype in (jnp.float32, jnp.uint8, jnp.int8, jnp.uint16, jnp.int16)
+          and x.size > 0 and cpu_kernels.available()
+          and panel_columns(w_pkc) == (cpu_kernels.lanes() if weight_format(w_pkc).endswith("_i16")
+                                       else cpu_kernels.panel_width()))
 
 
 def packed_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:

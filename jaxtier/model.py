@@ -113,7 +113,8 @@ class FusedDecoderLayer(DecoderLayer):
   `q4_1` packs the kernels in GGUF's Q4_1 blocks instead (`matmul.pack_q4_1`, 0.75 bytes a weight
   against 4): here by quantizing the layer's weights; the loader fills such a layer with a
   checkpoint's own Q4_1 blocks (`jaxtier.checkpoint.placed`), whose products are then bit for bit
-  those of the float32 panels of the dequantized weights.
+  those of the float32 panels of the dequantized weights. `activations="int16"` lays the blocks
+  out to multiply x quantized to int16 per block instead (faster; `matmul.pack_q4_1`).
   """
 
   # Each fused parameter is its parts' parameters concatenated along the last (output) axis.
@@ -127,7 +128,8 @@ class FusedDecoderLayer(DecoderLayer):
   KERNELS = ("qkv_kernel", "gate_up_kernel", "o_kernel", "down_kernel")  # packed when `packed`
 
   # pylint: disable-next=super-init-not-called
-  def __init__(self, layer: DecoderLayer, packed: bool | None = None, q4_1: bool = False):
+  def __init__(self, layer: DecoderLayer, packed: bool | None = None, q4_1: bool = False,
+               activations: str = "float32"):
     self.shape = layer.shape
     self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
     projections = (layer.q_proj, layer.k_proj, layer.v_proj)
@@ -150,7 +152,7 @@ class FusedDecoderLayer(DecoderLayer):
     self.widths = tuple((name, w.shape[-1]) for name, w in kernels.items())  # before packing
     for name, w in kernels.items():
       if q4_1:
-        w = matmul.pack_q4_1(*matmul.quantize_q4_1(w))
+        w = matmul.pack_q4_1(*matmul.quantize_q4_1(w), activations=activations)
       elif self.packed:
         w = matmul.pack(w)
       setattr(self, name, nnx.Param(w))

@@ -35,6 +35,9 @@ Every figure comes from the same run, so ratios compare like with like on a nois
                 matmuls on [in, out] weights (`xla_weight_matmuls_alone_ms`).
                 Also batch-1 decode tokens/s of the engine and of Hugging Face
                 (`--hf_decode_tokens` tokens after the shortest context's prompt).
+                With `--decode_int16` (and GGUF blocks kept), the same again with
+                `block_activations="int16"` (`decode_steps_int16`; batch 1 against the same
+                Hugging Face figure).
   compile:      compiled variants and compile seconds of every engine this run built.
   targets:      engine >= 3x HF and faster than the padded driver (mixed); under pressure >= 0.7x
                 unconstrained with identical outputs; step <= 1.5x its bound; batch 1 >= 2.5x HF.
@@ -65,6 +68,8 @@ from jaxtier import engine_flags
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seed", 0, "seed of the workloads (prompt kinds, lengths, texts, max_tokens)")
 flags.DEFINE_list("sections", ["mixed", "pressure", "decode_steps"], "sections to run")
+flags.DEFINE_bool("decode_int16", True, "also time decode steps with block_activations=int16 "
+                  "(where the engine keeps GGUF blocks)")
 flags.DEFINE_integer("num_prompts", 64, "prompts of the mixed workload", lower_bound=1)
 flags.DEFINE_integer("min_prompt", 16, "shortest mixed-workload prompt, tokens", lower_bound=1)
 flags.DEFINE_integer("max_prompt", 512, "longest mixed-workload prompt, tokens", lower_bound=1)
@@ -510,7 +515,7 @@ def engine_decode_tokens_per_s(llm, ids: list[int], new_tokens: int, request_id:
   return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def decode_section(tokenizer, hf) -> dict:
+def decode_section(tokenizer, hf, name: str = "decode_steps", **overrides) -> dict:
   import jax
   from flax import nnx
   from jaxtier import matmul
@@ -527,7 +532,8 @@ def decode_section(tokenizer, hf) -> dict:
   llm = make_llm(max_model_len=max_model_len, max_num_seqs=widest,
                  max_num_batched_tokens=budget,
                  num_device_blocks=max(room + max(2, math.ceil(0.02 * room)),
-                                       blocks_for(max_model_len)), num_host_blocks=0)
+                                       blocks_for(max_model_len)), num_host_blocks=0,
+                 **overrides)
   c = llm.config
   leaves = jax.tree_util.tree_leaves(llm.state)
   weight_bytes = sum(x.nbytes for x in leaves)
@@ -611,7 +617,7 @@ def decode_section(tokenizer, hf) -> dict:
     batch1["engine_vs_hf"] = batch1["engine_decode_tokens_per_s"] / batch1["hf_decode_tokens_per_s"]
     report["targets"]["batch1_ge_2_5x_hf"] = batch1["engine_vs_hf"] >= TARGETS["batch1_vs_hf"]
   report["batch1"] = batch1
-  record_compiles("decode_steps", llm)
+  record_compiles(name, llm)
   release(llm)
   return report
 
@@ -651,6 +657,14 @@ def main(argv):
     report["pressure"] = pressure_section(workload)
   if "decode_steps" in sections:
     report["decode_steps"] = decode_section(tokenizer, hf)
+    if (FLAGS.decode_int16 and FLAGS.block_activations == "float32"
+        and report["decode_steps"]["layer_format"] != "float32"):
+      int16 = decode_section(tokenizer, None, "decode_steps_int16", block_activations="int16")
+      theirs = report["decode_steps"]["batch1"].get("hf_decode_tokens_per_s")
+      if theirs:
+        int16["batch1"]["hf_decode_tokens_per_s"] = theirs
+        int16["batch1"]["engine_vs_hf"] = int16["batch1"]["engine_decode_tokens_per_s"] / theirs
+      report["decode_steps_int16"] = int16
   report["compile"] = {
       "compiled_variants": sum(c["compiled_variants"] for c in COMPILES.values()),
       "compile_seconds": sum(c["compile_seconds"] for c in COMPILES.values()),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxtier
-from conftest import fixture_path
+from conftest import DEFAULT_MODEL, fixture_path
 
 pytestmark = pytest.mark.slow
 REF = json.load(open(fixture_path("smollm2_hf.json")))
@@ -175,3 +175,53 @@ def test_gguf_blocks_kept_give_the_dequantized_models_logits(smollm_llm):
     results.append((np.asarray(prefill), np.asarray(step)))
   for a, b in zip(*results):
     np.testing.assert_array_equal(a, b)
+
+
+def test_int16_activations_keep_hugging_faces_greedy_tokens():
+  """`block_activations="int16"` (inputs quantized per 32 values, integer block sums): the layers
+  and head hold uint16 / int16 words, the greedy continuations are still Hugging Face's, the
+  last-position logits within 5e-3 of its (the float path: 2e-3) with the same top 5, and the
+  engine with staggered arrivals gives the contiguous driver's tokens (rows do not depend on
+  their batch)."""
+  import jax.numpy as jnp
+  from flax import nnx
+  from jaxtier import cpu_kernels
+  from jaxtier.kvcache import ContiguousKVCache
+  if not cpu_kernels.available():
+    pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+  llm = jaxtier.LLM(DEFAULT_MODEL, max_model_len=2048, block_activations="int16")
+  model = nnx.merge(llm.graphdef, llm.state)
+  assert model.packed_head[...].dtype == jnp.int16
+  assert all(layer.qkv_kernel[...].dtype == jnp.uint16 for layer in model.groups[0].layers)
+  cases = REF["cases"]
+  params = jaxtier.SamplingParams(max_tokens=len(cases[0]["greedy"]), temperature=0,
+                                  ignore_eos=True)
+  outputs = llm.generate([c["ids"] for c in cases], params)
+  for case, out in zip(cases, outputs):
+    assert list(out.token_ids) == case["greedy"], case.get("prompt", case.get("text"))
+  c = model.config
+  width = max(len(case["ids"]) for case in cases)
+  tokens = np.zeros((len(cases), width), np.int32)
+  pos = np.full((len(cases), width), -1, np.int32)
+  for row, case in enumerate(cases):
+    tokens[row, :len(case["ids"])] = case["ids"]
+    pos[row, :len(case["ids"])] = np.arange(len(case["ids"]))
+  cache = ContiguousKVCache.create(c.num_layers, len(cases), width, c.num_kv_heads, c.head_dim)
+  logits, _ = nnx.jit(lambda m, t, p, k: m(t, p, k))(model, tokens, pos, cache)
+  for row, case in enumerate(cases):
+    got = np.asarray(logits[row, len(case["ids"]) - 1])
+    assert list(np.argsort(-got)[:5]) == case["top_ids"][:5]
+    np.testing.assert_allclose(got[case["top_ids"]], case["top_logits"], atol=5e-3, rtol=0)
+  short = jaxtier.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+  prompts = [case["ids"] for case in cases][:5]
+  reference = llm.run_batch([llm.make_request(p, short) for p in prompts])
+  engine, done, step = llm.engine, {}, 0
+  while len(done) < len(prompts):
+    if step < len(prompts):
+      engine.add_request(("staggered", step), prompts[step], short, 0)
+    for update in engine.step():
+      if update.completion is not None:
+        done[update.request_id[1]] = update.completion.token_ids
+    step += 1
+  assert [done[i] for i in range(len(prompts))] == [r.token_ids for r in reference]
+  llm.engine.close()

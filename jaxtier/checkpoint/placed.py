@@ -53,11 +53,14 @@ class Layout:
   GGUF's Q4_1 blocks (`TensorSource.quantization`), packed unrolled layers keep them so
   (`FusedDecoderLayer(q4_1=True)`), and a packed LM head keeps the table's Q4_1 or Q8_0 blocks,
   instead of dequantizing them on load (`jaxtier.matmul`: the same products, fewer bytes).
+  `block_activations`: how kept blocks multiply, "float32" (bit for bit the dequantized weights'
+  products) or "int16" (x quantized per block; `matmul.pack_q4_1`).
   """
   groups: tuple[tuple[int, str], ...]
   prefetch_depth: int = 1
   mesh: Mesh | None = None
   keep_quantized: bool = False
+  block_activations: str = "float32"
 
   def __post_init__(self):
     bad = [m for _, m in self.groups if m not in GROUP_MODES]
@@ -67,14 +70,14 @@ class Layout:
 
   @classmethod
   def of(cls, num_layers: int, offload_tail_layers: int = 0, prefetch_depth: int = 1,
-         layer_execution: str = "scan", mesh: Mesh | None = None, keep_quantized: bool = False
-         ) -> "Layout":
+         layer_execution: str = "scan", mesh: Mesh | None = None, keep_quantized: bool = False,
+         block_activations: str = "float32") -> "Layout":
     """The resident head run as `layer_execution` and the last `offload_tail_layers` offloaded."""
     head = num_layers - offload_tail_layers
     groups = ((head, layer_execution),) if head else ()
     if offload_tail_layers:
       groups += ((offload_tail_layers, "offload"),)
-    return cls(groups, prefetch_depth, mesh, keep_quantized)
+    return cls(groups, prefetch_depth, mesh, keep_quantized, block_activations)
 
   @property
   def num_layers(self) -> int:
@@ -153,6 +156,7 @@ class _Group:
   values: list[dict]
   packed: bool = False  # fused layers whose kernels are packed (`jaxtier.matmul`)
   q4_1: bool = False  # ... in the source's Q4_1 blocks
+  activations: str = "float32"  # ... multiplied so (`Layout.block_activations`)
   parts: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -166,15 +170,16 @@ class _Group:
 
 
 def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused: bool,
-                    q4_1: bool = False) -> _Group:
-  """q4_1: keep Q4_1 blocks where the layers pack."""
+                    q4_1: bool = False, activations: str = "float32") -> _Group:
+  """q4_1: keep Q4_1 blocks where the layers pack, multiplied with `activations`."""
   if mode == "unrolled":
     fuse = FusedDecoderLayer if fused else (lambda layer: layer)
     make = lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0)))
     packed = fused and getattr(nnx.eval_shape(make), "packed", False)
     q4_1 = q4_1 and packed
     if q4_1:
-      make = lambda: FusedDecoderLayer(DecoderLayer(config, dtype, nnx.Rngs(0)), q4_1=True)
+      make = lambda: FusedDecoderLayer(DecoderLayer(config, dtype, nnx.Rngs(0)), q4_1=True,
+                                       activations=activations)
     modules = [nnx.eval_shape(make) for _ in layers]
     splits = [nnx.split(module) for module in modules]
   else:
@@ -183,7 +188,7 @@ def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused:
                                                                 nnx.Rngs(0))))]
     packed = q4_1 = False
   kind = placement.PINNED_HOST if mode == "offload" else placement.DEVICE
-  return _Group(mode, layers, kind, splits, [{} for _ in splits], packed, q4_1)
+  return _Group(mode, layers, kind, splits, [{} for _ in splits], packed, q4_1, activations)
 
 
 def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> None:
@@ -217,7 +222,8 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
         continue
       pieces = [got.pop(p) for p in parts]
       if kernel and group.q4_1:
-        host = matmul.pack_q4_1(*(np.concatenate(a, axis=-1) for a in zip(*pieces)))
+        host = matmul.pack_q4_1(*(np.concatenate(a, axis=-1) for a in zip(*pieces)),
+                                activations=group.activations)
       else:
         host = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-1)
         if kernel:
@@ -259,7 +265,8 @@ def _packed_head_blocks(placer: _Placer, config: ModelConfig, dtype, layout: Lay
           and packs_by_default(dtype) and matmul.packs_exactly(config.vocab_size)):
     return None
   blocks = placer.source.read_blocks(path)
-  host = matmul.pack_q4_1(*blocks) if kind == "q4_1" else matmul.pack_q8_0(*blocks)
+  pack = matmul.pack_q4_1 if kind == "q4_1" else matmul.pack_q8_0
+  host = pack(*blocks, activations=layout.block_activations)
   del blocks
   return placer.place(("packed_head",), host, jax.ShapeDtypeStruct(host.shape, host.dtype),
                       placement.DEVICE)
@@ -301,7 +308,7 @@ def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
   q4_1 = layout.keep_quantized and q4_1_layers(source)
   for n, mode in layout.groups:
     pending.append(_abstract_group(config, dtype, mode, range(first, first + n), layout.fused,
-                                   q4_1))
+                                   q4_1, layout.block_activations))
     first += n
   _place_groups(placer, pending, config.num_layers)
   groups = []

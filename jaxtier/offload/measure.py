@@ -51,10 +51,11 @@ def matmul_flops_per_s(repeats: int = 5) -> tuple[float, int]:
 
 
 def _pack(w, fmt: str):
-  if fmt == "q4_1":
-    return matmul.pack_q4_1(*matmul.quantize_q4_1(w))
-  if fmt == "q8_0":
-    return matmul.pack_q8_0(*matmul.quantize_q8_0(w))
+  activations = "int16" if fmt.endswith("_i16") else "float32"
+  if fmt.startswith("q4_1"):
+    return matmul.pack_q4_1(*matmul.quantize_q4_1(w), activations=activations)
+  if fmt.startswith("q8_0"):
+    return matmul.pack_q8_0(*matmul.quantize_q8_0(w), activations=activations)
   return matmul.pack(w)
 
 
@@ -68,7 +69,7 @@ def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats:
   batch: a floor for the step that the bandwidth/matmul-rate bound does not see (skinny matmuls
   run far below a square matmul's rate). `packed`: the projections and LM head packed and
   multiplied as the packed model does (`jaxtier.matmul`); else XLA's matmuls on [in, out]
-  weights. `layer_format` / `head_format` ("float32", "q4_1", "q8_0"): where they pack, the
+  weights. `layer_format` / `head_format` (`jaxtier.matmul.FORMATS`): where they pack, the
   projections / LM head packed in those blocks (`matmul.pack_q4_1`, `pack_q8_0`), as the
   loader keeps a GGUF file's."""
   c = config
