@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -344,7 +345,12 @@ void QuantizeRows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, fl
     float amax = 0;
     for (int l = 0; l < 16; ++l) amax = top[l] > amax ? top[l] : amax;
 #endif
-    const float scale = amax / kI16Max;
+    // A NaN or infinity makes the block's scale NaN (and its q 0), so the products come out NaN
+    // as the float path's would (a NaN is no lane's maximum, and an infinity's inverse is 0).
+    const V16 finite = (a - a) + (b - b);  // 0 in every lane, unless NaN or +-inf
+    bool ok = true;
+    for (int l = 0; l < 16; ++l) ok &= finite[l] == 0.0f;
+    const float scale = ok ? amax / kI16Max : std::numeric_limits<float>::quiet_NaN();
     const float inv = scale > 0 ? 1.0f / scale : 0.0f;
     const I16 qa = RoundLanes(a * inv), qb = RoundLanes(b * inv);
     const I16 both = qa + qb;

@@ -113,6 +113,21 @@ def test_int16_kernel_equals_exact_block_sums(fmt, rows, k, n):
   assert (np.abs(ref - want) <= 4 * bound + 1e-6 * np.abs(want).max()).all()
 
 
+def test_int16_nan_and_inf_inputs_give_nan_rows():
+  """A NaN or infinity in a row's input makes that row's products NaN, as in the reference and
+  the float path, and leaves the other rows alone."""
+  rng = np.random.default_rng(4)
+  packed, *_ = blocks_case(rng, 64, 32, "q4_1")
+  x = rng.standard_normal((3, 64), np.float32)
+  x[0, 5], x[2, 40] = np.nan, np.inf
+  got = np.asarray(kernel(jnp.asarray(x), jnp.asarray(packed), 32))
+  ref = np.asarray(matmul.reference_matmul(jnp.asarray(x), jnp.asarray(packed), 32))
+  assert np.isnan(got[[0, 2]]).all() and np.isnan(ref[[0, 2]]).all()
+  np.testing.assert_array_equal(got[1], np.asarray(kernel(jnp.asarray(x[1:2]),
+                                                          jnp.asarray(packed), 32))[0])
+  assert np.isfinite(got[1]).all()
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_int16_fused_handlers_equal_their_references(fmt):
   """The norm, norm + bias + rotary and gating handlers quantize the input they make (normed
