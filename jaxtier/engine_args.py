@@ -132,8 +132,8 @@ class EngineArgs:
     block_activations: how the blocks weight_format="auto" keeps multiply: "float32" (the
       default: bit for bit the dequantized model) or "int16": each matmul quantizes its input
       per block of 32 values to int16 and sums every block's products exactly in integers, as
-      llama.cpp does with int8 (faster: a decode step's weight matmuls 1.2-1.5x; logits move by
-      up to ~5e-3 on the default model, where int8 moved them by up to 0.66 and changed greedy
+      llama.cpp does with int8 (faster: a decode step's weight matmuls 1.3-1.7x; logits move by
+      up to ~3e-3 on the default model, where int8 moved them by up to 0.66 and changed greedy
       output).
   """
   model: str = "smollm2-135m-instruct"

@@ -71,7 +71,7 @@ flags.DEFINE_enum("weight_format", "auto", list(engine_args.WEIGHT_FORMATS), "au
 flags.DEFINE_enum("block_activations", "float32", list(engine_args.BLOCK_ACTIVATIONS), "how "
                   "the kept blocks multiply: float32 (bit for bit the dequantized model) or int16 "
                   "(inputs quantized per 32 values, integer block sums: faster, logits within "
-                  "~5e-3)")
+                  "~3e-3)")
 
 # `seed` stays with each script: the batch job's --seed seeds its records' sampling.
 ENGINE_FLAGS = tuple(name for name in engine_args.ARG_NAMES if name != "seed")

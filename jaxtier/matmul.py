@@ -27,7 +27,7 @@ of K rows (see `jaxtier/matmul_cpu.cc`). The kernel quantizes x per block of 32 
 (`quantize_activations`) and sums each block's products exactly in int32; the reference is x's
 dequantized int16 values times the dequantized weights. Faster (no float dequantization, a
 multiply-add per pair of rows), but no longer bit for bit the dequantized model: on the default
-model logits move by up to ~5e-3 (WORKSPACE.md, "int16 activations").
+model logits move by up to ~3e-3 (WORKSPACE.md, "int16 activations").
 
 `packed_matmul` picks the kernel when the program is lowered for CPU and the kernel is built
 (`jaxtier.cpu_kernels`); elsewhere, or for dtypes other than float32, it is `reference_matmul`,

@@ -301,7 +301,7 @@ inline void TileBlocksOf(int64_t rows, const float* x, int64_t k, const uint8_t*
 // in their high ones; Q8_0, for pair t in [0, 16), 2 bytes holding rows 2t and 2t + 1. Against
 // float32 activations a block costs a 16-32x cheaper multiply per pair of rows and no float
 // dequantization; x's rounding to 16 bits (a relative 1.5e-5 of its block's largest value) moves
-// the default model's logits by up to ~5e-3 (WORKSPACE.md, "int16 activations").
+// the default model's logits by up to ~3e-3 (WORKSPACE.md, "int16 activations").
 constexpr int64_t kQ4_1I16 = 3;
 constexpr int64_t kQ8_0I16 = 4;
 constexpr int64_t kQ4I16Bytes = 24 * kLanes;  // one Q4_1 block of a kLanes-column panel
@@ -317,9 +317,6 @@ constexpr float kI16Max = 32767.0f;
 
 inline bool IsI16(int64_t format) { return format == kQ4_1I16 || format == kQ8_0I16; }
 
-// x [m, k] -> q [m, k] int16, and per block of 32 values its scale d = max |x| / 32767 and
-// s = d * (sum of its q); q = x / d rounded to nearest even (x * (1 / d), as llama.cpp's
-// activation quantization computes it), 0 where the block is all zero.
 // The lanes of v rounded to the nearest integer, ties to even (the default rounding mode). Not
 // (v + 1.5 2^23) - 1.5 2^23: the compiler fuses the product that makes v into that add, which
 // rounds the exact product instead of v.
@@ -333,10 +330,13 @@ inline I16 RoundLanes(V16 v) {
 #endif
 }
 
+// x [m, k] -> q [m, k] int16, and per block of 32 values its scale d = max |x| / 32767 and
+// s = d * (sum of its q); q = x / d rounded to nearest even (x * (1 / d), as llama.cpp's
+// activation quantization computes it), 0 where the block is all zero.
 void QuantizeRows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, float* s) {
   typedef int16_t I16x16 __attribute__((vector_size(32)));
   for (int64_t i = 0; i < m * k / kQBlock; ++i) {
-    const V16 a = LoadV(x + i * kQBlock), b = LoadV(x + i * kQBlock + 16);
+    V16 a = LoadV(x + i * kQBlock), b = LoadV(x + i * kQBlock + 16);
     const V16 abs_a = a < 0 ? -a : a, abs_b = b < 0 ? -b : b;
     const V16 top = abs_a > abs_b ? abs_a : abs_b;
 #if defined(__AVX512F__)
@@ -350,6 +350,7 @@ void QuantizeRows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, fl
     const V16 finite = (a - a) + (b - b);  // 0 in every lane, unless NaN or +-inf
     bool ok = true;
     for (int l = 0; l < 16; ++l) ok &= finite[l] == 0.0f;
+    if (!ok) a = b = V16{};
     const float scale = ok ? amax / kI16Max : std::numeric_limits<float>::quiet_NaN();
     const float inv = scale > 0 ? 1.0f / scale : 0.0f;
     const I16 qa = RoundLanes(a * inv), qb = RoundLanes(b * inv);
