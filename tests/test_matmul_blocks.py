@@ -135,6 +135,18 @@ def test_kernel_equals_the_float_kernel_on_the_dequantized_weights(m, k, n, fmt)
   np.testing.assert_allclose(ref, want, rtol=0, atol=4e-5 * np.sqrt(k) * np.abs(want).max())
 
 
+def handler_inputs(rng, m: int, k: int, n: int, d: int):
+  """Inputs of the fused handlers: x [m, k], a norm scale [k], a bias [n], rotary cos and sin
+  [m, d] of positions 0..m-1, and gate_up [m, 2 k]."""
+  x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+  scale = jnp.asarray(rng.uniform(0.5, 1.5, k).astype(np.float32))
+  bias = jnp.asarray(rng.standard_normal(n, np.float32))
+  inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), jnp.float32)
+  cos, sin = (a[0] for a in rotary_tables(inv_freq, jnp.arange(m)[None]))
+  gate_up = jnp.asarray(rng.standard_normal((m, 2 * k), np.float32))
+  return x, scale, bias, cos, sin, gate_up
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_fused_handlers_equal_their_float_kernels(fmt):
   """The norm, norm + bias + rotary and gating handlers take block weights with the same products
@@ -143,11 +155,7 @@ def test_fused_handlers_equal_their_float_kernels(fmt):
   m, k, n, d = 5, 128, 192, 16
   packed, dequantized = packed_case(rng, k, n, fmt=fmt)
   floats = matmul.pack(dequantized)
-  x = jnp.asarray(rng.standard_normal((m, k), np.float32))
-  scale = jnp.asarray(rng.uniform(0.5, 1.5, k).astype(np.float32))
-  bias = jnp.asarray(rng.standard_normal(n, np.float32))
-  inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), jnp.float32)
-  cos, sin = (a[0] for a in rotary_tables(inv_freq, jnp.arange(m)[None]))
+  x, scale, bias, cos, sin, gate_up = handler_inputs(rng, m, k, n, d)
   calls = [
       lambda w: matmul.norm_packed_matmul(x, scale, w, n, 1e-5),
       lambda w: matmul.norm_rope_packed_matmul(x, scale, w, n, 1e-5, bias, cos, sin, 128),
@@ -155,7 +163,6 @@ def test_fused_handlers_equal_their_float_kernels(fmt):
   for call in calls:
     np.testing.assert_array_equal(np.asarray(jax.jit(call)(jnp.asarray(packed))),
                                   np.asarray(jax.jit(call)(jnp.asarray(floats))))
-  gate_up = jnp.asarray(rng.standard_normal((m, 2 * k), np.float32))
   glu = jax.jit(lambda w: matmul.glu_packed_matmul(gate_up, w, n))
   np.testing.assert_array_equal(np.asarray(glu(jnp.asarray(packed))),
                                 np.asarray(glu(jnp.asarray(floats))))

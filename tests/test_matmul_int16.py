@@ -15,8 +15,8 @@ from flax import nnx
 from jaxtier import checkpoint, cpu_kernels, matmul
 from jaxtier.checkpoint import placed
 from jaxtier.model import FusedDecoderLayer, Transformer
-from jaxtier.rotary import rotary_tables
-from test_matmul_blocks import gguf_q4_1, gguf_q8_0, logits_of, q4_config, write_q4_1_gguf
+from test_matmul_blocks import (gguf_q4_1, gguf_q8_0, handler_inputs, logits_of, q4_config,
+                                write_q4_1_gguf)
 
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
                                 reason="no C++ compiler to build the CPU kernels")
@@ -136,12 +136,7 @@ def test_int16_fused_handlers_equal_their_references(fmt):
   m, k, n, d = 5, 128, 192, 16
   packed, *_ = blocks_case(rng, k, n, fmt)
   w = jnp.asarray(packed)
-  x = jnp.asarray(rng.standard_normal((m, k), np.float32))
-  scale = jnp.asarray(rng.uniform(0.5, 1.5, k).astype(np.float32))
-  bias = jnp.asarray(rng.standard_normal(n, np.float32))
-  inv_freq = jnp.asarray(1.0 / 10000 ** (np.arange(0, d, 2) / d), jnp.float32)
-  cos, sin = (a[0] for a in rotary_tables(inv_freq, jnp.arange(m)[None]))
-  gate_up = jnp.asarray(rng.standard_normal((m, 2 * k), np.float32))
+  x, scale, bias, cos, sin, gate_up = handler_inputs(rng, m, k, n, d)
   cases = [
       (lambda w: matmul.norm_packed_matmul(x, scale, w, n, 1e-5),
        lambda w: matmul.reference_matmul(matmul.rms_norm(x, scale, 1e-5), w, n)),

@@ -27,25 +27,29 @@ def test_chat_template_matches_hugging_face(smollm_llm):
     assert smollm_llm.tokenizer.encode_chat(case["messages"]) == case["ids"]
 
 
-def test_greedy_continuations_match_hugging_face(smollm_llm):
-  # All prompts in one call: they run as one padded batch of different lengths.
+def check_greedy_continuations(llm):
+  """Hugging Face's greedy tokens for every case, all prompts in one call (one batch of
+  different lengths)."""
   params = jaxtier.SamplingParams(max_tokens=len(REF["cases"][0]["greedy"]), temperature=0,
                                   ignore_eos=True)
-  outputs = smollm_llm.generate([c["ids"] for c in REF["cases"]], params)
+  outputs = llm.generate([c["ids"] for c in REF["cases"]], params)
   for case, out in zip(REF["cases"], outputs):
     assert list(out.token_ids) == case["greedy"], case.get("prompt", case.get("text"))
     assert out.finish_reason == "length"
 
 
-def test_last_position_logits_match_hugging_face(smollm_llm):
+def check_last_position_logits(llm, atol: float):
+  """Each case's top 5 tokens at its last position are Hugging Face's, and its logits for HF's
+  top ids within `atol` (the model run on a contiguous cache, all prompts right-padded in one
+  batch)."""
   from flax import nnx
   from jaxtier.kvcache import ContiguousKVCache
-  model = nnx.merge(smollm_llm.graphdef, smollm_llm.state)
+  model = nnx.merge(llm.graphdef, llm.state)
   c = model.config
   cases = REF["cases"]
   width = max(len(case["ids"]) for case in cases)
   tokens = np.zeros((len(cases), width), np.int32)
-  pos = np.full((len(cases), width), -1, np.int32)  # right padding, one batch for all prompts
+  pos = np.full((len(cases), width), -1, np.int32)
   for row, case in enumerate(cases):
     tokens[row, :len(case["ids"])] = case["ids"]
     pos[row, :len(case["ids"])] = np.arange(len(case["ids"]))
@@ -54,7 +58,34 @@ def test_last_position_logits_match_hugging_face(smollm_llm):
   for row, case in enumerate(cases):
     got = np.asarray(logits[row, len(case["ids"]) - 1])
     assert list(np.argsort(-got)[:5]) == case["top_ids"][:5]
-    np.testing.assert_allclose(got[case["top_ids"]], case["top_logits"], atol=2e-3, rtol=0)
+    np.testing.assert_allclose(got[case["top_ids"]], case["top_logits"], atol=atol, rtol=0)
+
+
+def check_staggered_engine_equals_contiguous_driver(llm):
+  """Mixed-length prompts join the running engine at different steps; the reference runs them
+  as one padded batch on a contiguous cache (`LLM.run_batch`). Every block is free after."""
+  params = jaxtier.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+  prompts = [case["ids"] for case in REF["cases"]][:5]
+  reference = llm.run_batch([llm.make_request(p, params) for p in prompts])
+  engine, done, step = llm.engine, {}, 0
+  while len(done) < len(prompts):
+    if step < len(prompts):
+      engine.add_request(("staggered", step), prompts[step], params, 0)
+    for update in engine.step():
+      if update.completion is not None:
+        done[update.request_id[1]] = update.completion.token_ids
+    step += 1
+  assert [done[i] for i in range(len(prompts))] == [r.token_ids for r in reference]
+  stats = llm.stats()
+  assert stats["device_blocks_free"] == stats["device_blocks_total"]
+
+
+def test_greedy_continuations_match_hugging_face(smollm_llm):
+  check_greedy_continuations(smollm_llm)
+
+
+def test_last_position_logits_match_hugging_face(smollm_llm):
+  check_last_position_logits(smollm_llm, atol=2e-3)
 
 
 def test_chat_reply_stops_at_end_of_turn(smollm_llm):
@@ -81,22 +112,7 @@ def test_seeded_sampling_is_reproducible(smollm_llm):
 
 
 def test_engine_with_staggered_arrivals_equals_the_contiguous_driver(smollm_llm):
-  """Mixed-length prompts join the running engine at different steps; the reference runs them
-  as one padded batch on a contiguous cache (`LLM.run_batch`)."""
-  params = jaxtier.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-  prompts = [case["ids"] for case in REF["cases"]][:5]
-  reference = smollm_llm.run_batch([smollm_llm.make_request(p, params) for p in prompts])
-  engine, done, step = smollm_llm.engine, {}, 0
-  while len(done) < len(prompts):
-    if step < len(prompts):
-      engine.add_request(("staggered", step), prompts[step], params, 0)
-    for update in engine.step():
-      if update.completion is not None:
-        done[update.request_id[1]] = update.completion.token_ids
-    step += 1
-  assert [done[i] for i in range(len(prompts))] == [r.token_ids for r in reference]
-  stats = smollm_llm.stats()
-  assert stats["device_blocks_free"] == stats["device_blocks_total"]
+  check_staggered_engine_equals_contiguous_driver(smollm_llm)
 
 
 def test_prefix_cached_chat_turns_equal_the_contiguous_driver(smollm_llm):
@@ -186,42 +202,15 @@ def test_int16_activations_keep_hugging_faces_greedy_tokens():
   import jax.numpy as jnp
   from flax import nnx
   from jaxtier import cpu_kernels
-  from jaxtier.kvcache import ContiguousKVCache
   if not cpu_kernels.available():
     pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
   llm = jaxtier.LLM(DEFAULT_MODEL, max_model_len=2048, block_activations="int16")
-  model = nnx.merge(llm.graphdef, llm.state)
-  assert model.packed_head[...].dtype == jnp.int16
-  assert all(layer.qkv_kernel[...].dtype == jnp.uint16 for layer in model.groups[0].layers)
-  cases = REF["cases"]
-  params = jaxtier.SamplingParams(max_tokens=len(cases[0]["greedy"]), temperature=0,
-                                  ignore_eos=True)
-  outputs = llm.generate([c["ids"] for c in cases], params)
-  for case, out in zip(cases, outputs):
-    assert list(out.token_ids) == case["greedy"], case.get("prompt", case.get("text"))
-  c = model.config
-  width = max(len(case["ids"]) for case in cases)
-  tokens = np.zeros((len(cases), width), np.int32)
-  pos = np.full((len(cases), width), -1, np.int32)
-  for row, case in enumerate(cases):
-    tokens[row, :len(case["ids"])] = case["ids"]
-    pos[row, :len(case["ids"])] = np.arange(len(case["ids"]))
-  cache = ContiguousKVCache.create(c.num_layers, len(cases), width, c.num_kv_heads, c.head_dim)
-  logits, _ = nnx.jit(lambda m, t, p, k: m(t, p, k))(model, tokens, pos, cache)
-  for row, case in enumerate(cases):
-    got = np.asarray(logits[row, len(case["ids"]) - 1])
-    assert list(np.argsort(-got)[:5]) == case["top_ids"][:5]
-    np.testing.assert_allclose(got[case["top_ids"]], case["top_logits"], atol=5e-3, rtol=0)
-  short = jaxtier.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-  prompts = [case["ids"] for case in cases][:5]
-  reference = llm.run_batch([llm.make_request(p, short) for p in prompts])
-  engine, done, step = llm.engine, {}, 0
-  while len(done) < len(prompts):
-    if step < len(prompts):
-      engine.add_request(("staggered", step), prompts[step], short, 0)
-    for update in engine.step():
-      if update.completion is not None:
-        done[update.request_id[1]] = update.completion.token_ids
-    step += 1
-  assert [done[i] for i in range(len(prompts))] == [r.token_ids for r in reference]
-  llm.engine.close()
+  try:
+    model = nnx.merge(llm.graphdef, llm.state)
+    assert model.packed_head[...].dtype == jnp.int16
+    assert all(layer.qkv_kernel[...].dtype == jnp.uint16 for layer in model.groups[0].layers)
+    check_greedy_continuations(llm)
+    check_last_position_logits(llm, atol=5e-3)
+    check_staggered_engine_equals_contiguous_driver(llm)
+  finally:
+    llm.engine.close()
