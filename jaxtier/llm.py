@@ -6,10 +6,11 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxtier import checkpoint, offload, sharding
+from jaxtier import checkpoint, matmul, offload, sharding
 from jaxtier.checkpoint import placed
 from jaxtier.buckets import pow2_bucket
 from jaxtier.engine import doctor
@@ -131,6 +132,11 @@ class LLM:
     self.model_name = model
     self.tokenizer = self.loaded.tokenizer
     self.graphdef, self.state = nnx.split(self.loaded.model)
+    if args.block_activations == "int16" and not any(
+        matmul.weight_format(leaf).endswith("_i16") for leaf in jax.tree.leaves(self.state)):
+      logging.warning("block_activations='int16' has no effect: no GGUF blocks are kept (they are "
+                      "kept for a GGUF file of Q4_1 layers, with weight_format='auto', unrolled "
+                      "layers on one device and the CPU kernels built)")
     num_device_blocks, num_host_blocks = self._pool_blocks()
     self.engine_config = EngineConfig(
         max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,

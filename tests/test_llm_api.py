@@ -67,3 +67,11 @@ def test_bad_engine_and_request_arguments(llm):
     jaxtier.LLM(fixture_path("tiny_llama"), layer_execution="fast")
   with pytest.raises(ValueError, match="message 0 must be a dict with 'role' and 'content'"):
     llm.chat([[{"content": "no role"}]], GREEDY)
+
+
+def test_int16_activations_without_kept_blocks_are_said_to_do_nothing(caplog):
+  """A safetensors checkpoint has no GGUF blocks to keep: asking for int16 activations warns
+  (once, at load) instead of passing silently."""
+  with caplog.at_level("WARNING"):
+    jaxtier.LLM(fixture_path("tiny_llama"), layer_execution="scan", block_activations="int16")
+  assert any("block_activations='int16' has no effect" in r.getMessage() for r in caplog.records)
