@@ -328,41 +328,28 @@ def packed_columns(w, ids):
   panel, column = ids // width, ids % width
   if fmt == "float32":
     return w[panel, :, column]
-  if fmt.endswith("_i16"):
-    return _pair_columns(_as_bytes(w), fmt, width, panel, column, ids.shape)
-  blocks = w.shape[-2]
-  b = jnp.arange(blocks)[:, None]
-  lanes = jnp.arange(4)
-  p, c = panel[..., None, None], column[..., None, None]
-  d = jax.lax.bitcast_convert_type(w[p, b, 4 * c + lanes], jnp.float32)  # [..., B]
-  rows = jnp.arange(QUANT_BLOCK)
-  if fmt == "q8_0":
-    q = w[p, b, 4 * width + rows * width + c].astype(jnp.float32)  # [..., B, 32]
-    return (d[..., None] * q).reshape(*ids.shape, blocks * QUANT_BLOCK)
-  m = jax.lax.bitcast_convert_type(w[p, b, 4 * width + 4 * c + lanes], jnp.float32)
-  half = width // 2
-  byte = w[p, b, 8 * width + rows * half + c % half]
-  q = jnp.where(c < half, byte & 15, byte >> 4).astype(jnp.float32)
-  return (d[..., None] * q + m[..., None]).reshape(*ids.shape, blocks * QUANT_BLOCK)
-
-
-def _pair_columns(b, fmt: str, width: int, panel, column, shape):
-  """`packed_columns` of an int16-activation format's bytes b [P, B, 24 L or 36 L]."""
+  b = _as_bytes(w) if fmt.endswith("_i16") else w  # a block's bytes [P, B, 24 C or 36 C]
   blocks = b.shape[-2]
   blk = jnp.arange(blocks)[:, None]
   p, c = panel[..., None, None], column[..., None, None]
-  floats = lambda start: jax.lax.bitcast_convert_type(
-      b[p, blk, start + 4 * c + jnp.arange(4)].astype(jnp.uint8), jnp.float32)  # [..., B]
+  floats = lambda start: jax.lax.bitcast_convert_type(b[p, blk, start + 4 * c + jnp.arange(4)],
+                                                      jnp.float32)  # [..., B]
   d = floats(0)
   rows = jnp.arange(QUANT_BLOCK)
-  if fmt == "q8_0_i16":  # row i: pair i // 2, byte i % 2
-    q = b[p, blk, 4 * width + (rows // 2) * 2 * width + 2 * c + rows % 2].astype(jnp.float32)
-    return (d[..., None] * q).reshape(*shape, blocks * QUANT_BLOCK)
-  m = floats(4 * width)
-  low = rows % 16
-  byte = b[p, blk, 8 * width + (low // 2) * 2 * width + 2 * c + low % 2]
-  q = jnp.where(rows < 16, byte & 15, byte >> 4).astype(jnp.float32)
-  return (d[..., None] * q + m[..., None]).reshape(*shape, blocks * QUANT_BLOCK)
+  if fmt.startswith("q8_0"):  # row i: its own row of bytes, or byte i % 2 of pair i // 2
+    at = rows * width + c if fmt == "q8_0" else (rows // 2) * 2 * width + 2 * c + rows % 2
+    q = b[p, blk, 4 * width + at].astype(jnp.float32)  # [..., B, 32]
+    return (d[..., None] * q).reshape(*ids.shape, blocks * QUANT_BLOCK)
+  if fmt == "q4_1":  # a row's byte c % (C / 2), the high nibble for the second half of columns
+    half = width // 2
+    at, high = rows * half + c % half, c >= half
+  else:  # rows i and 16 + i share a byte of pair (i % 16) // 2
+    low = rows % 16
+    at, high = (low // 2) * 2 * width + 2 * c + low % 2, rows >= 16
+  byte = b[p, blk, 8 * width + at]
+  q = jnp.where(high, byte >> 4, byte & 15).astype(jnp.float32)
+  return (d[..., None] * q + floats(4 * width)[..., None]).reshape(*ids.shape,
+                                                                   blocks * QUANT_BLOCK)
 
 
 def reference_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> jax.Array:

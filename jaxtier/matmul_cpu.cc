@@ -99,11 +99,16 @@ constexpr int64_t kQ8_0 = 2;
 constexpr int64_t kQBlock = 32;                            // K rows per Q4_1 or Q8_0 block
 constexpr int64_t kQ4Bytes = 2 * 4 * kPanel + kQBlock * kPanel / 2;  // one Q4_1 block of a panel
 constexpr int64_t kQ8Bytes = 4 * kPanel + kQBlock * kPanel;         // one Q8_0 block of a panel
+// The same blocks laid out for int16 activations, in panels of kLanes columns (further below).
+constexpr int64_t kQ4_1I16 = 3;
+constexpr int64_t kQ8_0I16 = 4;
+constexpr int64_t kQ4I16Bytes = 24 * kLanes;  // one Q4_1 block of a kLanes-column panel
+constexpr int64_t kQ8I16Bytes = 36 * kLanes;
 static_assert(kPassRows % kQBlock == 0, "a pass dequantizes whole blocks");
 
 // Bytes of a panel's rows [0, i) (i a multiple of kQBlock for the block formats).
 inline int64_t RowBytes(int64_t format, int64_t i) {
-  constexpr int64_t kBlockBytes[] = {0, kQ4Bytes, kQ8Bytes, 24 * kLanes, 36 * kLanes};
+  constexpr int64_t kBlockBytes[] = {0, kQ4Bytes, kQ8Bytes, kQ4I16Bytes, kQ8I16Bytes};
   if (format == kF32) return i * kPanel * 4;
   return i / kQBlock * kBlockBytes[format];
 }
@@ -302,10 +307,6 @@ inline void TileBlocksOf(int64_t rows, const float* x, int64_t k, const uint8_t*
 // float32 activations a block costs a 16-32x cheaper multiply per pair of rows and no float
 // dequantization; x's rounding to 16 bits (a relative 1.5e-5 of its block's largest value) moves
 // the default model's logits by up to ~3e-3 (WORKSPACE.md, "int16 activations").
-constexpr int64_t kQ4_1I16 = 3;
-constexpr int64_t kQ8_0I16 = 4;
-constexpr int64_t kQ4I16Bytes = 24 * kLanes;  // one Q4_1 block of a kLanes-column panel
-constexpr int64_t kQ8I16Bytes = 36 * kLanes;
 constexpr int kTileI16 = kWide ? 8 : 4;      // rows per tile: 2 x 8 accumulators of 32
 constexpr int64_t kI16Group = kPanel / kLanes;  // panels per work item (kPanel columns)
 // A tile that streams its panel from memory (the first of an item's rows) prefetches the lines
@@ -504,18 +505,13 @@ void Call::RunItem(int64_t item) {
   if (IsI16(format)) {
     const int64_t kb = k / kQBlock;
     const int64_t tiles = (rows + kTileI16 - 1) / kTileI16;
+    const auto tile = format == kQ4_1I16 ? TileI16Of<kQ4_1I16> : TileI16Of<kQ8_0I16>;
     for (int64_t q = p * kI16Group; q < std::min(panels, (p + 1) * kI16Group); ++q) {
       const auto* blocks = reinterpret_cast<const uint8_t*>(w + q * RowBytes(format, k));
       for (int64_t t = 0, r = first; t < tiles; ++t) {
         const int64_t height = rows / tiles + (t < rows % tiles);
-        float* o = out + r * n + q * kLanes;
-        if (format == kQ4_1I16) {
-          TileI16Of<kQ4_1I16>(height, xq.data() + r * k, k, dx.data() + r * kb,
-                              sx.data() + r * kb, blocks, o, n, t == 0);
-        } else {
-          TileI16Of<kQ8_0I16>(height, xq.data() + r * k, k, dx.data() + r * kb,
-                              sx.data() + r * kb, blocks, o, n, t == 0);
-        }
+        tile(height, xq.data() + r * k, k, dx.data() + r * kb, sx.data() + r * kb, blocks,
+             out + r * n + q * kLanes, n, t == 0);
         r += height;
       }
     }
