@@ -41,6 +41,7 @@ SOURCES = (_HERE / "kvcache" / "paged_attention_cpu.cc", _HERE / "matmul_cpu.cc"
 HEADERS = (_HERE / "cpu_crew.h", _HERE / "cpu_vec.h")  # included by the sources: in the cache key
 ATTENTION_TARGET = "jaxtier_paged_decode_attention"
 PREFILL_ATTENTION_TARGET = "jaxtier_paged_prefill_attention"
+WRITE_ATTENTION_TARGET = "jaxtier_paged_decode_write_attention"
 MATMUL_TARGET = "jaxtier_packed_matmul"
 NORM_MATMUL_TARGET = "jaxtier_norm_packed_matmul"
 GLU_MATMUL_TARGET = "jaxtier_glu_packed_matmul"
@@ -48,6 +49,7 @@ NORM_ROPE_MATMUL_TARGET = "jaxtier_norm_rope_packed_matmul"
 ARGMAX_TARGET = "jaxtier_argmax"
 _SYMBOLS = {ATTENTION_TARGET: "JaxtierPagedDecodeAttention",
             PREFILL_ATTENTION_TARGET: "JaxtierPagedPrefillAttention",
+            WRITE_ATTENTION_TARGET: "JaxtierPagedDecodeWriteAttention",
             MATMUL_TARGET: "JaxtierPackedMatmul",
             NORM_MATMUL_TARGET: "JaxtierNormPackedMatmul",
             NORM_ROPE_MATMUL_TARGET: "JaxtierNormRopePackedMatmul",

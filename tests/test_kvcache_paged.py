@@ -10,12 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtier import cpu_kernels
 from jaxtier.kvcache import (ContiguousKVCache, PagedCacheConfig, PagedKVCache, PagedMetadata,
                              attend, device_pool_bytes, quantize_int8, write_chunk, write_decode)
-from jaxtier.kvcache.quant import decode
+from jaxtier.kvcache.quant import decode, encode
 
 L, K, G, D, C = 3, 2, 3, 8, 4
 NUM_BLOCKS = 24
+needs_kernels = pytest.mark.skipif(cpu_kernels._compiler() is None,
+                                   reason="no C++ compiler to build the CPU kernels")
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -58,7 +61,8 @@ def schedule(lengths):
   return [first, second, done[:, None] + 1, done[:, None] + 2]
 
 
-@pytest.mark.parametrize("impl", ["xla", "reference", "pallas_interpret"])
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=needs_kernels), "xla", "reference",
+                                  "pallas_interpret"])
 def test_equals_contiguous_cache_over_prefill_chunks_and_decode(impl):
   rng = np.random.default_rng(0)
   lengths = [9, 14, 6]
@@ -145,6 +149,51 @@ def test_step_writes_in_place_without_pool_copies(dtype, positions):
   assert [a.unsafe_buffer_pointer() for a in jax.tree.leaves(cache)] == pointers
   kinds = [a.sharding.memory_kind for a in jax.tree.leaves(cache)]
   assert kinds == ["device"] * (len(kinds) // 2) + ["pinned_host"] * (len(kinds) // 2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("traced_layer", [False, True])
+def test_cpu_decode_write_and_attend_equals_write_chunk_then_attend(dtype, traced_layer):
+  """The CPU kernel that writes a decode step's keys and values and attends in one call, against
+  `write_chunk` (XLA's scatter) then `attend`: the same pool, bit for bit, and the same output,
+  over a pool of random values, with the rows the write rules skip: padding (a negative
+  position), a -1 table entry and a position past the table."""
+  rng = np.random.default_rng(7)
+  config = PagedCacheConfig(L, K, D, NUM_BLOCKS, block_size=C, kv_cache_dtype=dtype,
+                            attention_impl="cpu")
+  cache = PagedKVCache.create(config)
+  stored = cache.device.k.dtype
+  fill = lambda x: encode(jnp.asarray(rng.normal(size=x.shape), jnp.float32), dtype, stored)
+  cache = cache.replace(device=cache.device.replace(k=fill(cache.device.k),
+                                                    v=fill(cache.device.v)))
+  table = np.array([[3, 7, 11], [5, -1, -1], [2, 9, -1], [0, 4, 6], [13, 1, 8]], np.int32)
+  positions = np.array([[5], [-1], [9], [3 * C], [10]], np.int32)  # rows 1-3 write nothing
+  meta = PagedMetadata.create(table, NUM_BLOCKS)
+  q, k, v, pos = random_step(rng, positions)
+  q, k, v = (jnp.asarray(x) for x in (q, k, v))
+  layer = 1
+
+  def fused(cache, layer):
+    return cache.update_and_attend(layer, q[layer], k[layer], v[layer], pos, meta)
+
+  def unfused(cache, layer):
+    cache = write_chunk(cache, layer, k[layer], v[layer], pos, meta)
+    return cache, attend(cache, layer, q[layer], pos, meta)
+
+  if traced_layer:
+    got_cache, got = jax.jit(lambda c, i: fused(c, i))(cache, jnp.int32(layer))
+  else:
+    got_cache, got = jax.jit(fused, static_argnums=1)(cache, layer)
+  want_cache, want = jax.jit(unfused, static_argnums=1)(cache, layer)
+  hlo = jax.jit(fused, static_argnums=1).lower(cache, layer).as_text()
+  assert cpu_kernels.WRITE_ATTENTION_TARGET in hlo
+  assert cpu_kernels.WRITE_ATTENTION_TARGET not in jax.jit(unfused, static_argnums=1).lower(
+      cache, layer).as_text()
+  np.testing.assert_array_equal(got_cache.device.k, want_cache.device.k)
+  np.testing.assert_array_equal(got_cache.device.v, want_cache.device.v)
+  assert not np.array_equal(got_cache.device.k, cache.device.k)  # rows 0 and 4 wrote
+  np.testing.assert_array_equal(got, want)
 
 
 def test_cuda_export_of_a_step_moves_nothing_between_memory_kinds():

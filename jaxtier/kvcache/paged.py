@@ -181,6 +181,9 @@ class PagedKVCache:
                         v_btkd: jax.Array, pos_bt: jax.Array, meta: PagedMetadata
                         ) -> tuple["PagedKVCache", jax.Array]:
     """Writes the new tokens of `layer`, then attends over the sequence's cached tokens."""
+    if (self.config.attention_impl == "cpu" and q_btnd.shape[1] == 1
+        and not self.config.quantized):
+      return write_and_attend_cpu(self, layer, q_btnd, k_btkd, v_btkd, pos_bt, meta)
     cache = write_chunk(self, layer, k_btkd, v_btkd, pos_bt, meta)
     return cache, attend(cache, layer, q_btnd, pos_bt, meta)
 
@@ -300,6 +303,33 @@ def attend(cache: PagedKVCache, layer: jax.Array, q_btnd: jax.Array, pos_bt: jax
   if impl == "cpu":
     return paged_attention_cpu(*args)
   return paged_attention(*args)
+
+
+def write_and_attend_cpu(cache: PagedKVCache, layer: jax.Array, q_b1nd: jax.Array,
+                         k_b1kd: jax.Array, v_b1kd: jax.Array, pos_b1: jax.Array,
+                         meta: PagedMetadata) -> tuple[PagedKVCache, jax.Array]:
+  """A decode step's `write_chunk` then `attend` for a float32 or bfloat16 pool, as one CPU
+  kernel call that writes each row's new key and value in place and attends (XLA ran seven small
+  ops per layer around the attention kernel for the slot indices, scatters and clamped table).
+  Same rules and results as the two calls it replaces; output [b, 1, n, d]."""
+  _check(cache, k_b1kd, pos_b1, meta, "k")
+  _check(cache, q_b1nd, pos_b1, meta, "q")
+  if k_b1kd.shape != v_b1kd.shape:
+    raise ValueError(f"{k_b1kd.shape=} must equal {v_b1kd.shape=}")
+  cfg, dev = cache.config, cache.device
+  b, _, n, d = q_b1nd.shape
+  k_pages, v_pages = dev.k, dev.v  # [k, l, p, c, d]: the kernel addresses page l * p + i
+  new = [encode(x[:, 0], cfg.kv_cache_dtype, dev.k.dtype) for x in (k_b1kd, v_b1kd)]
+  offset = jnp.asarray(layer, jnp.int32) * jnp.int32(cfg.num_blocks)
+  out_bnd, k_pages, v_pages = jax.ffi.ffi_call(
+      cpu_kernels.WRITE_ATTENTION_TARGET,
+      (jax.ShapeDtypeStruct((b, n, d), jnp.float32),
+       jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+       jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+      input_output_aliases={3: 1, 4: 2}, vmap_method="sequential")(
+          q_b1nd[:, 0].astype(jnp.float32), *new, k_pages, v_pages, meta.block_tables_bm,
+          pos_b1[:, 0], offset, scale=np.float32(d ** -0.5))
+  return cache.replace(device=dev.replace(k=k_pages, v=v_pages)), out_bnd[:, None].astype(q_b1nd.dtype)
 
 
 def device_pool_bytes(cache: PagedKVCache) -> int:

@@ -414,6 +414,110 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 }
 
 
+// Decode with the new token's write: each row's new key and value (in the pool's storage type)
+// go into slot pos % c of page tables[b, pos / c] + offset, then the row attends as above. One
+// call per layer where XLA ran seven small ops besides the attention (the slot's index, two
+// scatters and their transposes, the clamped table, the query's scaling), each a few
+// microseconds at decode. Rules as `jaxtier.kvcache.paged.write_chunk`: a negative position, a
+// -1 table entry, a position beyond the table or a page beyond the pool writes nothing. The
+// attention's table is the offset one clamped to the pool, as `paged.attend` passes it. The pool
+// results alias the pool operands (updated in place); q arrives unscaled and is scaled here as
+// `paged_attention_cpu` scales it (one float32 product).
+template <typename T>
+ffi::Error WriteAndAttend(ffi::ThreadPool pool, const ffi::AnyBuffer& q_in, float scale,
+                          const ffi::AnyBuffer& k_new, const ffi::AnyBuffer& v_new,
+                          const ffi::AnyBuffer& k_pages, const ffi::AnyBuffer& v_pages,
+                          const int32_t* tables, const int32_t* pos, int32_t offset, Shape s,
+                          float* out, T* k_out, T* v_out) {
+  const int64_t b = s.batch, kvh = s.kv_heads, f = s.pages, c = s.block_size, d = s.head_dim,
+                m = s.table_width;
+  const int64_t pool_elements = kvh * f * c * d;
+  // XLA passes the aliased result as the operand's own buffer; were it ever a separate one, the
+  // pool is copied in first so the result is still the whole updated pool.
+  if (k_out != k_pages.untyped_data())
+    std::memcpy(k_out, k_pages.untyped_data(), sizeof(T) * pool_elements);
+  if (v_out != v_pages.untyped_data())
+    std::memcpy(v_out, v_pages.untyped_data(), sizeof(T) * pool_elements);
+  const T* kn = static_cast<const T*>(k_new.untyped_data());
+  const T* vn = static_cast<const T*>(v_new.untyped_data());
+  for (int64_t r = 0; r < b; ++r) {
+    const int64_t p = pos[r];
+    if (p < 0 || p >= m * c) continue;
+    const int64_t entry = tables[r * m + p / c];
+    if (entry < 0) continue;
+    const int64_t page = entry + offset;
+    if (page < 0 || page >= f) continue;
+    for (int64_t h = 0; h < kvh; ++h) {
+      const int64_t slot = ((h * f + page) * c + p % c) * d;
+      std::memcpy(k_out + slot, kn + (r * kvh + h) * d, sizeof(T) * d);
+      std::memcpy(v_out + slot, vn + (r * kvh + h) * d, sizeof(T) * d);
+    }
+  }
+  std::vector<int32_t> clamped(b * m);
+  for (int64_t i = 0; i < b * m; ++i) {
+    const int64_t page = tables[i] >= 0 ? static_cast<int64_t>(tables[i]) + offset : -1;
+    clamped[i] = static_cast<int32_t>(std::clamp<int64_t>(page, 0, f - 1));
+  }
+  std::vector<float> q(b * s.heads * d);
+  const float* q_raw = static_cast<const float*>(q_in.untyped_data());
+  for (size_t i = 0; i < q.size(); ++i) q[i] = q_raw[i] * scale;
+  auto call = std::make_shared<Call>();
+  static_cast<PoolArgs&>(*call) = {q.data(), k_out, v_out, clamped.data(), pos, nullptr, nullptr,
+                                   out};
+  call->s = s;
+  return Run<T>(pool, call);  // returns once every item is done: the buffers above outlive it
+}
+
+ffi::Error PagedDecodeWriteAttentionImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+    ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> tables,
+    ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> offset, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out, float scale) {
+  const auto qd = q.dimensions(), nd = k_new.dimensions(), pd = k_pages.dimensions(),
+             td = tables.dimensions();
+  // The pool as [k, l, p, c, d] (the device pool's own shape: a reshape in XLA before the call
+  // made XLA copy the whole pool around it); its pages are addressed as [k, l * p, c, d].
+  if (pd.size() != 5) {
+    return ffi::Error::InvalidArgument("pages [k, l, p, c, d] expected");
+  }
+  const int64_t kd[4] = {pd[0], pd[1] * pd[2], pd[3], pd[4]};
+  const ffi::DataType type = k_pages.element_type();
+  if (qd.size() != 3 || nd.size() != 3 || td.size() != 2 ||
+      q.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32 ||
+      !SameDims(out->dimensions(), qd)) {
+    return ffi::Error::InvalidArgument(
+        "q and out [b, n, d] float32, new k and v [b, k, d], pages [k, f, c, d], tables [b, m] "
+        "expected");
+  }
+  if (type != ffi::DataType::F32 && type != ffi::DataType::U16) {
+    return ffi::Error::InvalidArgument("pages must be float32 or uint16 (bfloat16 bits)");
+  }
+  for (const ffi::AnyBuffer* x : {&k_new, &v_new, &v_pages}) {
+    if (x->element_type() != type) return ffi::Error::InvalidArgument("one storage type expected");
+  }
+  if (!SameDims(v_new.dimensions(), nd) || !SameDims(v_pages.dimensions(), pd) ||
+      !SameDims(k_out->dimensions(), pd) || !SameDims(v_out->dimensions(), pd) ||
+      k_out->element_type() != type || v_out->element_type() != type || kd[0] == 0 ||
+      qd[1] % kd[0] || nd[0] != qd[0] || nd[1] != kd[0] || nd[2] != qd[2] || kd[3] != qd[2] ||
+      td[0] != qd[0] || static_cast<int64_t>(pos.element_count()) != qd[0] ||
+      offset.element_count() != 1) {
+    return ffi::Error::InvalidArgument("paged attention arguments do not fit together");
+  }
+  Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], qd[2], kd[1], kd[2], td[1]};
+  float* o = static_cast<float*>(out->untyped_data());
+  const int32_t shift = offset.typed_data()[0];
+  if (type == ffi::DataType::F32) {
+    return WriteAndAttend<float>(pool, q, scale, k_new, v_new, k_pages, v_pages,
+                                 tables.typed_data(), pos.typed_data(), shift, s, o,
+                                 static_cast<float*>(k_out->untyped_data()),
+                                 static_cast<float*>(v_out->untyped_data()));
+  }
+  return WriteAndAttend<uint16_t>(pool, q, scale, k_new, v_new, k_pages, v_pages,
+                                  tables.typed_data(), pos.typed_data(), shift, s, o,
+                                  static_cast<uint16_t*>(k_out->untyped_data()),
+                                  static_cast<uint16_t*>(v_out->untyped_data()));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Prefill rows: t query tokens per row (the pieces of prompts a prefill step computes), each
 // attending to the slots 0..its position of the row's table. An item is (row, kv head): its t x g
@@ -712,3 +816,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierPagedPrefillAttention, PagedPrefillAttentio
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierPagedDecodeWriteAttention, PagedDecodeWriteAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale"));
