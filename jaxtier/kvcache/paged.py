@@ -329,7 +329,8 @@ def write_and_attend_cpu(cache: PagedKVCache, layer: jax.Array, q_b1nd: jax.Arra
       input_output_aliases={3: 1, 4: 2}, vmap_method="sequential")(
           q_b1nd[:, 0].astype(jnp.float32), *new, k_pages, v_pages, meta.block_tables_bm,
           pos_b1[:, 0], offset, scale=np.float32(d ** -0.5))
-  return cache.replace(device=dev.replace(k=k_pages, v=v_pages)), out_bnd[:, None].astype(q_b1nd.dtype)
+  cache = cache.replace(device=dev.replace(k=k_pages, v=v_pages))
+  return cache, out_bnd[:, None].astype(q_b1nd.dtype)
 
 
 def device_pool_bytes(cache: PagedKVCache) -> int:
