@@ -477,19 +477,42 @@ inline void TileI16Of(int64_t rows, const int16_t* xq, int64_t k, const float* d
   }
 }
 
+// What a call makes of its input rows before any product: nothing (x is the product's input),
+// rms_norm(x) (`NormRows`) or silu(gate) * up (`GluRows`) into `rows`.
+enum class Prologue { kNone, kNorm, kGlu };
+
 struct Call : jaxtier::Job {
-  const float* x;
+  const float* x;  // the product's input rows [m, k]
   const char* w;
   float* out;
   int64_t format, m, k, n, row_block, row_blocks;
-  std::vector<float> rows;  // x made by the call's prologue (normed rows, silu(gate) * up)
+  Prologue prologue = Prologue::kNone;
+  const float* source = nullptr;  // the prologue's input: x [m, k] or gate_up [m, 2k]
+  const float* scale = nullptr;   // the norm's scale [k] and epsilon
+  float eps = 0;
+  std::vector<float> rows;  // x made by the prologue (normed rows, silu(gate) * up)
   std::vector<int16_t> xq;  // int16 formats: x quantized, and its block scales and sums
   std::vector<float> dx, sx;
   int64_t panels = 0;
+  // The first `row_items` items make the input rows, `item_rows` each (the prologue, then for
+  // the int16 formats the quantization); product items wait until all of them are done. Made
+  // by one thread, they took ~12 us of every layer's 5 calls at 8 rows while the other core
+  // waited (the down projection's gating and quantization alone ~7 us).
+  int64_t row_items = 0, item_rows = 0;
+  std::atomic<int64_t> rows_done{0};
+  void MakeRows(int64_t first, int64_t last);
   void RunItem(int64_t item) override;
 };
 
 void Call::RunItem(int64_t item) {
+  if (item < row_items) {
+    MakeRows(item * item_rows, std::min(m, (item + 1) * item_rows));
+    rows_done.fetch_add(1, std::memory_order_release);
+    return;
+  }
+  // Items are claimed in order, so every row item is claimed and running: wait for them.
+  while (rows_done.load(std::memory_order_acquire) < row_items) jaxtier::CpuRelax();
+  item -= row_items;
   const int64_t p = item / row_blocks;
   const int64_t first = (item % row_blocks) * row_block;
   const int64_t last = std::min(m, first + row_block);
@@ -571,19 +594,29 @@ ffi::Error Multiply(ffi::ThreadPool pool, std::shared_ptr<Call> call, int64_t pa
     std::memset(call->out, 0, sizeof(float) * call->m * call->n);
     return ffi::Error::Success();
   }
+  // XLA's intra-op thread count caps the helpers, as it does XLA's own kernels.
+  const int64_t threads =
+      1 + std::min<int64_t>(pool.num_threads(), jaxtier::Crew::Get().size());
+  if (call->prologue != Prologue::kNone) {
+    call->rows.resize(call->m * call->k);
+    call->x = call->rows.data();
+  }
   if (IsI16(call->format)) {
     const int64_t blocks = call->m * call->k / kQBlock;
     call->xq.resize(call->m * call->k);
     call->dx.resize(blocks);
     call->sx.resize(blocks);
-    QuantizeRows(call->x, call->m, call->k, call->xq.data(), call->dx.data(), call->sx.data());
+  }
+  if (call->prologue != Prologue::kNone || IsI16(call->format)) {
+    call->item_rows = (call->m + threads - 1) / threads;
+    call->row_items = (call->m + call->item_rows - 1) / call->item_rows;
   }
   call->row_blocks = (call->m + kRowBlock - 1) / kRowBlock;
   call->row_block = (call->m + call->row_blocks - 1) / call->row_blocks;
   call->panels = panels;
-  call->items = (IsI16(call->format) ? (panels + kI16Group - 1) / kI16Group : panels) *
-                call->row_blocks;
-  // XLA's intra-op thread count caps the helpers, as it does XLA's own kernels.
+  call->items = call->row_items +
+                (IsI16(call->format) ? (panels + kI16Group - 1) / kI16Group : panels) *
+                    call->row_blocks;
   jaxtier::RunJob(call, std::min<int64_t>(pool.num_threads(), call->items - 1));
   return ffi::Error::Success();
 }
@@ -633,26 +666,60 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 }
 
 // rms_norm(x) @ w, with rms_norm(x)[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * scale, float32,
-// in the order jaxtier.model.RMSNorm computes it. The caller normalizes every row once into a
-// buffer the call owns; all threads then multiply from it. This saves XLA two small ops per norm
-// (a reduction and a multiply), which at 8-32 rows took 15-80 us each: longer than the math.
-void NormRows(const float* x, const float* scale, float eps, Call& call) {
-  call.rows.resize(call.m * call.k);
-  for (int64_t r = 0; r < call.m; ++r) {
-    const float* row = x + r * call.k;
-    float* dst = call.rows.data() + r * call.k;
+// in the order jaxtier.model.RMSNorm computes it, for rows [first, last): the call's row items
+// normalize every row once into a buffer the call owns; all threads then multiply from it. This
+// saves XLA two small ops per norm (a reduction and a multiply), which at 8-32 rows took 15-80
+// us each: longer than the math.
+void NormRows(const float* x, const float* scale, float eps, int64_t k, float* rows,
+              int64_t first, int64_t last) {
+  for (int64_t r = first; r < last; ++r) {
+    const float* row = x + r * k;
+    float* dst = rows + r * k;
     V16 lanes{};  // 16 partial sums of squares (XLA sums in its own order too)
     int64_t i = 0;
-    for (; i + 16 <= call.k; i += 16) {
+    for (; i + 16 <= k; i += 16) {
       const V16 v = LoadV(row + i);
       lanes += v * v;
     }
     float sum = jaxtier::Sum16(lanes);
-    for (; i < call.k; ++i) sum += row[i] * row[i];
-    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(call.k) + eps);
-    for (int64_t i = 0; i < call.k; ++i) dst[i] = scale[i] * (row[i] * inv);
+    for (; i < k; ++i) sum += row[i] * row[i];
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(k) + eps);
+    for (int64_t i = 0; i < k; ++i) dst[i] = scale[i] * (row[i] * inv);
   }
-  call.x = call.rows.data();
+}
+
+// silu(gate) * up for rows [first, last) of gate_up [m, 2k] into rows [m, k], with silu(g) =
+// g / (1 + exp(-g)).
+void GluRows(const float* gate_up, int64_t k, float* rows, int64_t first, int64_t last) {
+  for (int64_t r = first; r < last; ++r) {
+    const float* gate = gate_up + r * 2 * k;
+    const float* up = gate + k;
+    float* dst = rows + r * k;
+    int64_t i = 0;
+    for (; i + kLanes <= k; i += kLanes) {
+      const VN g = LoadN(gate + i);
+      StoreN(dst + i, g / (1.0f + jaxtier::Exp(-g)) * LoadN(up + i));
+    }
+    for (; i < k; ++i) dst[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  }
+}
+
+void Call::MakeRows(int64_t first, int64_t last) {
+  if (prologue == Prologue::kNorm) NormRows(source, scale, eps, k, rows.data(), first, last);
+  if (prologue == Prologue::kGlu) GluRows(source, k, rows.data(), first, last);
+  if (IsI16(format)) {
+    const int64_t kb = k / kQBlock;
+    QuantizeRows(x + first * k, last - first, k, xq.data() + first * k, dx.data() + first * kb,
+                 sx.data() + first * kb);
+  }
+}
+
+// Sets `call` to make its input rows as rms_norm(x) (NormRows) in its row items.
+void SetNorm(Call& call, const float* x, const float* scale, float eps) {
+  call.prologue = Prologue::kNorm;
+  call.source = x;
+  call.scale = scale;
+  call.eps = eps;
 }
 
 ffi::Error NormPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -667,7 +734,7 @@ ffi::Error NormPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   call->m = x.dimensions()[0];
   call->k = x.dimensions()[1];
   call->n = out->dimensions()[1];
-  NormRows(x.typed_data(), scale.typed_data(), eps, *call);
+  SetNorm(*call, x.typed_data(), scale.typed_data(), eps);
   SetWeight(*call, w, format);
   call->out = out->typed_data();
   return Multiply(pool, call, w.dimensions()[0]);
@@ -731,7 +798,7 @@ ffi::Error NormRopePackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   call->m = m;
   call->k = x.dimensions()[1];
   call->n = n;
-  NormRows(x.typed_data(), scale.typed_data(), eps, *call);
+  SetNorm(*call, x.typed_data(), scale.typed_data(), eps);
   SetWeight(*call, w, format);
   call->out = out->typed_data();
   if (ffi::Error error = Multiply(pool, call, w.dimensions()[0]); error.failure()) return error;
@@ -750,8 +817,9 @@ ffi::Error NormRopePackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 }
 
 // (silu(gate) * up) @ w for gate_up = [gate | up] of K columns each, silu(g) = g / (1 + exp(-g)):
-// a SwiGLU MLP's down projection with its gating. The caller computes every row's product once
-// into a buffer the call owns (vector exp); all threads then multiply from it. In XLA:CPU the
+// a SwiGLU MLP's down projection with its gating. The call's row items compute every row's
+// product once into a buffer the call owns (GluRows, vector exp); all threads then multiply from
+// it. In XLA:CPU the
 // gating is an elementwise op that it splits over two threads: at 16-32 rows of the default
 // model 50-190 us, plus up to 80 us of waiting for the second thread, where the math takes ~10.
 ffi::Error GluPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate_up,
@@ -766,19 +834,8 @@ ffi::Error GluPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate_
   call->m = gd[0];
   call->k = gd[1] / 2;
   call->n = out->dimensions()[1];
-  call->rows.resize(call->m * call->k);
-  for (int64_t r = 0; r < call->m; ++r) {
-    const float* gate = gate_up.typed_data() + r * 2 * call->k;
-    const float* up = gate + call->k;
-    float* dst = call->rows.data() + r * call->k;
-    int64_t i = 0;
-    for (; i + kLanes <= call->k; i += kLanes) {
-      const VN g = LoadN(gate + i);
-      StoreN(dst + i, g / (1.0f + jaxtier::Exp(-g)) * LoadN(up + i));
-    }
-    for (; i < call->k; ++i) dst[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-  }
-  call->x = call->rows.data();
+  call->prologue = Prologue::kGlu;
+  call->source = gate_up.typed_data();
   SetWeight(*call, w, format);
   call->out = out->typed_data();
   return Multiply(pool, call, w.dimensions()[0]);
