@@ -489,8 +489,8 @@ ffi::Error PagedDecodeWriteAttentionImpl(
       q.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32 ||
       !SameDims(out->dimensions(), qd)) {
     return ffi::Error::InvalidArgument(
-        "q and out [b, n, d] float32, new k and v [b, k, d], pages [k, f, c, d], tables [b, m] "
-        "expected");
+        "q and out [b, n, d] float32, new k and v [b, k, d], pages [k, l, p, c, d], tables "
+        "[b, m] expected");
   }
   if (type != ffi::DataType::F32 && type != ffi::DataType::U16) {
     return ffi::Error::InvalidArgument("pages must be float32 or uint16 (bfloat16 bits)");
@@ -501,6 +501,7 @@ ffi::Error PagedDecodeWriteAttentionImpl(
   if (!SameDims(v_new.dimensions(), nd) || !SameDims(v_pages.dimensions(), pd) ||
       !SameDims(k_out->dimensions(), pd) || !SameDims(v_out->dimensions(), pd) ||
       k_out->element_type() != type || v_out->element_type() != type || kd[0] == 0 ||
+      kd[1] == 0 ||
       qd[1] % kd[0] || nd[0] != qd[0] || nd[1] != kd[0] || nd[2] != qd[2] || kd[3] != qd[2] ||
       td[0] != qd[0] || static_cast<int64_t>(pos.element_count()) != qd[0] ||
       offset.element_count() != 1) {
