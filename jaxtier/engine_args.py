@@ -124,11 +124,14 @@ class EngineArgs:
       paged pool in place, built on first use; see `jaxtier.cpu_kernels`), "xla", "pallas" (the
       GPU kernel for decode steps), or
       "auto": "cpu" for a pool on one CPU device when a C++ compiler is found, else "xla".
-    weight_format: "auto": where a GGUF file stores every layer weight in Q4_1 blocks (the
-      default model does) and the CPU kernels multiply the layers, those weights stay in their
-      blocks (0.75 bytes a weight instead of 4; the kernel dequantizes them in cache, and its
-      products are bit for bit those of the dequantized float32 weights); "float": every weight
-      dequantized to `dtype` on load.
+    weight_format: "auto": where a GGUF file stores layer weights in 4-bit blocks that Q4_1
+      holds exactly (Q4_1, as the default model does, Q4_0 or Q4_K) and the CPU kernels multiply
+      the layers, those weights stay in their blocks (0.75 bytes a weight instead of 4; the
+      kernel dequantizes them in cache, and its products are bit for bit those of the
+      dequantized float32 weights), per layer and fused kernel (q/k/v, gate/up, o, down: kept
+      where all its weights are such blocks, as in most layers of a Q4_K_M file; the rest
+      dequantized), and so does an LM head in those or in 8-bit blocks (Q8_0, Q5_0); "float":
+      every weight dequantized to `dtype` on load.
     block_activations: how the blocks weight_format="auto" keeps multiply: "float32" (the
       default: bit for bit the dequantized model) or "int16": each matmul quantizes its input
       per block of 32 values to int16 and sums every block's products exactly in integers, as

@@ -135,8 +135,9 @@ class LLM:
     if args.block_activations == "int16" and not any(
         matmul.weight_format(leaf).endswith("_i16") for leaf in jax.tree.leaves(self.state)):
       logging.warning("block_activations='int16' has no effect: no GGUF blocks are kept (they are "
-                      "kept for a GGUF file of Q4_1 layers, with weight_format='auto', unrolled "
-                      "layers on one device and the CPU kernels built)")
+                      "kept for a GGUF file of Q4_1, Q4_0 or Q4_K layers, with "
+                      "weight_format='auto', unrolled layers on one device and the CPU kernels "
+                      "built)")
     num_device_blocks, num_host_blocks = self._pool_blocks()
     self.engine_config = EngineConfig(
         max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,

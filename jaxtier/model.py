@@ -9,6 +9,7 @@ Shape legend: b batch, t tokens, h hidden size, n query heads, k kv heads, d hea
 l layers, f MLP width.
 """
 
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -111,9 +112,10 @@ class FusedDecoderLayer(DecoderLayer):
   when the kernel is available (`jaxtier.cpu_kernels`) and every kernel's width is a multiple of
   the panel width (no padding, so the same bytes), and keeps the [in, out] layout elsewhere.
   `q4_1` packs the kernels in GGUF's Q4_1 blocks instead (`matmul.pack_q4_1`, 0.75 bytes a weight
-  against 4): here by quantizing the layer's weights; the loader fills such a layer with a
-  checkpoint's own Q4_1 blocks (`jaxtier.checkpoint.placed`), whose products are then bit for bit
-  those of the float32 panels of the dequantized weights. `activations="int16"` lays the blocks
+  against 4), all of them (True) or the named ones (the others float32 panels): here by
+  quantizing the layer's weights; the loader fills such a layer with a checkpoint's own blocks
+  (`jaxtier.checkpoint.placed`), whose products are then bit for bit those of the float32 panels
+  of the dequantized weights. `activations="int16"` lays the blocks
   out to multiply x quantized to int16 per block instead (faster; `matmul.pack_q4_1`).
   """
 
@@ -128,8 +130,8 @@ class FusedDecoderLayer(DecoderLayer):
   KERNELS = ("qkv_kernel", "gate_up_kernel", "o_kernel", "down_kernel")  # packed when `packed`
 
   # pylint: disable-next=super-init-not-called
-  def __init__(self, layer: DecoderLayer, packed: bool | None = None, q4_1: bool = False,
-               activations: str = "float32"):
+  def __init__(self, layer: DecoderLayer, packed: bool | None = None,
+               q4_1: bool | Collection[str] = False, activations: str = "float32"):
     self.shape = layer.shape
     self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
     projections = (layer.q_proj, layer.k_proj, layer.v_proj)
@@ -144,14 +146,18 @@ class FusedDecoderLayer(DecoderLayer):
       packed = (packs_by_default(kernels["qkv_kernel"].dtype)
                 and matmul.packs_exactly(*(w.shape[-1] for w in kernels.values())))
     self.packed = packed
-    if q4_1 and not (packed and all(w.shape[0] % matmul.QUANT_BLOCK == 0
-                                    for w in kernels.values())):
+    blocks = set(self.KERNELS if q4_1 is True else q4_1 or ())
+    if blocks - set(self.KERNELS):
+      raise ValueError(f"q4_1 names kernels {sorted(blocks - set(self.KERNELS))}; the layer's "
+                       f"kernels are {self.KERNELS}")
+    if blocks and not (packed and all(kernels[name].shape[0] % matmul.QUANT_BLOCK == 0
+                                      for name in blocks)):
       raise ValueError("q4_1 layers must be packed and have input widths that are multiples of "
                        f"{matmul.QUANT_BLOCK}; got packed={packed}, input widths "
-                       f"{[w.shape[0] for w in kernels.values()]}")
+                       f"{[kernels[name].shape[0] for name in sorted(blocks)]}")
     self.widths = tuple((name, w.shape[-1]) for name, w in kernels.items())  # before packing
     for name, w in kernels.items():
-      if q4_1:
+      if name in blocks:
         w = matmul.pack_q4_1(*matmul.quantize_q4_1(w), activations=activations)
       elif self.packed:
         w = matmul.pack(w)

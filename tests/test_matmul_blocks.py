@@ -1,7 +1,9 @@
 """Weights packed from GGUF's Q4_1 and Q8_0 blocks: the packing against the gguf package's own
 quantization and dequantization, the CPU kernel's products against the float32 kernel's on the
 dequantized weights (bit for bit) and against float64 numpy, the embedding gathered from a packed
-table, and the loader keeping a GGUF file's blocks against loading it dequantized.
+table, and the loader keeping a GGUF file's blocks against loading it dequantized (Q4_1 and Q8_0,
+and the types those formats hold exactly: Q4_0, Q4_K, Q5_0; per layer and kernel where a file
+mixes types).
 
 Skipped only where no C++ compiler exists; a kernel that fails to build is a failure.
 """
@@ -14,7 +16,7 @@ import pytest
 from flax import nnx
 
 from jaxtier import checkpoint, cpu_kernels, matmul
-from jaxtier.checkpoint import placed
+from jaxtier.checkpoint import gguf_file, placed
 from jaxtier.config import ModelConfig
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.model import FusedDecoderLayer, Transformer
@@ -283,3 +285,111 @@ def test_q4_1_needs_packed_layers_with_whole_blocks():
   single = nnx.merge(nnx.graphdef(model.layers), plain)
   with pytest.raises(ValueError, match="q4_1 layers must be packed"):
     FusedDecoderLayer(single, packed=False, q4_1=True)
+
+
+def raw_blocks(rng, qtype, n: int, k: int) -> np.ndarray:
+  """Random but valid GGUF blocks [n, k / block * bytes] of `qtype`, weights within ~0.03: the
+  gguf package quantizes Q4_0, Q4_1, Q5_0 and Q8_0 from floats; the k-quants (which it can only
+  dequantize) are random bytes with small float16 super-block scales."""
+  block, size = gguf.GGML_QUANT_SIZES[qtype]
+  if qtype not in (Q.Q4_K, Q.Q6_K):
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    return gguf.quants.quantize(w, qtype)
+  raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+  def scale(at, top):  # a float16 in [top / 2, top] at byte `at`
+    raw[..., at:at + 2] = (rng.uniform(top / 2, top, (n, k // block, 1))
+                           .astype(np.float16).view(np.uint8))
+  if qtype == Q.Q4_K:  # D, M: w = D s q - M n with s, n < 64, q < 16
+    scale(0, 0.03 / (63 * 15))
+    scale(2, 0.01 / 63)
+  else:  # Q6_K: d last: w = d s (q - 32), s int8
+    scale(208, 0.03 / (127 * 32))
+  return raw.reshape(n, -1)
+
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
+def test_block_parts_are_the_gguf_dequantization(qtype):
+  """Each type the loader keeps, re-expressed as Q4_1's (q, d, m) or Q8_0's (q, d), gives bit for
+  bit the weights the gguf package dequantizes."""
+  rng = np.random.default_rng(int(qtype))
+  n, k = 24, 512
+  raw = raw_blocks(rng, qtype, n, k)
+  parts = gguf_file.block_parts(qtype, raw, n, k)
+  per_row = lambda a: np.repeat(a, 32, axis=-1)  # [n, k / 32] -> [n, k]
+  if len(parts) == 3:
+    q, d, m = parts
+    assert q.dtype == np.uint8 and q.max() <= 15
+    got = per_row(d) * q.astype(np.float32) + per_row(m)
+  else:
+    q, d = parts
+    assert q.dtype == np.int8
+    got = per_row(d) * q.astype(np.float32)
+  np.testing.assert_array_equal(got, gguf.quants.dequantize(raw, qtype))
+  with pytest.raises(ValueError, match="Q6_K blocks are not kept"):
+    gguf_file.block_parts(Q.Q6_K, raw_blocks(rng, Q.Q6_K, 2, 256), 2, 256)
+
+
+# Per layer, the GGUF type of each weight (the rest F16): layer 0 all Q4_K; layer 1 q/k in Q4_0
+# with v in Q6_K (q/k/v stays float), o in Q4_1, gate Q4_K with up Q4_0, down Q5_0 (an 8-bit
+# type: floats in layers); layer 2 no blocks.
+MIXED = [dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                        "ffn_down"), Q.Q4_K),
+         {"attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q6_K, "attn_output": Q.Q4_1,
+          "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_0, "ffn_down": Q.Q5_0},
+         {}]
+MIXED_KEPT = [set(FusedDecoderLayer.KERNELS), {"o_kernel", "gate_up_kernel"}, set()]
+
+
+def write_mixed_gguf(path: str, c: ModelConfig) -> None:
+  """A GGUF file of random weights of the types in MIXED, the LM head in Q4_K."""
+  rng = np.random.default_rng(5)
+  writer = llama_gguf_writer(path, c)
+  writer.add_token_list(["a", "b", "ab"] + [f"t{i}" for i in range(3, c.vocab_size)])
+  writer.add_token_merges(["a b"])
+  writer.add_eos_token_id(0)
+  h, f, d = c.hidden_size, c.intermediate_size, c.head_dim
+  shapes = {"attn_q": (c.num_heads * d, h), "attn_k": (c.num_kv_heads * d, h),
+            "attn_v": (c.num_kv_heads * d, h), "attn_output": (h, c.num_heads * d),
+            "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f)}
+  for i, types in enumerate(MIXED):
+    for name, (n, k) in shapes.items():
+      qtype = types.get(name, Q.F16)
+      if qtype == Q.F16:
+        writer.add_tensor(f"blk.{i}.{name}.weight",
+                          (rng.standard_normal((n, k)) * 0.02).astype(np.float16))
+      else:
+        writer.add_tensor(f"blk.{i}.{name}.weight", raw_blocks(rng, qtype, n, k), raw_dtype=qtype)
+    for norm in ("attn_norm", "ffn_norm"):
+      writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.5, 1.5, h).astype(np.float32))
+  writer.add_tensor("token_embd.weight", rng.standard_normal((c.vocab_size, h)).astype(np.float32))
+  writer.add_tensor("output.weight", raw_blocks(rng, Q.Q4_K, c.vocab_size, h), raw_dtype=Q.Q4_K)
+  writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def test_loader_keeps_each_layers_kernels_held_in_blocks(tmp_path):
+  """A file that mixes types per layer (as llama.cpp's Q4_K_M files do): each layer keeps in
+  blocks the fused kernels whose parts are all of a 4-bit type Q4_1 holds exactly, its others
+  float32 panels, and the model gives bit for bit the logits of the file dequantized on load."""
+  c = ModelConfig(architecture="llama", vocab_size=192, hidden_size=256, intermediate_size=512,
+                  num_layers=len(MIXED), num_heads=4, num_kv_heads=2, head_dim=64,
+                  max_position_embeddings=64)
+  path = str(tmp_path / "mixed.gguf")
+  write_mixed_gguf(path, c)
+  layout = lambda **kw: placed.Layout.of(c.num_layers, layer_execution="unrolled", **kw)
+  floats = checkpoint.load(path, layout=layout()).model
+  kept = checkpoint.load(path, layout=layout(keep_quantized=True)).model
+  for layer, names in zip(kept.groups[0].layers, MIXED_KEPT):
+    assert {name for name in FusedDecoderLayer.KERNELS
+            if getattr(layer, name)[...].dtype == jnp.uint8} == names
+    assert all(getattr(layer, name)[...].dtype == jnp.float32
+               for name in set(FusedDecoderLayer.KERNELS) - names)
+  assert kept.packed_head[...].dtype == jnp.uint8 and floats.packed_head[...].dtype == jnp.float32
+  for a, b in zip(logits_of(kept, c), logits_of(floats, c)):
+    np.testing.assert_array_equal(a, b)

@@ -68,11 +68,12 @@ def _open_path(path: str) -> Opened:
 def _registered(manifest: registry.Manifest, keep_quantized: bool = False) -> Opened:
   """A registered model's Orbax copy in the cache; the first open fetches the weights and converts
   them (in host memory, never on a device), holding the entry's lock (a process that waited for it
-  finds the copy made). With `keep_quantized`, a GGUF file whose layer weights are all Q4_1 blocks
-  is opened itself, so the loader can keep them so (the Orbax copy holds float32)."""
+  finds the copy made). With `keep_quantized`, a GGUF file with layer kernels the loader keeps in
+  blocks (`placed.block_kernels`) is opened itself, so the loader can keep them so (the Orbax copy
+  holds float32)."""
   if keep_quantized and manifest.format == "gguf":
     opened = _open_path(registry.fetch(manifest))
-    if placed.q4_1_layers(opened.source):
+    if any(placed.block_kernels(opened.source, opened.config.num_layers)):
       return opened
     opened.close()
   path = os.path.join(registry.model_dir(manifest), "orbax")

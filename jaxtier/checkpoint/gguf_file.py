@@ -34,8 +34,21 @@ _GLOBAL_NAMES: dict[str, Path] = {
     "output_norm.weight": ("final_norm", "scale"),
     "output.weight": ("lm_head",),
 }
-# Block formats the CPU matmul kernel multiplies as stored (`jaxtier.matmul`).
-_BLOCK_TYPES = {gguf.GGMLQuantizationType.Q4_1: "q4_1", gguf.GGMLQuantizationType.Q8_0: "q8_0"}
+# GGUF block types the CPU matmul kernel multiplies as stored (`jaxtier.matmul`), by the format
+# that holds them exactly: blocks of 32 K rows of 4-bit values q with a float32 scale d and
+# minimum m (w = d q + m, "q4_1") or of 8-bit values with a scale (w = d q, "q8_0"). Each weight
+# comes out bit for bit as the gguf package dequantizes it (d q is exact in float32 in every case,
+# so d q + m rounds once, as the file's own formula does):
+#   Q4_1: d, m from the block's float16s.
+#   Q4_0: w = d (q - 8), so m = -8 d (exact), and d q - 8 d = d (q - 8) is exact too.
+#   Q4_K: super-blocks of 256 values, 8 blocks of 32 with 6-bit scales s and minimums n, w =
+#     (D s) q - (M n) with D, M the super-block's float16s: d = D s and m = -(M n), both exact
+#     (an 11-bit D times a 6-bit s).
+#   Q8_0: d from the block's float16.
+#   Q5_0: w = d (q5 - 16) with 5-bit q5, so q = q5 - 16 (-16 to 15) in the 8-bit format.
+_Q = gguf.GGMLQuantizationType
+_BLOCK_TYPES = {_Q.Q4_0: "q4_1", _Q.Q4_1: "q4_1", _Q.Q4_K: "q4_1", _Q.Q5_0: "q8_0",
+                _Q.Q8_0: "q8_0"}
 # Pre-tokenizer splits for the `tokenizer.ggml.pre` values we know, as the original tokenizer.json
 # files define them.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -102,6 +115,40 @@ def _dequantize(tensor, path: str) -> np.ndarray:
                      "this gguf package cannot dequantize") from None
 
 
+def _half(a: np.ndarray) -> np.ndarray:
+  """Float16s stored as pairs of bytes (the last axis) as float32."""
+  return np.ascontiguousarray(a).view(np.float16)[..., 0].astype(np.float32)
+
+
+def block_parts(tensor_type, data: np.ndarray, n: int, k: int) -> tuple[np.ndarray, ...]:
+  """The blocks of a GGUF tensor [n, k] of a `_BLOCK_TYPES` type, as the format that holds them
+  exactly (see there): "q4_1", (q uint8 [n, k] 0-15, d [n, k / 32], m [n, k / 32]), or "q8_0",
+  (q int8 [n, k], d [n, k / 32]); d and m float32."""
+  if tensor_type not in _BLOCK_TYPES:
+    raise ValueError(f"{tensor_type.name} blocks are not kept (dequantize them instead)")
+  block, size = gguf.GGML_QUANT_SIZES[tensor_type]
+  raw = np.asarray(data, np.uint8).reshape(n, k // block, size)
+  nibbles = lambda qs: np.concatenate([qs & 15, qs >> 4], axis=-1)  # byte i: q[i], q[i + 16]
+  if tensor_type == _Q.Q4_1:  # d, m (float16), then 16 bytes of nibbles
+    return nibbles(raw[..., 4:]).reshape(n, k), _half(raw[..., 0:2]), _half(raw[..., 2:4])
+  if tensor_type == _Q.Q4_0:  # d (float16), then 16 bytes of nibbles; w = d (q - 8)
+    d = _half(raw[..., 0:2])
+    return nibbles(raw[..., 2:]).reshape(n, k), d, -8 * d
+  if tensor_type == _Q.Q4_K:  # D, M (float16), 12 bytes of 6-bit scales and minimums, 128 of q
+    scales, minimums = gguf.quants.Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12))
+    d = (_half(raw[..., 0:2])[..., None] * scales.reshape(n, k // 256, 8)).reshape(n, k // 32)
+    m = -(_half(raw[..., 2:4])[..., None] * minimums.reshape(n, k // 256, 8)).reshape(n, k // 32)
+    qs = raw[..., 16:].reshape(n, k // 256, 4, 1, 32)  # 32 bytes: blocks 2j (low), 2j + 1 (high)
+    q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, k)
+    return q, d, m
+  if tensor_type == _Q.Q8_0:  # d (float16), then 32 int8
+    return raw[..., 2:].copy().view(np.int8).reshape(n, k), _half(raw[..., 0:2])
+  # Q5_0: d (float16), 4 bytes of high bits (bit i: value i), 16 bytes of low nibbles
+  high = np.unpackbits(raw[..., 2:6], axis=-1, bitorder="little")
+  q = (nibbles(raw[..., 6:]) | (high << 4)).astype(np.int8) - np.int8(16)
+  return q.reshape(n, k), _half(raw[..., 0:2])
+
+
 class GGUFSource(TensorSource):
   """The tensors of a GGUF file (memory mapped), each dequantized to float32 when read and laid
   out as the model's parameters (q/k rows unpermuted for Llama, linear weights [in, out])."""
@@ -146,24 +193,19 @@ class GGUFSource(TensorSource):
       array = array.T  # [out, in] -> [in, out]
     return array
 
-  def quantization(self, path: Path) -> str | None:
-    tensors = ([t for _, t in self._layers.get(path) or ()] if is_layer_path(path)
-               else [self._globals[path]] if path in self._globals else [])
+  def quantization(self, path: Path, layer: int | None = None) -> str | None:
+    if is_layer_path(path):
+      slots = self._layers.get(path) or ()
+      tensors = [t for _, t in (slots if layer is None else slots[layer:layer + 1])]
+    else:
+      tensors = [self._globals[path]] if path in self._globals else []
     kinds = {_BLOCK_TYPES.get(t.tensor_type) if len(t.shape) == 2 else None for t in tensors}
     return kinds.pop() if len(kinds) == 1 else None
 
   def _blocks(self, sub: str | None, tensor) -> tuple[np.ndarray, ...]:
     """A tensor [out, in] as its blocks, transposed to [in, out] (q/k rows unpermuted)."""
     n, k = (int(v) for v in reversed(tensor.shape))
-    kind = _BLOCK_TYPES[tensor.tensor_type]
-    raw = np.asarray(tensor.data).reshape(n, k // 32, 20 if kind == "q4_1" else 34)
-    half = lambda a: a.copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == "q4_1":  # d, m (float16), then 16 bytes: byte i holds q[i] and q[i + 16]
-      qs = raw[..., 4:]
-      parts = (np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k), half(raw[..., 0:2]),
-               half(raw[..., 2:4]))
-    else:  # d (float16), then 32 int8
-      parts = (raw[..., 2:].copy().view(np.int8).reshape(n, k), half(raw[..., 0:2]))
+    parts = block_parts(tensor.tensor_type, np.asarray(tensor.data), n, k)
     if (sub is not None and self._config.architecture == "llama"
         and sub.startswith(("attn_q", "attn_k"))):
       heads = self._config.num_heads if sub.startswith("attn_q") else self._config.num_kv_heads
@@ -171,12 +213,16 @@ class GGUFSource(TensorSource):
     return tuple(a.T for a in parts)
 
   def read_blocks(self, path: Path, layers=None) -> tuple[np.ndarray, ...]:
-    if self.quantization(path) is None:
-      return super().read_blocks(path, layers)
     if not is_layer_path(path):
+      if self.quantization(path) is None:
+        return super().read_blocks(path, layers)
       return self._blocks(None, self._globals[path])
     slots = self._layers[path]
-    parts = [self._blocks(*slots[i]) for i in (range(len(slots)) if layers is None else layers)]
+    layers = range(len(slots)) if layers is None else layers
+    kinds = {self.quantization(path, i) for i in layers}
+    if len(kinds) != 1 or None in kinds:  # the layers asked for must share one format
+      return super().read_blocks(path, layers)
+    parts = [self._blocks(*slots[i]) for i in layers]
     return tuple(np.stack(a) for a in zip(*parts))
 
   def read(self, path: Path, layers=None) -> np.ndarray:

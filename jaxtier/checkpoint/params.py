@@ -68,11 +68,12 @@ class TensorSource:
     del path, sharding, dtype
     return None
 
-  def quantization(self, path: Path) -> str | None:
-    """"q4_1" or "q8_0" where the tensor at `path` (every layer's, for a layer tensor) is stored
-    in GGUF's Q4_1 or Q8_0 blocks of 32 along its input axis (then `read_blocks` reads them as
-    stored); else None."""
-    del path
+  def quantization(self, path: Path, layer: int | None = None) -> str | None:
+    """"q4_1" or "q8_0" where the tensor at `path` (every layer's, for a layer tensor, or only
+    `layer`'s) is stored in blocks of 32 along its input axis that those formats hold exactly
+    (GGUF's Q4_1, Q4_0 or Q4_K; Q8_0 or Q5_0: then `read_blocks` reads them as stored); else
+    None."""
+    del path, layer
     return None
 
   def read_blocks(self, path: Path, layers: Sequence[int] | None = None

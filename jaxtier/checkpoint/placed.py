@@ -49,10 +49,12 @@ class Layout:
   `groups`: consecutive (num_layers, mode) covering every layer, mode "scan" (a stacked scan on the
   device), "unrolled" (per-layer device buffers) or "offload" (a stack in pinned host memory,
   prefetched `prefetch_depth` layers ahead). `mesh`: the tensor-parallel mesh (None: this
-  process's first device). `keep_quantized`: where the source stores every layer weight in
-  GGUF's Q4_1 blocks (`TensorSource.quantization`), packed unrolled layers keep them so
-  (`FusedDecoderLayer(q4_1=True)`), and a packed LM head keeps the table's Q4_1 or Q8_0 blocks,
-  instead of dequantizing them on load (`jaxtier.matmul`: the same products, fewer bytes).
+  process's first device). `keep_quantized`: packed unrolled layers keep a fused kernel (q/k/v,
+  gate/up, o, down) of a layer in blocks where the source stores all its parts in blocks that Q4_1
+  holds exactly (GGUF's Q4_1, Q4_0, Q4_K: `TensorSource.quantization`; `FusedDecoderLayer(q4_1=
+  ...)`), the layer's other kernels as float32 panels, and a packed LM head keeps the table's
+  Q4_1 or Q8_0 blocks (or Q4_0, Q4_K, Q5_0), instead of dequantizing them on load
+  (`jaxtier.matmul`: the same products, fewer bytes).
   `block_activations`: how kept blocks multiply, "float32" (bit for bit the dequantized weights'
   products) or "int16" (x quantized per block; `matmul.pack_q4_1`).
   """
@@ -155,13 +157,17 @@ class _Group:
   splits: list
   values: list[dict]
   packed: bool = False  # fused layers whose kernels are packed (`jaxtier.matmul`)
-  q4_1: bool = False  # ... in the source's Q4_1 blocks
+  blocks: tuple[frozenset, ...] = ()  # per layer: the kernels kept in the source's blocks
   activations: str = "float32"  # ... multiplied so (`Layout.block_activations`)
   parts: dict = dataclasses.field(default_factory=dict)
 
   @property
   def specs(self) -> dict[Path, jax.ShapeDtypeStruct]:
-    return _flatten(nnx.to_pure_dict(self.splits[0][1]))
+    return self.specs_of(0)
+
+  def specs_of(self, index: int) -> dict[Path, jax.ShapeDtypeStruct]:
+    """The parameters of module `index` (unrolled layers may hold kernels in other formats)."""
+    return _flatten(nnx.to_pure_dict(self.splits[index][1]))
 
   def module(self, index: int) -> nnx.Module:
     graphdef, state = self.splits[index]
@@ -170,25 +176,31 @@ class _Group:
 
 
 def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused: bool,
-                    q4_1: bool = False, activations: str = "float32") -> _Group:
-  """q4_1: keep Q4_1 blocks where the layers pack, multiplied with `activations`."""
+                    blocks: Sequence[frozenset] | None = None, activations: str = "float32"
+                    ) -> _Group:
+  """blocks: per model layer, the fused kernels to keep in the source's blocks where the layers
+  pack, multiplied with `activations`."""
+  kept: tuple[frozenset, ...] = ()
   if mode == "unrolled":
     fuse = FusedDecoderLayer if fused else (lambda layer: layer)
     make = lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0)))
     packed = fused and getattr(nnx.eval_shape(make), "packed", False)
-    q4_1 = q4_1 and packed
-    if q4_1:
-      make = lambda: FusedDecoderLayer(DecoderLayer(config, dtype, nnx.Rngs(0)), q4_1=True,
-                                       activations=activations)
-    modules = [nnx.eval_shape(make) for _ in layers]
+    if packed and blocks is not None:
+      kept = tuple(frozenset(blocks[i]) for i in layers)
+    if any(kept):
+      modules = [nnx.eval_shape(lambda names=names: FusedDecoderLayer(
+          DecoderLayer(config, dtype, nnx.Rngs(0)), q4_1=names, activations=activations))
+                 for names in kept]
+    else:
+      modules = [nnx.eval_shape(make) for _ in layers]
     splits = [nnx.split(module) for module in modules]
   else:
     stack_config = dataclasses.replace(config, num_layers=len(layers))
     splits = [nnx.split(nnx.eval_shape(lambda: make_layer_stack(stack_config, dtype,
                                                                 nnx.Rngs(0))))]
-    packed = q4_1 = False
+    packed = False
   kind = placement.PINNED_HOST if mode == "offload" else placement.DEVICE
-  return _Group(mode, layers, kind, splits, [{} for _ in splits], packed, q4_1, activations)
+  return _Group(mode, layers, kind, splits, [{} for _ in splits], packed, kept, activations)
 
 
 def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> None:
@@ -214,24 +226,29 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
         continue
       got = group.parts.setdefault(sub, {})
       kernel = group.packed and sub[-1] in FusedDecoderLayer.KERNELS
-      if kernel and group.q4_1:  # (q, d, m) as stored
-        got[path[1:]] = placer.source.read_blocks(path, list(group.layers))
-      else:
-        got[path[1:]] = placer.host(_Read((path,), list(group.layers)))
+      ids = list(group.layers)
+      # the group's layers (indices) holding this kernel in blocks, and the others
+      kept = [j for j, names in enumerate(group.blocks) if kernel and sub[-1] in names]
+      rest = [j for j in range(len(ids)) if j not in kept]
+      got[path[1:]] = (  # (q, d, m) as stored, and floats
+          placer.source.read_blocks(path, [ids[j] for j in kept]) if kept else None,
+          placer.host(_Read((path,), [ids[j] for j in rest])) if rest else None)
       if len(got) < len(parts):
         continue
       pieces = [got.pop(p) for p in parts]
-      if kernel and group.q4_1:
-        host = matmul.pack_q4_1(*(np.concatenate(a, axis=-1) for a in zip(*pieces)),
-                                activations=group.activations)
-      else:
-        host = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-1)
-        if kernel:
-          host = matmul.pack(host)
-      del group.parts[sub]
+      host = {}
+      if kept:
+        blocks = zip(*(b for b, _ in pieces))  # (q, d, m), each part's
+        host.update(zip(kept, matmul.pack_q4_1(*(np.concatenate(a, axis=-1) for a in blocks),
+                                               activations=group.activations)))
+      if rest:
+        floats = [f for _, f in pieces]
+        floats = floats[0] if len(floats) == 1 else np.concatenate(floats, axis=-1)
+        host.update(zip(rest, matmul.pack(floats) if kernel else floats))
+      del group.parts[sub], pieces
       for j, values in enumerate(group.values):
-        values[sub] = placer.place(("layers",) + sub, host[j], spec, group.kind)
-      del host
+        values[sub] = placer.place(("layers",) + sub, host.pop(j), group.specs_of(j)[sub],
+                                   group.kind)
 
 
 @dataclasses.dataclass
@@ -245,10 +262,13 @@ class _Globals:
   packed_head: jax.Array | None = None  # the table's blocks, packed (`GroupedTransformer`)
 
 
-def q4_1_layers(source: TensorSource) -> bool:
-  """Whether `source` stores every weight of the fused layers' kernels in Q4_1 blocks."""
-  return all(source.quantization(("layers",) + part) == "q4_1"
-             for name in FusedDecoderLayer.KERNELS for part in FusedDecoderLayer.PARTS[name])
+def block_kernels(source: TensorSource, num_layers: int) -> list[frozenset]:
+  """Per layer, the fused kernels whose every part `source` stores in blocks that Q4_1 holds
+  exactly (`TensorSource.quantization`)."""
+  return [frozenset(name for name in FusedDecoderLayer.KERNELS
+                    if all(source.quantization(("layers",) + part, layer) == "q4_1"
+                           for part in FusedDecoderLayer.PARTS[name]))
+          for layer in range(num_layers)]
 
 
 def _head_path(config: ModelConfig) -> Path:
@@ -305,10 +325,10 @@ def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
       one("inv_freq", nnx.Variable),
       None if config.tie_word_embeddings else one("lm_head", nnx.Param), packed_head)
   pending, first = [], 0
-  q4_1 = layout.keep_quantized and q4_1_layers(source)
+  blocks = block_kernels(source, config.num_layers) if layout.keep_quantized else None
   for n, mode in layout.groups:
     pending.append(_abstract_group(config, dtype, mode, range(first, first + n), layout.fused,
-                                   q4_1, layout.block_activations))
+                                   blocks, layout.block_activations))
     first += n
   _place_groups(placer, pending, config.num_layers)
   groups = []
