@@ -115,8 +115,8 @@ class FusedDecoderLayer(DecoderLayer):
   against 4), all of them (True) or the named ones (the others float32 panels): here by
   quantizing the layer's weights; the loader fills such a layer with a checkpoint's own blocks
   (`jaxtier.checkpoint.placed`), whose products are then bit for bit those of the float32 panels
-  of the dequantized weights. `activations="int16"` lays the blocks
-  out to multiply x quantized to int16 per block instead (faster; `matmul.pack_q4_1`).
+  of the dequantized weights. `activations="int16"` lays the blocks out to multiply x quantized
+  to int16 per block instead (faster; `matmul.pack_q4_1`).
   """
 
   # Each fused parameter is its parts' parameters concatenated along the last (output) axis.

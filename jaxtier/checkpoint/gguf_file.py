@@ -1,4 +1,5 @@
-"""GGUF files: configuration, tokenizer and chat template from metadata, tensors dequantized on load.
+"""GGUF files: configuration, tokenizer and chat template from metadata, tensors dequantized on load
+(or read as their blocks, for the types the CPU kernels multiply as stored: `block_parts`).
 
 llama.cpp's converter permutes the rows of the Llama q/k projections (interleaved rotary pairs);
 `unpermute_rotary` undoes it so the weights match the Hugging Face `rotate_half` convention.
