@@ -78,6 +78,17 @@ class RequestOutput:
     return self.outputs[0].finish_reason
 
 
+def _bytes_by_format(tree) -> dict[str, int]:
+  """{format: bytes} over the array leaves of `tree`: block formats by `matmul.weight_format`,
+  other arrays by their dtype's name."""
+  out: dict[str, int] = {}
+  for a in jax.tree.leaves(tree):
+    fmt = matmul.weight_format(a)
+    key = str(a.dtype) if fmt == "float32" else fmt
+    out[key] = out.get(key, 0) + a.size * a.dtype.itemsize
+  return out
+
+
 class LLM:
   """A model ready to generate, on the engine (continuous batching over a paged KV cache).
 
@@ -249,7 +260,9 @@ class LLM:
     Totals are over all devices; `*_per_device` are one device's share under tensor parallelism.
     Every step streams all host-resident weights once (`weight_transfer_bytes_per_step`);
     `kv_swap_bytes_per_step` is the mean over the steps run so far (`kv_swap_bytes_max_step` the
-    largest).
+    largest). `weight_bytes_by_format`: the weights' bytes by how they are held, the dtype's name
+    or, for weights kept in GGUF blocks, the block format (`matmul.weight_format`: "q4_1",
+    "q8_0", "q4_1_i16", "q8_0_i16").
     """
     by_kind = offload.bytes_by_memory_kind(self.state)
     per_device, tp = offload.bytes_per_device(self.state), self.tensor_parallel_size
@@ -272,7 +285,8 @@ class LLM:
             "device_weight_bytes_per_device": per_device.get(offload.DEVICE, 0),
             "host_weight_bytes_per_device": sum(v for k, v in per_device.items()
                                                 if k != offload.DEVICE),
-            "device_kv_bytes_per_device": c.num_device_blocks * self.block_bytes // tp}
+            "device_kv_bytes_per_device": c.num_device_blocks * self.block_bytes // tp,
+            "weight_bytes_by_format": _bytes_by_format(self.state)}
 
   def stats(self) -> dict:
     """The engine's figures (swaps, preemptions, pools, requests, compiles; see `Engine.stats`)

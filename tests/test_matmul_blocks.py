@@ -373,15 +373,23 @@ def write_mixed_gguf(path: str, c: ModelConfig) -> None:
   writer.close()
 
 
-def test_loader_keeps_each_layers_kernels_held_in_blocks(tmp_path):
+MIXED_CONFIG = ModelConfig(architecture="llama", vocab_size=192, hidden_size=256,
+                           intermediate_size=512, num_layers=len(MIXED), num_heads=4,
+                           num_kv_heads=2, head_dim=64, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory) -> str:
+  path = str(tmp_path_factory.mktemp("mixed") / "mixed.gguf")
+  write_mixed_gguf(path, MIXED_CONFIG)
+  return path
+
+
+def test_loader_keeps_each_layers_kernels_held_in_blocks(mixed_gguf):
   """A file that mixes types per layer (as llama.cpp's Q4_K_M files do): each layer keeps in
   blocks the fused kernels whose parts are all of a 4-bit type Q4_1 holds exactly, its others
   float32 panels, and the model gives bit for bit the logits of the file dequantized on load."""
-  c = ModelConfig(architecture="llama", vocab_size=192, hidden_size=256, intermediate_size=512,
-                  num_layers=len(MIXED), num_heads=4, num_kv_heads=2, head_dim=64,
-                  max_position_embeddings=64)
-  path = str(tmp_path / "mixed.gguf")
-  write_mixed_gguf(path, c)
+  c, path = MIXED_CONFIG, mixed_gguf
   layout = lambda **kw: placed.Layout.of(c.num_layers, layer_execution="unrolled", **kw)
   floats = checkpoint.load(path, layout=layout()).model
   kept = checkpoint.load(path, layout=layout(keep_quantized=True)).model
@@ -393,3 +401,22 @@ def test_loader_keeps_each_layers_kernels_held_in_blocks(tmp_path):
   assert kept.packed_head[...].dtype == jnp.uint8 and floats.packed_head[...].dtype == jnp.float32
   for a, b in zip(logits_of(kept, c), logits_of(floats, c)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_memory_report_counts_the_kept_blocks(mixed_gguf):
+  """`memory_report()["weight_bytes_by_format"]` of the mixed file: Q4_1 blocks take 24 bytes per
+  32 weights, so the kept kernels (MIXED_KEPT) and the Q4_K head come to 0.75 bytes a weight, and
+  everything else is float32."""
+  import jaxtier
+  c = MIXED_CONFIG
+  h, f = c.hidden_size, c.intermediate_size
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  weights = {"qkv_kernel": h * (q + 2 * kv), "gate_up_kernel": 2 * h * f, "o_kernel": q * h,
+             "down_kernel": f * h}
+  kept = sum(weights[name] for names in MIXED_KEPT for name in names) + c.vocab_size * h
+  total = c.num_layers * (sum(weights.values()) + 2 * h) + 2 * c.vocab_size * h + h
+  report = jaxtier.LLM(mixed_gguf, max_num_seqs=2).memory_report()
+  by_format = report["weight_bytes_by_format"]
+  assert by_format["q4_1"] == kept * 24 // 32
+  assert sum(by_format.values()) == report["device_weight_bytes"] + report["host_weight_bytes"]
+  assert by_format["float32"] == (total - kept + c.head_dim // 2) * 4  # + rotary frequencies
