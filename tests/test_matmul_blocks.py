@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jaxtier
 from jaxtier import checkpoint, cpu_kernels, matmul
 from jaxtier.checkpoint import gguf_file, placed
 from jaxtier.config import ModelConfig
@@ -26,8 +27,9 @@ from test_checkpoint import llama_gguf_writer
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
                                 reason="no C++ compiler to build the CPU kernels")
 
-Q4_1 = gguf.GGMLQuantizationType.Q4_1
-Q8_0 = gguf.GGMLQuantizationType.Q8_0
+Q = gguf.GGMLQuantizationType
+Q4_1 = Q.Q4_1
+Q8_0 = Q.Q8_0
 
 
 def gguf_q4_1(w_kn: np.ndarray):
@@ -307,8 +309,6 @@ def raw_blocks(rng, qtype, n: int, k: int) -> np.ndarray:
   return raw.reshape(n, -1)
 
 
-Q = gguf.GGMLQuantizationType
-
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
 def test_block_parts_are_the_gguf_dequantization(qtype):
@@ -407,7 +407,6 @@ def test_memory_report_counts_the_kept_blocks(mixed_gguf):
   """`memory_report()["weight_bytes_by_format"]` of the mixed file: Q4_1 blocks take 24 bytes per
   32 weights, so the kept kernels (MIXED_KEPT) and the Q4_K head come to 0.75 bytes a weight, and
   everything else is float32."""
-  import jaxtier
   c = MIXED_CONFIG
   h, f = c.hidden_size, c.intermediate_size
   q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
