@@ -124,14 +124,15 @@ class EngineArgs:
       paged pool in place, built on first use; see `jaxtier.cpu_kernels`), "xla", "pallas" (the
       GPU kernel for decode steps), or
       "auto": "cpu" for a pool on one CPU device when a C++ compiler is found, else "xla".
-    weight_format: "auto": where a GGUF file stores layer weights in 4-bit blocks that Q4_1
-      holds exactly (Q4_1, as the default model does, Q4_0 or Q4_K) and the CPU kernels multiply
-      the layers, those weights stay in their blocks (0.75 bytes a weight instead of 4; the
-      kernel dequantizes them in cache, and its products are bit for bit those of the
-      dequantized float32 weights), per layer and fused kernel (q/k/v, gate/up, o, down: kept
-      where all its weights are such blocks, as in most layers of a Q4_K_M file; the rest
-      dequantized), and so does an LM head in those or in 8-bit blocks (Q8_0, Q5_0); "float":
-      every weight dequantized to `dtype` on load.
+    weight_format: "auto": where a GGUF file stores weights in blocks and the CPU kernels
+      multiply the layers, those weights stay in blocks (the kernel dequantizes them in cache,
+      and its products are bit for bit those of the dequantized float32 weights), per layer and
+      fused kernel (q/k/v, gate/up, o, down) in the smallest format that holds all its weights
+      exactly: Q4_1 (0.75 bytes a weight instead of 4) for Q4_1, as the default model stores
+      them, Q4_0 or Q4_K; Q8_0 (1.125) for Q8_0 or Q5_0; else 8-bit values with a scale and
+      minimum per 16 weights (1.5) for those and Q6_K, Q5_K, Q5_1, Q3_K, Q2_K (a Q4_K_M file's
+      mixed q/k/v, its Q6_K projections and LM head); the LM head likewise. Other types (F16,
+      the IQ types) are dequantized. "float": every weight dequantized to `dtype` on load.
     block_activations: how the blocks weight_format="auto" keeps multiply: "float32" (the
       default: bit for bit the dequantized model) or "int16": each matmul quantizes its input
       per block of 32 values to int16 and sums every block's products exactly in integers, as

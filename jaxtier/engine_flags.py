@@ -65,9 +65,9 @@ flags.DEFINE_enum("attention_impl", "auto", list(engine_args.ATTENTION_IMPLS), "
                   "decode steps); "
                   "auto: cpu on one CPU device when a C++ compiler is found, else xla")
 flags.DEFINE_enum("weight_format", "auto", list(engine_args.WEIGHT_FORMATS), "auto: a GGUF "
-                  "file's Q4_1, Q4_0 and Q4_K layer weights stay in their 4-bit blocks where the "
-                  "CPU kernels multiply them (same results, 5x fewer bytes per step); float: "
-                  "dequantize every weight on load")
+                  "file's quantized weights (Q4_0/1, Q5_0/1, Q8_0 and the k-quants Q2_K-Q6_K) "
+                  "stay in blocks where the CPU kernels multiply them (same results, 2.7-5x fewer "
+                  "bytes per step); float: dequantize every weight on load")
 flags.DEFINE_enum("block_activations", "float32", list(engine_args.BLOCK_ACTIVATIONS), "how "
                   "the kept blocks multiply: float32 (bit for bit the dequantized model) or int16 "
                   "(inputs quantized per 32 values, integer block sums: faster, logits within "

@@ -145,10 +145,10 @@ class LLM:
     self.graphdef, self.state = nnx.split(self.loaded.model)
     if args.block_activations == "int16" and not any(
         matmul.weight_format(leaf).endswith("_i16") for leaf in jax.tree.leaves(self.state)):
-      logging.warning("block_activations='int16' has no effect: no GGUF blocks are kept (they are "
-                      "kept for a GGUF file of Q4_1, Q4_0 or Q4_K layers, with "
-                      "weight_format='auto', unrolled layers on one device and the CPU kernels "
-                      "built)")
+      logging.warning("block_activations='int16' has no effect: no Q4_1 or Q8_0 blocks are kept "
+                      "(they are kept for a GGUF file of Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0 layers, "
+                      "with weight_format='auto', unrolled layers on one device and the CPU "
+                      "kernels built; the other types' blocks multiply float32 inputs)")
     num_device_blocks, num_host_blocks = self._pool_blocks()
     self.engine_config = EngineConfig(
         max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -262,7 +262,7 @@ class LLM:
     `kv_swap_bytes_per_step` is the mean over the steps run so far (`kv_swap_bytes_max_step` the
     largest). `weight_bytes_by_format`: the weights' bytes by how they are held, the dtype's name
     or, for weights kept in GGUF blocks, the block format (`matmul.weight_format`: "q4_1",
-    "q8_0", "q4_1_i16", "q8_0_i16").
+    "q8_0", "q8_16", "q4_1_i16", "q8_0_i16").
     """
     by_kind = offload.bytes_by_memory_kind(self.state)
     per_device, tp = offload.bytes_per_device(self.state), self.tensor_parallel_size

@@ -13,12 +13,16 @@ A weight can also be packed from GGUF's Q4_1 blocks (`pack_q4_1`): uint8 [ceil(N
 24 P], for every 32 rows of a panel the blocks' scales d and minimums m (float32, P each) and the
 4-bit values q (row by row, a row's byte j holding column j in its low nibble and column j + P / 2
 in its high one); w = d q + m. Or from Q8_0 blocks (`pack_q8_0`): int8 [ceil(N / P), K / 32,
-36 P], per block the scales d (float32, P) then the 8-bit values row by row; w = d q. Every
-function here takes any of the three formats (`weight_format` tells them apart by dtype). The
+36 P], per block the scales d (float32, P) then the 8-bit values row by row; w = d q. Or from
+8-bit values with a scale and a minimum per 16 rows (`pack_q8_16`, uint32 [ceil(N / P), K / 32,
+12 P]; w = d q + m), which holds exactly every GGUF type whose values fit 8 bits (Q6_K, Q5_K,
+Q5_1 and the rest), so a fused kernel whose parts come in different types stays in blocks. Every
+function here takes any of these formats (`weight_format` tells them apart by dtype). The
 kernel dequantizes each pass of 64 panel rows into its cache and multiplies as for float32
 panels; d q is exact in float32, so d q + m rounds once, as GGUF's dequantization does, and
 products are bit for bit those of the float32 panels of the dequantized weights
-(`dequantize_packed`), from 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4.
+(`dequantize_packed`), from 0.75 (Q4_1), 1.125 (Q8_0) or 1.5 (Q8_16) bytes per weight instead
+of 4.
 
 The same blocks can instead multiply with int16 activations (`pack_q4_1(..., activations="int16")`,
 `pack_q8_0` likewise): uint16 (Q4_1) or int16 (Q8_0) words holding the blocks in panels of L
@@ -50,13 +54,15 @@ from jaxtier.rotary import apply_rotary
 DEFAULT_PANEL = 64  # columns per panel where the kernels are unavailable
 DEFAULT_LANES = 16  # columns per int16-activation panel where the kernels are unavailable
 # The kernels' `format` attribute: float32 panels, GGUF blocks, GGUF blocks with int16 activations.
-FORMATS = {"float32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i16": 3, "q8_0_i16": 4}
+FORMATS = {"float32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i16": 3, "q8_0_i16": 4, "q8_16": 5}
 ACTIVATIONS = ("float32", "int16")  # how block formats multiply
-QUANT_BLOCK = 32  # K rows per Q4_1 or Q8_0 block
-# A block's bytes per panel column: Q4_1 d and m (4 bytes each) and 32 nibbles; Q8_0 d and 32 bytes.
-BYTES_PER_COLUMN = {"q4_1": 24, "q8_0": 36, "q4_1_i16": 24, "q8_0_i16": 36}
+QUANT_BLOCK = 32  # K rows per block of every block format
+HALF_BLOCK = 16  # K rows per scale and minimum of the "q8_16" format
+# A block's bytes per panel column: Q4_1 d and m (4 bytes each) and 32 nibbles; Q8_0 d and 32
+# bytes; Q8_16 two (d, m) pairs and 32 bytes.
+BYTES_PER_COLUMN = {"q4_1": 24, "q8_0": 36, "q4_1_i16": 24, "q8_0_i16": 36, "q8_16": 48}
 _DTYPES = {np.dtype(np.uint8): "q4_1", np.dtype(np.int8): "q8_0", np.dtype(np.uint16): "q4_1_i16",
-           np.dtype(np.int16): "q8_0_i16"}
+           np.dtype(np.int16): "q8_0_i16", np.dtype(np.uint32): "q8_16"}
 
 
 def panel_width() -> int:
@@ -105,7 +111,7 @@ def unpack(w_pkc, n: int):
 def weight_format(w) -> str:
   """The format of a packed weight, told by its dtype: "q4_1" (uint8, `pack_q4_1`), "q8_0"
   (int8, `pack_q8_0`), "q4_1_i16" (uint16) and "q8_0_i16" (int16) (the same with
-  activations="int16"), else "float32" (float panels)."""
+  activations="int16"), "q8_16" (uint32, `pack_q8_16`), else "float32" (float panels)."""
   return _DTYPES.get(np.dtype(w.dtype), "float32")
 
 
@@ -125,8 +131,9 @@ def packed_rows(w) -> int:
 
 
 def parameter_count(w) -> int:
-  """Weights (float values) an array holds: 32 per 24 bytes of a Q4_1-packed one and per 36 of a
-  Q8_0-packed one (padding columns included, as in a float panel), its size otherwise."""
+  """Weights (float values) an array holds: 32 per 24 bytes of a Q4_1-packed one, per 36 of a
+  Q8_0-packed one and per 48 of a Q8_16-packed one (padding columns included, as in a float
+  panel), its size otherwise."""
   fmt = weight_format(w)
   return w.size if fmt == "float32" else w.size // _per_column(fmt, w.dtype) * QUANT_BLOCK
 
@@ -233,6 +240,73 @@ def pack_q8_0(q_kn, d_bn, width: int | None = None, activations: str = "float32"
   return out if activations == "float32" else _as_words(out, np.int16)
 
 
+def quantize_q8_16(w_kn):
+  """w [..., K, N] (K a multiple of 32) in the "q8_16" format's terms: per 16 rows d = (max -
+  min) / 255 and m = min + 128 d, both stored as float16 (as GGUF stores scales, so d q is exact
+  in float32), and q = round((w - m) / d) clipped to [-128, 127] (a float layer quantized so; the
+  loader takes a GGUF file's own values instead). Returns (q int8 [..., K, N], d and m float32
+  [..., K / 16, N]), `d q + m` the dequantized weight."""
+  xp, blocks = _blocks_of(w_kn, "Q8_16")
+  *lead, k, n = w_kn.shape
+  halves = blocks.reshape(*lead, k // HALF_BLOCK, HALF_BLOCK, n)
+  low, high = halves.min(axis=-2), halves.max(axis=-2)
+  as_half = lambda a: a.astype(xp.float16).astype(xp.float32)
+  d = as_half((high - low) / 255)
+  m = as_half(low + 128 * d)
+  inv = xp.where(d > 0, 1 / xp.where(d > 0, d, 1), 0)
+  q = xp.clip(xp.round((halves - m[..., None, :]) * inv[..., None, :]), -128, 127)
+  return q.astype(xp.int8).reshape(w_kn.shape), d, m
+
+
+def pack_q8_16(q_kn, d_hn, m_hn, width: int | None = None):
+  """8-bit values q [..., K, N] (int8) with a scale d and minimum m per 16 rows [..., K / 16, N]
+  (float32; w = d q + m) -> uint32 [..., ceil(N / P), K / 32, 12 P]: per block of 32 rows of a
+  panel, the first 16 rows' d and m, the last 16's d and m (float32, P each), then q row by row;
+  columns past N are zero. It holds every GGUF type whose values fit 8 bits exactly
+  (`jaxtier.checkpoint.gguf_file.block_parts_q8_16`). Numpy in, numpy out; jax in, jax out."""
+  width = width or panel_width()
+  xp = np if isinstance(q_kn, np.ndarray) else jnp
+  *lead, k, n = q_kn.shape
+  halves = k // HALF_BLOCK
+  if k % QUANT_BLOCK or d_hn.shape != (*lead, halves, n) or m_hn.shape != d_hn.shape:
+    raise ValueError(f"expected q [..., K, N] with K a multiple of {QUANT_BLOCK} and d, m "
+                     f"[..., K / {HALF_BLOCK}, N]; got {q_kn.shape}, {d_hn.shape}, {m_hn.shape}")
+  q = _block_panels(q_kn.astype(xp.int8), width, QUANT_BLOCK)  # [..., p, B, 32, P]
+  values = q.reshape(*q.shape[:-2], -1)
+  pairs = lambda a: a.reshape(*lead, k // QUANT_BLOCK, 2, n)
+  d, m = pairs(d_hn), pairs(m_hn)
+  scales = [_scale_bytes(a[..., half, :], width, np.int8) for half in (0, 1) for a in (d, m)]
+  out = xp.concatenate([*scales, values], axis=-1)
+  out = np.ascontiguousarray(out) if xp is np else out
+  return _as_words(out, np.uint32)
+
+
+BLOCK_FORMATS = ("q4_1", "q8_0", "q8_16")  # what `quantize_blocks` and `pack_blocks` take
+
+
+def quantize_blocks(fmt: str, w_kn):
+  """w [..., K, N] quantized to the parts of block format `fmt` (`quantize_q4_1`,
+  `quantize_q8_0` or `quantize_q8_16`)."""
+  quantize = {"q4_1": quantize_q4_1, "q8_0": quantize_q8_0, "q8_16": quantize_q8_16}
+  if fmt not in quantize:
+    raise ValueError(f"block format {fmt!r}: expected one of {BLOCK_FORMATS}")
+  return quantize[fmt](w_kn)
+
+
+def pack_blocks(fmt: str, parts, activations: str = "float32"):
+  """A weight's block parts ((q, d, m) or (q, d), as `quantize_blocks` or a checkpoint's
+  `read_blocks` give them) packed in format `fmt`: `pack_q4_1` and `pack_q8_0` with
+  `activations`, `pack_q8_16` (which multiplies float32 activations whatever `activations`)."""
+  _check_activations(activations)
+  if fmt == "q4_1":
+    return pack_q4_1(*parts, activations=activations)
+  if fmt == "q8_0":
+    return pack_q8_0(*parts, activations=activations)
+  if fmt == "q8_16":
+    return pack_q8_16(*parts)
+  raise ValueError(f"block format {fmt!r}: expected one of {BLOCK_FORMATS}")
+
+
 def _check_activations(activations: str) -> None:
   if activations not in ACTIVATIONS:
     raise ValueError(f"activations={activations!r}: expected one of {ACTIVATIONS}")
@@ -246,19 +320,21 @@ def _row_pairs(q):
 
 
 def _as_words(a, dtype):
-  """Bytes [..., 2 n] (uint8 or int8) -> [..., n] of the 16-bit `dtype`, the same memory."""
+  """Bytes [..., s n] (uint8 or int8) -> [..., n] of the s-byte `dtype`, the same memory."""
   if isinstance(a, np.ndarray):
     return a.view(np.dtype(dtype))
-  return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2), dtype)
+  size = np.dtype(dtype).itemsize
+  return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // size, size), dtype)
 
 
 def _as_bytes(w):
-  """An int16-activation block weight's words [..., n] -> its bytes [..., 2 n] (uint8 for Q4_1,
-  int8 for Q8_0)."""
+  """A block weight held in words [..., n] (the int16-activation formats, Q8_16) -> its bytes
+  [..., s n] (uint8 for Q4_1, int8 for Q8_0 and Q8_16)."""
   dtype = np.uint8 if weight_format(w) == "q4_1_i16" else np.int8
+  size = np.dtype(w.dtype).itemsize
   if isinstance(w, np.ndarray):
     return np.ascontiguousarray(w).view(dtype)
-  return jax.lax.bitcast_convert_type(w, dtype).reshape(*w.shape[:-1], 2 * w.shape[-1])
+  return jax.lax.bitcast_convert_type(w, dtype).reshape(*w.shape[:-1], size * w.shape[-1])
 
 
 def _block_floats(a, width: int):
@@ -269,8 +345,8 @@ def _block_floats(a, width: int):
 
 
 def dequantize_packed(w):
-  """A `pack_q4_1` or `pack_q8_0` weight -> float32 panels [..., P, K, C] (d q + m or d q,
-  GGUF's float32 values); a float weight as it is. Numpy in, numpy out; jax in, jax out."""
+  """A `pack_q4_1`, `pack_q8_0` or `pack_q8_16` weight -> float32 panels [..., P, K, C] (d q + m
+  or d q, GGUF's float32 values); a float weight as it is. Numpy in, numpy out; jax in, jax out."""
   fmt = weight_format(w)
   if fmt == "float32":
     return w
@@ -278,6 +354,14 @@ def dequantize_packed(w):
   width = panel_columns(w)
   if fmt.endswith("_i16"):
     return _dequantize_pairs(_as_bytes(w), fmt, width, xp)
+  if fmt == "q8_16":
+    b = _as_bytes(w)
+    *lead, blocks, _ = b.shape
+    scale = lambda i: _block_floats(b[..., 4 * i * width:4 * (i + 1) * width], width)
+    rows = lambda a: xp.repeat(xp.stack(a, axis=-2), HALF_BLOCK, axis=-2)  # [..., B, 32, C]
+    d, m = rows([scale(0), scale(2)]), rows([scale(1), scale(3)])
+    q = b[..., 16 * width:].reshape(*lead, blocks, QUANT_BLOCK, width).astype(xp.float32)
+    return (d * q + m).reshape(*lead, blocks * QUANT_BLOCK, width)
   *lead, blocks, size = w.shape
   d = _block_floats(w[..., :4 * width], width)
   if fmt == "q8_0":
@@ -328,7 +412,7 @@ def packed_columns(w, ids):
   panel, column = ids // width, ids % width
   if fmt == "float32":
     return w[panel, :, column]
-  b = _as_bytes(w) if fmt.endswith("_i16") else w  # a block's bytes [P, B, 24 C or 36 C]
+  b = _as_bytes(w) if w.dtype.itemsize > 1 else w  # a block's bytes [P, B, 24 C, 36 C or 48 C]
   blocks = b.shape[-2]
   blk = jnp.arange(blocks)[:, None]
   p, c = panel[..., None, None], column[..., None, None]
@@ -336,6 +420,13 @@ def packed_columns(w, ids):
                                                       jnp.float32)  # [..., B]
   d = floats(0)
   rows = jnp.arange(QUANT_BLOCK)
+  if fmt == "q8_16":  # the half's d and m, row i's own row of bytes
+    high = rows >= HALF_BLOCK
+    half = lambda i: jnp.where(high, floats((2 + i) * 4 * width)[..., None],
+                               floats(i * 4 * width)[..., None])
+    d, m = half(0), half(1)
+    q = b[p, blk, 16 * width + rows * width + c].astype(jnp.float32)  # [..., B, 32]
+    return (d * q + m).reshape(*ids.shape, blocks * QUANT_BLOCK)
   if fmt.startswith("q8_0"):  # row i: its own row of bytes, or byte i % 2 of pair i // 2
     at = rows * width + c if fmt == "q8_0" else (rows // 2) * 2 * width + 2 * c + rows % 2
     q = b[p, blk, 4 * width + at].astype(jnp.float32)  # [..., B, 32]
@@ -399,7 +490,7 @@ def _kernel_applies(x, w_pkc, *others) -> bool:
   float32 but a Q4_1 or Q8_0 weight, x not empty, the kernels built, and panels of the width they
   were built for (any other width runs the reference)."""
   return (all(a.dtype == jnp.float32 for a in (x, *others))
-          and w_pkc.dtype in (jnp.float32, jnp.uint8, jnp.int8, jnp.uint16, jnp.int16)
+          and w_pkc.dtype in (jnp.float32, jnp.uint8, jnp.int8, jnp.uint16, jnp.int16, jnp.uint32)
           and x.size > 0 and cpu_kernels.available()
           and panel_columns(w_pkc) == (cpu_kernels.lanes() if weight_format(w_pkc).endswith("_i16")
                                        else cpu_kernels.panel_width()))

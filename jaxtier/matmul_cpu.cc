@@ -16,16 +16,17 @@
 // accumulators and ran at ~5 GFLOP/s, and 16-column tiles walking a 64-column panel (a 256-byte
 // stride) reached ~55 GFLOP/s at 32 rows, against ~105 GFLOP/s over 16-column panels.
 //
-// Weights come in three formats (the `format` attribute), all in panels: float32; GGUF's Q4_1
+// Weights come in these formats (the `format` attribute), all in panels: float32; GGUF's Q4_1
 // blocks (kQ4_1: for every 32 K rows of a panel, the blocks' scales d and minimums m, float32,
 // kPanel each, then their 4-bit values q row by row, a row's byte j holding column j in its low
-// nibble and column j + kPanel / 2 in its high one; w = d q + m); or GGUF's Q8_0 blocks (kQ8_0:
-// for every 32 K rows, the scales d, float32, then the 8-bit values row by row; w = d q). Each
-// pass of an item dequantizes its 64 panel rows into a buffer in the core's cache, where the
-// tiles read them as they read float32 panels. d q is exact in float32 (an 11-bit d times a 4- or
+// nibble and column j + kPanel / 2 in its high one; w = d q + m); GGUF's Q8_0 blocks (kQ8_0:
+// for every 32 K rows, the scales d, float32, then the 8-bit values row by row; w = d q); or
+// 8-bit values with d and m per 16 K rows (kQ8_16), which hold the other GGUF types. Each pass
+// of an item dequantizes its 64 panel rows into a buffer in the core's cache, where the tiles
+// read them as they read float32 panels. d q is exact in float32 (an 11-bit d times a 4- or
 // 8-bit q), so d q + m rounds once, as GGUF's float32 dequantization does, and the product is bit
-// for bit the float32 kernel's on the dequantized weights, from 0.75 (Q4_1) or 1.125 (Q8_0)
-// bytes per weight instead of 4.
+// for bit the float32 kernel's on the dequantized weights, from 0.75 (Q4_1), 1.125 (Q8_0) or 1.5
+// (Q8_16) bytes per weight instead of 4. The int16-activation formats are further below.
 //
 // x is float32 [M, K] (row-major), out float32 [M, N]. Other handlers apply an RMS norm to x's
 // rows first (the pre-norm of a decoder layer's q/k/v and gate/up projections), with the bias and
@@ -104,11 +105,18 @@ constexpr int64_t kQ4_1I16 = 3;
 constexpr int64_t kQ8_0I16 = 4;
 constexpr int64_t kQ4I16Bytes = 24 * kLanes;  // one Q4_1 block of a kLanes-column panel
 constexpr int64_t kQ8I16Bytes = 36 * kLanes;
+// 8-bit values with a scale d and minimum m per 16 K rows (kQ8_16: for every 32 K rows of a
+// panel, the first half's d and m, the second half's d and m, float32, kPanel each, then the
+// values row by row; w = d q + m): every GGUF type whose values fit 8 bits (the k-quants' scales
+// per 16 or 32 values, Q5_1, Q5_0, Q8_0), so a fused kernel of parts in different types stays in
+// blocks.
+constexpr int64_t kQ8_16 = 5;
+constexpr int64_t kQ816Bytes = 16 * kPanel + kQBlock * kPanel;
 static_assert(kPassRows % kQBlock == 0, "a pass dequantizes whole blocks");
 
 // Bytes of a panel's rows [0, i) (i a multiple of kQBlock for the block formats).
 inline int64_t RowBytes(int64_t format, int64_t i) {
-  constexpr int64_t kBlockBytes[] = {0, kQ4Bytes, kQ8Bytes, kQ4I16Bytes, kQ8I16Bytes};
+  constexpr int64_t kBlockBytes[] = {0, kQ4Bytes, kQ8Bytes, kQ4I16Bytes, kQ8I16Bytes, kQ816Bytes};
   if (format == kF32) return i * kPanel * 4;
   return i / kQBlock * kBlockBytes[format];
 }
@@ -133,26 +141,36 @@ inline IN WidenBytes(const uint8_t* p) {
 #endif
 }
 
-// A block of a panel in format kFormat (kQ4_1 or kQ8_0): its bytes, where its values start, the
-// bytes of one of its rows, and its scales d (and minimums m) as vectors.
+// A block of a panel in format kFormat (kQ4_1, kQ8_0 or kQ8_16): its bytes, where its values
+// start, the bytes of one of its rows, and its scales d (and minimums m) as vectors: kQ8_16's
+// first half's, until `Load(block, 1)` loads the second's (at row kHalfRows).
+constexpr int64_t kHalfRows = kQBlock / 2;
 template <int64_t kFormat>
 struct Block {
-  static constexpr int64_t kBytes = kFormat == kQ4_1 ? kQ4Bytes : kQ8Bytes;
-  static constexpr int64_t kValues = (kFormat == kQ4_1 ? 8 : 4) * kPanel;
+  static constexpr bool kHalves = kFormat == kQ8_16;
+  static constexpr int64_t kBytes =
+      kFormat == kQ4_1 ? kQ4Bytes : kFormat == kQ8_0 ? kQ8Bytes : kQ816Bytes;
+  static constexpr int64_t kValues = (kFormat == kQ4_1 ? 8 : kFormat == kQ8_0 ? 4 : 16) * kPanel;
   static constexpr int64_t kRowBytes = kFormat == kQ4_1 ? kPanel / 2 : kPanel;
   VN d[kVecs], m[kVecs];
-  explicit Block(const uint8_t* block) {
-    const float* scales = reinterpret_cast<const float*>(block);
+  explicit Block(const uint8_t* block) { Load(block, 0); }
+  void Load(const uint8_t* block, int half) {
+    const float* scales = reinterpret_cast<const float*>(block) + half * 2 * kPanel;
     for (int j = 0; j < kVecs; ++j) {
       d[j] = LoadN(scales + j * kLanes);
-      if constexpr (kFormat == kQ4_1) m[j] = LoadN(scales + kPanel + j * kLanes);
+      if constexpr (kFormat != kQ8_0) m[j] = LoadN(scales + kPanel + j * kLanes);
     }
   }
   // The kVecs weight vectors of the panel row whose values start at q: d q + m (Q4_1: byte j
-  // holds columns j and j + kPanel / 2), or d q (Q8_0). d q is exact in float32 (an 11-bit d
-  // times a 4- or 8-bit q), so d q + m rounds once, as GGUF's float32 dequantization does.
+  // holds columns j and j + kPanel / 2; Q8_16: signed bytes), or d q (Q8_0). d q is exact in
+  // float32 for every GGUF type held (an 11-bit d times a 4- or 8-bit q; a k-quant's d, an
+  // 11-bit float16 times a scale of at most 7 significant bits, times a q of at most 5: 23
+  // bits), so d q + m rounds once, as GGUF's float32 dequantization does.
   void Row(const uint8_t* q, VN (&w)[kVecs]) const {
-    if constexpr (kFormat == kQ4_1) {
+    if constexpr (kFormat == kQ8_16) {
+      for (int j = 0; j < kVecs; ++j)
+        w[j] = d[j] * __builtin_convertvector(WidenBytes<true>(q + j * kLanes), VN) + m[j];
+    } else if constexpr (kFormat == kQ4_1) {
       constexpr int kHalf = kVecs / 2;
       for (int j = 0; j < kHalf; ++j) {
         const IN v = WidenBytes<false>(q + j * kLanes);
@@ -170,9 +188,11 @@ struct Block {
 template <int64_t kFormat>
 inline void Dequantize(const uint8_t* block, float* out) {
   using B = Block<kFormat>;
-  const B scales(block);
+  B scales(block);
   const uint8_t* q = block + B::kValues;
   for (int64_t r = 0; r < kQBlock; ++r, q += B::kRowBytes, out += kPanel) {
+    if constexpr (B::kHalves)
+      if (r == kHalfRows) scales.Load(block, 1);
     VN w[kVecs];
     scales.Row(q, w);
     for (int j = 0; j < kVecs; ++j) StoreN(out + j * kLanes, w[j]);
@@ -260,9 +280,11 @@ inline void TileBlocks(const float* x, int64_t k, const uint8_t* blocks, int64_t
       acc[r][j] = accumulate ? LoadN(sums + r * s + kLanes * j) : VN{};
   int64_t credit = 0;
   for (int64_t i = 0; i < steps; blocks += B::kBytes) {
-    const B scales(blocks);
+    B scales(blocks);
     const uint8_t* q = blocks + B::kValues;
     for (int64_t row = 0; row < kQBlock; ++row, ++i, q += B::kRowBytes) {
+      if constexpr (B::kHalves)
+        if (row == kHalfRows) scales.Load(blocks, 1);
       for (credit += prefetch_lines; credit >= steps; credit -= steps, prefetch += kLine)
         __builtin_prefetch(prefetch, 0, kPrefetchLocality);
       VN w[kVecs];
@@ -557,8 +579,10 @@ void Call::RunItem(int64_t item) {
       const float* xr = x + first * k + i0;
       if (format == kQ4_1) {
         TileBlocksOf<kQ4_1>(rows, xr, k, blocks, i1 - i0, sums, stride, i0 > 0, next, lines);
-      } else {
+      } else if (format == kQ8_0) {
         TileBlocksOf<kQ8_0>(rows, xr, k, blocks, i1 - i0, sums, stride, i0 > 0, next, lines);
+      } else {
+        TileBlocksOf<kQ8_16>(rows, xr, k, blocks, i1 - i0, sums, stride, i0 > 0, next, lines);
       }
       continue;
     }
@@ -567,8 +591,10 @@ void Call::RunItem(int64_t item) {
         const auto* block = reinterpret_cast<const uint8_t*>(panel + RowBytes(format, b));
         if (format == kQ4_1) {
           Dequantize<kQ4_1>(block, rows_w + (b - i0) * kPanel);
-        } else {
+        } else if (format == kQ8_0) {
           Dequantize<kQ8_0>(block, rows_w + (b - i0) * kPanel);
+        } else {
+          Dequantize<kQ8_16>(block, rows_w + (b - i0) * kPanel);
         }
       }
       pass = rows_w;
@@ -635,6 +661,7 @@ bool Fits(const Dims& xd, const ffi::AnyBuffer& w, int64_t format, const Dims& o
   if (xd[1] % kQBlock || wd[1] * kQBlock != xd[1]) return false;
   if (format == kQ4_1) return w.element_type() == ffi::U8 && wd[2] == kQ4Bytes;
   if (format == kQ8_0) return w.element_type() == ffi::S8 && wd[2] == kQ8Bytes;
+  if (format == kQ8_16) return w.element_type() == ffi::U32 && wd[2] * 4 == kQ816Bytes;
   if (format == kQ4_1I16) return w.element_type() == ffi::U16 && wd[2] * 2 == kQ4I16Bytes;
   return format == kQ8_0I16 && w.element_type() == ffi::S16 && wd[2] * 2 == kQ8I16Bytes;
 }
@@ -643,7 +670,8 @@ constexpr char kWeightShapes[] =
     "w [N/P, K, P] float32 (format 0), [N/P, K/32, 24 P] uint8 (format 1, Q4_1) or [N/P, K/32, "
     "36 P] int8 (format 2, Q8_0) with P the panel width, or [N/L, K/32, 12 L] uint16 (format 3, "
     "Q4_1 with int16 activations) or [N/L, K/32, 18 L] int16 (format 4, Q8_0 with int16 "
-    "activations) with L the vector lanes";
+    "activations) with L the vector lanes, or [N/P, K/32, 12 P] uint32 (format 5, 8-bit values "
+    "with a scale and minimum per 16 rows)";
 
 void SetWeight(Call& call, const ffi::AnyBuffer& w, int64_t format) {
   call.w = static_cast<const char*>(w.untyped_data());

@@ -9,7 +9,7 @@ Shape legend: b batch, t tokens, h hidden size, n query heads, k kv heads, d hea
 l layers, f MLP width.
 """
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
@@ -112,11 +112,12 @@ class FusedDecoderLayer(DecoderLayer):
   when the kernel is available (`jaxtier.cpu_kernels`) and every kernel's width is a multiple of
   the panel width (no padding, so the same bytes), and keeps the [in, out] layout elsewhere.
   `q4_1` packs the kernels in GGUF's Q4_1 blocks instead (`matmul.pack_q4_1`, 0.75 bytes a weight
-  against 4), all of them (True) or the named ones (the others float32 panels): here by
-  quantizing the layer's weights; the loader fills such a layer with a checkpoint's own blocks
+  against 4), all of them (True) or the named ones (the others float32 panels); `formats` names a
+  block format per kernel ({kernel: "q4_1", "q8_0" or "q8_16"}, `matmul.pack_blocks`). Here the
+  layer's weights are quantized so; the loader fills such a layer with a checkpoint's own blocks
   (`jaxtier.checkpoint.placed`), whose products are then bit for bit those of the float32 panels
-  of the dequantized weights. `activations="int16"` lays the blocks out to multiply x quantized
-  to int16 per block instead (faster; `matmul.pack_q4_1`).
+  of the dequantized weights. `activations="int16"` lays Q4_1 and Q8_0 blocks out to multiply x
+  quantized to int16 per block instead (faster; `matmul.pack_q4_1`).
   """
 
   # Each fused parameter is its parts' parameters concatenated along the last (output) axis.
@@ -131,7 +132,8 @@ class FusedDecoderLayer(DecoderLayer):
 
   # pylint: disable-next=super-init-not-called
   def __init__(self, layer: DecoderLayer, packed: bool | None = None,
-               q4_1: bool | Collection[str] = False, activations: str = "float32"):
+               q4_1: bool | Collection[str] = False, activations: str = "float32",
+               formats: Mapping[str, str] | None = None):
     self.shape = layer.shape
     self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
     projections = (layer.q_proj, layer.k_proj, layer.v_proj)
@@ -146,19 +148,22 @@ class FusedDecoderLayer(DecoderLayer):
       packed = (packs_by_default(kernels["qkv_kernel"].dtype)
                 and matmul.packs_exactly(*(w.shape[-1] for w in kernels.values())))
     self.packed = packed
-    blocks = set(self.KERNELS if q4_1 is True else q4_1 or ())
-    if blocks - set(self.KERNELS):
-      raise ValueError(f"q4_1 names kernels {sorted(blocks - set(self.KERNELS))}; the layer's "
-                       f"kernels are {self.KERNELS}")
+    blocks = dict.fromkeys(self.KERNELS if q4_1 is True else q4_1 or (), "q4_1")
+    blocks.update(formats or {})
+    if set(blocks) - set(self.KERNELS):
+      raise ValueError(f"q4_1 or formats name kernels {sorted(set(blocks) - set(self.KERNELS))}; "
+                       f"the layer's kernels are {self.KERNELS}")
+    if set(blocks.values()) - set(matmul.BLOCK_FORMATS):
+      raise ValueError(f"formats {formats}: expected block formats among {matmul.BLOCK_FORMATS}")
     if blocks and not (packed and all(kernels[name].shape[0] % matmul.QUANT_BLOCK == 0
                                       for name in blocks)):
-      raise ValueError("q4_1 layers must be packed and have input widths that are multiples of "
-                       f"{matmul.QUANT_BLOCK}; got packed={packed}, input widths "
+      raise ValueError("kernels kept in blocks must be packed and have input widths that are "
+                       f"multiples of {matmul.QUANT_BLOCK}; got packed={packed}, input widths "
                        f"{[kernels[name].shape[0] for name in sorted(blocks)]}")
     self.widths = tuple((name, w.shape[-1]) for name, w in kernels.items())  # before packing
     for name, w in kernels.items():
       if name in blocks:
-        w = matmul.pack_q4_1(*matmul.quantize_q4_1(w), activations=activations)
+        w = matmul.pack_blocks(blocks[name], matmul.quantize_blocks(blocks[name], w), activations)
       elif self.packed:
         w = matmul.pack(w)
       setattr(self, name, nnx.Param(w))

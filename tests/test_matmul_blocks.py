@@ -1,9 +1,10 @@
-"""Weights packed from GGUF's Q4_1 and Q8_0 blocks: the packing against the gguf package's own
-quantization and dequantization, the CPU kernel's products against the float32 kernel's on the
-dequantized weights (bit for bit) and against float64 numpy, the embedding gathered from a packed
-table, and the loader keeping a GGUF file's blocks against loading it dequantized (Q4_1 and Q8_0,
-and the types those formats hold exactly: Q4_0, Q4_K, Q5_0; per layer and kernel where a file
-mixes types).
+"""Weights packed from GGUF's Q4_1 and Q8_0 blocks and in the Q8_16 format (8-bit values, a scale
+and minimum per 16 rows): the packing against the gguf package's own quantization and
+dequantization, the CPU kernel's products against the float32 kernel's on the dequantized weights
+(bit for bit) and against float64 numpy, the embedding gathered from a packed table, and the
+loader keeping a GGUF file's blocks against loading it dequantized (Q4_1 and Q8_0, the types
+those formats hold exactly: Q4_0, Q4_K, Q5_0, and the other types Q8_16 holds: Q6_K, Q5_K, Q5_1,
+Q3_K, Q2_K; per layer and kernel where a file mixes types).
 
 Skipped only where no C++ compiler exists; a kernel that fails to build is a failure.
 """
@@ -54,8 +55,18 @@ def gguf_q8_0(w_kn: np.ndarray):
   return (q, d), gguf.quants.dequantize(blocks, Q8_0).T
 
 
+def q8_16_case(w_kn: np.ndarray):
+  """(q, d, m) of w [K, N] in the Q8_16 format (`matmul.quantize_q8_16`), and d q + m."""
+  q, d, m = matmul.quantize_q8_16(w_kn)
+  rows = lambda a: np.repeat(a, matmul.HALF_BLOCK, axis=-2)
+  return (q, d, m), rows(d) * q.astype(np.float32) + rows(m)
+
+
 def packed_case(rng, k, n, width=None, fmt="q4_1"):
   w = rng.standard_normal((k, n), np.float32)
+  if fmt == "q8_16":
+    blocks, dequantized = q8_16_case(w)
+    return matmul.pack_q8_16(*blocks, width), dequantized
   if fmt == "q8_0":
     blocks, dequantized = gguf_q8_0(w)
     return matmul.pack_q8_0(*blocks, width), dequantized
@@ -82,7 +93,29 @@ def test_q8_0_packing_round_trips_gguf_blocks(n, width):
   np.testing.assert_array_equal(np.asarray(matmul.dequantize_packed(jnp.asarray(packed))), floats)
 
 
-@pytest.mark.parametrize("fmt", ["float32", "q4_1", "q8_0"])
+@pytest.mark.parametrize("n,width", [(64, 64), (100, 64), (40, 16)])
+def test_q8_16_packing_round_trips(n, width):
+  """Packed Q8_16 values dequantize to d q + m with each half block's own d and m (columns past
+  n zero), numpy and jax alike; the quantizer is within half a step of the weights."""
+  rng = np.random.default_rng(n)
+  w = rng.standard_normal((96, n), np.float32) * rng.uniform(0.01, 3, n).astype(np.float32)
+  w[16:32, 3] = 0.5  # a constant half block: d = 0
+  (q, d, m), dequantized = q8_16_case(w)
+  assert q.dtype == np.int8 and d.shape == m.shape == (6, n) and d[1, 3] == 0
+  assert np.all(np.abs(dequantized - w) <= 0.5 * np.repeat(d, 16, axis=0) + 1e-3 * np.abs(w))
+  packed = matmul.pack_q8_16(q, d, m, width)
+  assert packed.dtype == np.uint32 and packed.shape == (-(-n // width), 3, 12 * width)
+  assert matmul.weight_format(packed) == "q8_16" and matmul.parameter_count(packed) == \
+      packed.shape[0] * width * 96 and matmul.packed_rows(packed) == 96
+  floats = matmul.dequantize_packed(packed)
+  np.testing.assert_array_equal(matmul.unpack(floats, n), dequantized)
+  assert not floats.reshape(-1, 96, width).transpose(1, 0, 2).reshape(96, -1)[:, n:].any()
+  np.testing.assert_array_equal(
+      np.asarray(matmul.pack_q8_16(*map(jnp.asarray, (q, d, m)), width)), packed)
+  np.testing.assert_array_equal(np.asarray(matmul.dequantize_packed(jnp.asarray(packed))), floats)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "q4_1", "q8_0", "q8_16"])
 def test_packed_columns_are_the_dequantized_columns(fmt):
   """The embedding of a tied table held packed: each id's column, in every format."""
   rng = np.random.default_rng(5)
@@ -120,7 +153,7 @@ def test_packing_round_trips_gguf_blocks(n, width):
 kernel = jax.jit(matmul.packed_matmul, static_argnums=2)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q8_16"])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 64), (2, 96, 128), (3, 96, 192), (4, 576, 64),
                                    (5, 160, 128), (33, 576, 64), (100, 64, 256)])
 def test_kernel_equals_the_float_kernel_on_the_dequantized_weights(m, k, n, fmt):
@@ -151,7 +184,7 @@ def handler_inputs(rng, m: int, k: int, n: int, d: int):
   return x, scale, bias, cos, sin, gate_up
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q8_16"])
 def test_fused_handlers_equal_their_float_kernels(fmt):
   """The norm, norm + bias + rotary and gating handlers take block weights with the same products
   as float32 panels of the dequantized weights."""
@@ -181,6 +214,11 @@ def test_bad_q4_1_shapes_are_refused():
     matmul.quantize_q4_1(np.zeros((40, 64), np.float32))
   with pytest.raises(ValueError, match="Q8_0"):
     matmul.packed_matmul(jnp.zeros((2, 64), jnp.float32), jnp.asarray(packed.view(np.int8)))
+  with pytest.raises(ValueError, match="Q8_16"):
+    matmul.packed_matmul(jnp.zeros((2, 96), jnp.float32),
+                         jnp.asarray(packed_case(rng, 64, 64, fmt="q8_16")[0]))
+  with pytest.raises(ValueError, match="block format 'q5_0'"):
+    matmul.pack_blocks("q5_0", ())
 
 
 def q4_config(tied: bool = False) -> ModelConfig:
@@ -285,27 +323,31 @@ def test_q4_1_needs_packed_layers_with_whole_blocks():
   model = Transformer(c, rngs=nnx.Rngs(0))
   plain = jax.tree.map(lambda a: a[0], nnx.state(model.layers))
   single = nnx.merge(nnx.graphdef(model.layers), plain)
-  with pytest.raises(ValueError, match="q4_1 layers must be packed"):
+  with pytest.raises(ValueError, match="kept in blocks must be packed"):
     FusedDecoderLayer(single, packed=False, q4_1=True)
+
+
+# The k-quants' float16 super-block scales: (byte offset, largest value) so that weights stay
+# within ~0.03 (w = D s q - M n, with the largest s, q and n of each type).
+K_SCALES = {Q.Q4_K: ((0, 0.03 / (63 * 15)), (2, 0.01 / 63)),
+            Q.Q5_K: ((0, 0.03 / (63 * 31)), (2, 0.01 / 63)),
+            Q.Q6_K: ((208, 0.03 / (127 * 32)),),
+            Q.Q3_K: ((108, 0.03 / (32 * 4)),),
+            Q.Q2_K: ((80, 0.03 / (15 * 3)), (82, 0.01 / 15))}
 
 
 def raw_blocks(rng, qtype, n: int, k: int) -> np.ndarray:
   """Random but valid GGUF blocks [n, k / block * bytes] of `qtype`, weights within ~0.03: the
-  gguf package quantizes Q4_0, Q4_1, Q5_0 and Q8_0 from floats; the k-quants (which it can only
-  dequantize) are random bytes with small float16 super-block scales."""
+  gguf package quantizes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 from floats; the k-quants (which it can
+  only dequantize) are random bytes with small float16 super-block scales."""
   block, size = gguf.GGML_QUANT_SIZES[qtype]
-  if qtype not in (Q.Q4_K, Q.Q6_K):
+  if qtype not in K_SCALES:
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
     return gguf.quants.quantize(w, qtype)
   raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-  def scale(at, top):  # a float16 in [top / 2, top] at byte `at`
+  for at, top in K_SCALES[qtype]:  # a float16 in [top / 2, top]
     raw[..., at:at + 2] = (rng.uniform(top / 2, top, (n, k // block, 1))
                            .astype(np.float16).view(np.uint8))
-  if qtype == Q.Q4_K:  # D, M: w = D s q - M n with s, n < 64, q < 16
-    scale(0, 0.03 / (63 * 15))
-    scale(2, 0.01 / 63)
-  else:  # Q6_K: d last: w = d s (q - 32), s int8
-    scale(208, 0.03 / (127 * 32))
   return raw.reshape(n, -1)
 
 
@@ -332,19 +374,46 @@ def test_block_parts_are_the_gguf_dequantization(qtype):
     gguf_file.block_parts(Q.Q6_K, raw_blocks(rng, Q.Q6_K, 2, 256), 2, 256)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K, Q.Q5_1, Q.Q3_K, Q.Q2_K, Q.Q4_K, Q.Q4_0, Q.Q4_1,
+                                   Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
+def test_q8_16_parts_are_the_gguf_dequantization(qtype):
+  """Every type the Q8_16 format holds, as its (q, d, m) with d and m per 16 values: bit for bit
+  the weights the gguf package dequantizes, with each value within 8 bits."""
+  rng = np.random.default_rng(int(qtype))
+  n, k = 24, 512
+  raw = raw_blocks(rng, qtype, n, k)
+  q, d, m = gguf_file.block_parts_q8_16(qtype, raw, n, k)
+  assert q.dtype == np.int8 and d.shape == m.shape == (n, k // 16)
+  per_row = lambda a: np.repeat(a, 16, axis=-1)
+  np.testing.assert_array_equal(per_row(d) * q.astype(np.float32) + per_row(m),
+                                gguf.quants.dequantize(raw, qtype))
+  with pytest.raises(ValueError, match="IQ4_NL blocks are not kept"):
+    gguf_file.block_parts_q8_16(Q.IQ4_NL, np.zeros((2, 18), np.uint8), 2, 32)
+
+
 # Per layer, the GGUF type of each weight (the rest F16): layer 0 all Q4_K; layer 1 q/k in Q4_0
-# with v in Q6_K (q/k/v stays float), o in Q4_1, gate Q4_K with up Q4_0, down Q5_0 (an 8-bit
-# type: floats in layers); layer 2 no blocks.
+# with v in Q6_K, as llama.cpp's Q4_K_M files have them (q/k/v in Q8_16), o in Q4_1, gate Q4_K
+# with up Q4_0 (Q4_1), down Q5_0 (Q8_0); layer 2 only types Q8_16 holds, down F16; layer 3 no
+# blocks.
 MIXED = [dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                         "ffn_down"), Q.Q4_K),
          {"attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q6_K, "attn_output": Q.Q4_1,
           "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_0, "ffn_down": Q.Q5_0},
+         {"attn_q": Q.Q5_K, "attn_k": Q.Q3_K, "attn_v": Q.Q2_K, "attn_output": Q.Q6_K,
+          "ffn_gate": Q.Q5_1, "ffn_up": Q.Q6_K},
          {}]
-MIXED_KEPT = [set(FusedDecoderLayer.KERNELS), {"o_kernel", "gate_up_kernel"}, set()]
+# Per layer, the format each kernel is held in.
+MIXED_KEPT = [dict.fromkeys(FusedDecoderLayer.KERNELS, "q4_1"),
+              {"qkv_kernel": "q8_16", "o_kernel": "q4_1", "gate_up_kernel": "q4_1",
+               "down_kernel": "q8_0"},
+              {"qkv_kernel": "q8_16", "o_kernel": "q8_16", "gate_up_kernel": "q8_16",
+               "down_kernel": "float32"},
+              dict.fromkeys(FusedDecoderLayer.KERNELS, "float32")]
+HEADS = {Q.Q4_K: "q4_1", Q.Q6_K: "q8_16"}  # the LM head's type in the file, and its format
 
 
-def write_mixed_gguf(path: str, c: ModelConfig) -> None:
-  """A GGUF file of random weights of the types in MIXED, the LM head in Q4_K."""
+def write_mixed_gguf(path: str, c: ModelConfig, head) -> None:
+  """A GGUF file of random weights of the types in MIXED, the LM head in `head`."""
   rng = np.random.default_rng(5)
   writer = llama_gguf_writer(path, c)
   writer.add_token_list(["a", "b", "ab"] + [f"t{i}" for i in range(3, c.vocab_size)])
@@ -365,7 +434,7 @@ def write_mixed_gguf(path: str, c: ModelConfig) -> None:
     for norm in ("attn_norm", "ffn_norm"):
       writer.add_tensor(f"blk.{i}.{norm}.weight", rng.uniform(0.5, 1.5, h).astype(np.float32))
   writer.add_tensor("token_embd.weight", rng.standard_normal((c.vocab_size, h)).astype(np.float32))
-  writer.add_tensor("output.weight", raw_blocks(rng, Q.Q4_K, c.vocab_size, h), raw_dtype=Q.Q4_K)
+  writer.add_tensor("output.weight", raw_blocks(rng, head, c.vocab_size, h), raw_dtype=head)
   writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
@@ -378,44 +447,64 @@ MIXED_CONFIG = ModelConfig(architecture="llama", vocab_size=192, hidden_size=256
                            num_kv_heads=2, head_dim=64, max_position_embeddings=64)
 
 
-@pytest.fixture(scope="module")
-def mixed_gguf(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=list(HEADS), ids=lambda t: f"{t.name}_head")
+def mixed_gguf(request, tmp_path_factory) -> tuple[str, str]:
+  """(the mixed file, its head's format)."""
   path = str(tmp_path_factory.mktemp("mixed") / "mixed.gguf")
-  write_mixed_gguf(path, MIXED_CONFIG)
-  return path
+  write_mixed_gguf(path, MIXED_CONFIG, request.param)
+  return path, HEADS[request.param]
+
+
+def kernel_formats(layer) -> dict[str, str]:
+  return {name: matmul.weight_format(getattr(layer, name)[...])
+          for name in FusedDecoderLayer.KERNELS}
 
 
 def test_loader_keeps_each_layers_kernels_held_in_blocks(mixed_gguf):
   """A file that mixes types per layer (as llama.cpp's Q4_K_M files do): each layer keeps in
-  blocks the fused kernels whose parts are all of a 4-bit type Q4_1 holds exactly, its others
-  float32 panels, and the model gives bit for bit the logits of the file dequantized on load."""
-  c, path = MIXED_CONFIG, mixed_gguf
+  blocks the fused kernels whose parts are all in blocks, in Q4_1 or Q8_0 where one of them holds
+  every part, else in Q8_16, and the model gives bit for bit the logits of the file dequantized
+  on load. With int16 activations, the Q4_1 and Q8_0 kernels take the int16 layouts, Q8_16 stays,
+  and the logits stay within the activations' rounding."""
+  (path, head), c = mixed_gguf, MIXED_CONFIG
   layout = lambda **kw: placed.Layout.of(c.num_layers, layer_execution="unrolled", **kw)
   floats = checkpoint.load(path, layout=layout()).model
   kept = checkpoint.load(path, layout=layout(keep_quantized=True)).model
-  for layer, names in zip(kept.groups[0].layers, MIXED_KEPT):
-    assert {name for name in FusedDecoderLayer.KERNELS
-            if getattr(layer, name)[...].dtype == jnp.uint8} == names
-    assert all(getattr(layer, name)[...].dtype == jnp.float32
-               for name in set(FusedDecoderLayer.KERNELS) - names)
-  assert kept.packed_head[...].dtype == jnp.uint8 and floats.packed_head[...].dtype == jnp.float32
-  for a, b in zip(logits_of(kept, c), logits_of(floats, c)):
+  assert [kernel_formats(layer) for layer in kept.groups[0].layers] == MIXED_KEPT
+  assert matmul.weight_format(kept.packed_head[...]) == head
+  assert floats.packed_head[...].dtype == jnp.float32
+  want = logits_of(floats, c)
+  for a, b in zip(logits_of(kept, c), want):
     np.testing.assert_array_equal(a, b)
+  int16 = checkpoint.load(path, layout=layout(keep_quantized=True,
+                                              block_activations="int16")).model
+  as_int16 = lambda fmt: fmt + "_i16" if fmt in ("q4_1", "q8_0") else fmt
+  assert [kernel_formats(layer) for layer in int16.groups[0].layers] == [
+      {name: as_int16(fmt) for name, fmt in kept.items()} for kept in MIXED_KEPT]
+  for a, b in zip(logits_of(int16, c), want):
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-3 * np.abs(b).max())
+
+
+BYTES_PER_WEIGHT = {"q4_1": 24 / 32, "q8_0": 36 / 32, "q8_16": 48 / 32, "float32": 4}
 
 
 def test_memory_report_counts_the_kept_blocks(mixed_gguf):
-  """`memory_report()["weight_bytes_by_format"]` of the mixed file: Q4_1 blocks take 24 bytes per
-  32 weights, so the kept kernels (MIXED_KEPT) and the Q4_K head come to 0.75 bytes a weight, and
+  """`memory_report()["weight_bytes_by_format"]` of the mixed file: per 32 weights Q4_1 blocks
+  take 24 bytes, Q8_0 36 and Q8_16 48, for the kept kernels (MIXED_KEPT) and the head, and
   everything else is float32."""
-  c = MIXED_CONFIG
+  (path, head), c = mixed_gguf, MIXED_CONFIG
   h, f = c.hidden_size, c.intermediate_size
   q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
   weights = {"qkv_kernel": h * (q + 2 * kv), "gate_up_kernel": 2 * h * f, "o_kernel": q * h,
              "down_kernel": f * h}
-  kept = sum(weights[name] for names in MIXED_KEPT for name in names) + c.vocab_size * h
-  total = c.num_layers * (sum(weights.values()) + 2 * h) + 2 * c.vocab_size * h + h
-  report = jaxtier.LLM(mixed_gguf, max_num_seqs=2).memory_report()
+  want = {fmt: 0.0 for fmt in BYTES_PER_WEIGHT}
+  for names in MIXED_KEPT:
+    for name, fmt in names.items():
+      want[fmt] += weights[name] * BYTES_PER_WEIGHT[fmt]
+  want[head] += c.vocab_size * h * BYTES_PER_WEIGHT[head]
+  # the embedding table, the norms and the rotary frequencies
+  want["float32"] += (c.vocab_size * h + (2 * c.num_layers + 1) * h + c.head_dim // 2) * 4
+  report = jaxtier.LLM(path, max_num_seqs=2).memory_report()
   by_format = report["weight_bytes_by_format"]
-  assert by_format["q4_1"] == kept * 24 // 32
+  assert by_format == {fmt: int(n) for fmt, n in want.items() if n}
   assert sum(by_format.values()) == report["device_weight_bytes"] + report["host_weight_bytes"]
-  assert by_format["float32"] == (total - kept + c.head_dim // 2) * 4  # + rotary frequencies

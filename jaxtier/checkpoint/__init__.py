@@ -103,9 +103,9 @@ def _registered(manifest: registry.Manifest, keep_quantized: bool = False) -> Op
 
 def open_checkpoint(source: str, keep_quantized: bool = False) -> Opened:
   """Opens a registry name (its weights are fetched and checksummed once, converted to an Orbax
-  copy once, and later opens read that copy; with `keep_quantized`, a GGUF file of Q4_1 layer weights
-  is read itself), a Hugging Face directory, a .gguf file, or a directory written by
-  `orbax_io.save`. Reads metadata only; close it (or `load` from it)."""
+  copy once, and later opens read that copy; with `keep_quantized`, a GGUF file with layer
+  weights the loader keeps in blocks is read itself), a Hugging Face directory, a .gguf file, or a
+  directory written by `orbax_io.save`. Reads metadata only; close it (or `load` from it)."""
   manifest = registry.find_manifest(source)
   return _open_path(source) if manifest is None else _registered(manifest, keep_quantized)
 

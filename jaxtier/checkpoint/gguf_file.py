@@ -47,9 +47,17 @@ _GLOBAL_NAMES: dict[str, Path] = {
 #     (an 11-bit D times a 6-bit s).
 #   Q8_0: d from the block's float16.
 #   Q5_0: w = d (q5 - 16) with 5-bit q5, so q = q5 - 16 (-16 to 15) in the 8-bit format.
+# Every other type whose values fit 8 bits is held exactly by "q8_16" (8-bit values q with a scale
+# d and minimum m per 16 values, w = d q + m; `block_parts_q8_16`), as is each of the above:
+#   Q6_K: w = (D s) (q6 - 32), s an 8-bit scale per 16 values: d = D s (an 11-bit D times a
+#     7-bit s), and d q takes at most 11 + 7 + 5 bits: exact.
+#   Q5_K: as Q4_K with 5-bit q; Q5_1: w = d q5 + m.
+#   Q3_K: w = (D (s - 32)) q3 with a 6-bit s per 16 values and q3 in [-4, 3].
+#   Q2_K: w = (D s) q2 - (M n) with 4-bit s and n per 16 values.
 _Q = gguf.GGMLQuantizationType
 _BLOCK_TYPES = {_Q.Q4_0: "q4_1", _Q.Q4_1: "q4_1", _Q.Q4_K: "q4_1", _Q.Q5_0: "q8_0",
                 _Q.Q8_0: "q8_0"}
+_Q8_16_TYPES = frozenset((_Q.Q6_K, _Q.Q5_K, _Q.Q5_1, _Q.Q3_K, _Q.Q2_K))
 # Pre-tokenizer splits for the `tokenizer.ggml.pre` values we know, as the original tokenizer.json
 # files define them.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -150,6 +158,56 @@ def block_parts(tensor_type, data: np.ndarray, n: int, k: int) -> tuple[np.ndarr
   return q.reshape(n, k), _half(raw[..., 0:2])
 
 
+def block_parts_q8_16(tensor_type, data: np.ndarray, n: int, k: int) -> tuple[np.ndarray, ...]:
+  """The blocks of a GGUF tensor [n, k] of a type that fits 8 bits (`_BLOCK_TYPES` or
+  `_Q8_16_TYPES`) as the "q8_16" format's (q int8 [n, k], d [n, k / 16], m [n, k / 16]), d and m
+  float32: d q + m is bit for bit the gguf package's dequantization."""
+  if tensor_type in _BLOCK_TYPES:
+    q, d, *m = block_parts(tensor_type, data, n, k)
+    m = m[0] if m else np.zeros_like(d)
+    return q.astype(np.int8), np.repeat(d, 2, axis=-1), np.repeat(m, 2, axis=-1)
+  if tensor_type not in _Q8_16_TYPES:
+    raise ValueError(f"{tensor_type.name} blocks are not kept (dequantize them instead)")
+  block, size = gguf.GGML_QUANT_SIZES[tensor_type]
+  raw = np.asarray(data, np.uint8).reshape(-1, size)  # one row per block
+  rows = raw.shape[0]
+  shifts = lambda *bits: np.array(bits, np.uint8).reshape(1, 1, -1, 1)
+  zeros = lambda: np.zeros((rows, block // 16), np.float32)
+  if tensor_type == _Q.Q6_K:  # 128 bytes of low nibbles, 64 of high bit pairs, 16 scales, D
+    low = (raw[:, :128].reshape(rows, -1, 1, 64) >> shifts(0, 4)) & 15
+    high = (raw[:, 128:192].reshape(rows, -1, 1, 32) >> shifts(0, 2, 4, 6)) & 3
+    q = (low.reshape(rows, -1) | (high.reshape(rows, -1) << 4)).astype(np.int8) - np.int8(32)
+    d = _half(raw[:, 208:210])[:, None] * raw[:, 192:208].view(np.int8).astype(np.float32)
+    m = zeros()
+  elif tensor_type == _Q.Q5_K:  # D, M, 12 bytes of 6-bit scales and minimums, 32 of high bits
+    scales, minimums = gguf.quants.Q4_K.get_scale_min(raw[:, 4:16])
+    low = (raw[:, 48:].reshape(rows, -1, 1, 32) >> shifts(0, 4)) & 15
+    high = (raw[:, 16:48].reshape(rows, -1, 1, 32) >> shifts(*range(8))) & 1
+    q = (low.reshape(rows, -1) | (high.reshape(rows, -1) << 4)).astype(np.int8)
+    d = np.repeat(_half(raw[:, 0:2])[:, None] * scales.astype(np.float32), 2, axis=-1)
+    m = np.repeat(-(_half(raw[:, 2:4])[:, None] * minimums.astype(np.float32)), 2, axis=-1)
+  elif tensor_type == _Q.Q5_1:  # d, m, 4 bytes of high bits (bit i: value i), 16 of nibbles
+    high = np.unpackbits(raw[:, 4:8], axis=-1, bitorder="little")
+    q = (np.concatenate([raw[:, 8:] & 15, raw[:, 8:] >> 4], axis=-1) | (high << 4)).astype(np.int8)
+    d, m = (np.repeat(_half(raw[:, at:at + 2])[:, None], 2, axis=-1) for at in (0, 2))
+  elif tensor_type == _Q.Q3_K:  # 32 bytes of high-bit masks, 64 of bit pairs, 12 of scales, D
+    low = ((raw[:, 32:96].reshape(rows, -1, 1, 32) >> shifts(0, 2, 4, 6)) & 3).reshape(rows, -1)
+    high = ((raw[:, :32].reshape(rows, -1, 1, 32) >> shifts(*range(8))) & 1).reshape(rows, -1)
+    q = low.astype(np.int8) - ((high ^ 1) << 2).astype(np.int8)  # a set mask bit adds no -4
+    packed = raw[:, 96:108]
+    low_s = ((packed[:, None, :8] >> np.array([0, 4], np.uint8)[None, :, None]) & 15)
+    high_s = ((packed[:, None, 8:] >> np.array([0, 2, 4, 6], np.uint8)[None, :, None]) & 3)
+    scales = (low_s.reshape(rows, 16) | (high_s.reshape(rows, 16) << 4)).astype(np.int8) - 32
+    d = _half(raw[:, 108:110])[:, None] * scales.astype(np.float32)
+    m = zeros()
+  else:  # Q2_K: 16 bytes of 4-bit scales and minimums, 64 of bit pairs, D, M
+    q = ((raw[:, 16:80].reshape(rows, -1, 1, 32) >> shifts(0, 2, 4, 6)) & 3).reshape(rows, -1)
+    q = q.astype(np.int8)
+    d = _half(raw[:, 80:82])[:, None] * (raw[:, :16] & 15).astype(np.float32)
+    m = -(_half(raw[:, 82:84])[:, None] * (raw[:, :16] >> 4).astype(np.float32))
+  return q.reshape(n, k), d.reshape(n, k // 16), m.reshape(n, k // 16)
+
+
 class GGUFSource(TensorSource):
   """The tensors of a GGUF file (memory mapped), each dequantized to float32 when read and laid
   out as the model's parameters (q/k rows unpermuted for Llama, linear weights [in, out])."""
@@ -200,30 +258,37 @@ class GGUFSource(TensorSource):
       tensors = [t for _, t in (slots if layer is None else slots[layer:layer + 1])]
     else:
       tensors = [self._globals[path]] if path in self._globals else []
-    kinds = {_BLOCK_TYPES.get(t.tensor_type) if len(t.shape) == 2 else None for t in tensors}
-    return kinds.pop() if len(kinds) == 1 else None
+    kinds = {_kind(t) for t in tensors}
+    if len(kinds) == 1:
+      return kinds.pop()
+    return None if not kinds or None in kinds else "q8_16"  # types that differ fit 8 bits
 
-  def _blocks(self, sub: str | None, tensor) -> tuple[np.ndarray, ...]:
-    """A tensor [out, in] as its blocks, transposed to [in, out] (q/k rows unpermuted)."""
+  def _blocks(self, sub: str | None, tensor, fmt: str) -> tuple[np.ndarray, ...]:
+    """A tensor [out, in] as its blocks in format `fmt`, transposed to [in, out] (q/k rows
+    unpermuted)."""
     n, k = (int(v) for v in reversed(tensor.shape))
-    parts = block_parts(tensor.tensor_type, np.asarray(tensor.data), n, k)
+    parts = (block_parts_q8_16 if fmt == "q8_16" else block_parts)(
+        tensor.tensor_type, np.asarray(tensor.data), n, k)
     if (sub is not None and self._config.architecture == "llama"
         and sub.startswith(("attn_q", "attn_k"))):
       heads = self._config.num_heads if sub.startswith("attn_q") else self._config.num_kv_heads
       parts = tuple(unpermute_rotary(a, heads) for a in parts)
     return tuple(a.T for a in parts)
 
-  def read_blocks(self, path: Path, layers=None) -> tuple[np.ndarray, ...]:
+  def read_blocks(self, path: Path, layers=None, fmt: str | None = None
+                  ) -> tuple[np.ndarray, ...]:
     if not is_layer_path(path):
-      if self.quantization(path) is None:
-        return super().read_blocks(path, layers)
-      return self._blocks(None, self._globals[path])
+      kind = self.quantization(path)
+      if kind is None or fmt not in (None, kind, "q8_16"):
+        return super().read_blocks(path, layers, fmt)
+      return self._blocks(None, self._globals[path], fmt or kind)
     slots = self._layers[path]
     layers = range(len(slots)) if layers is None else layers
     kinds = {self.quantization(path, i) for i in layers}
-    if len(kinds) != 1 or None in kinds:  # the layers asked for must share one format
-      return super().read_blocks(path, layers)
-    parts = [self._blocks(*slots[i]) for i in layers]
+    held = None if None in kinds else kinds.pop() if len(kinds) == 1 else "q8_16"
+    if held is None or fmt not in (None, held, "q8_16"):
+      return super().read_blocks(path, layers, fmt)
+    parts = [self._blocks(*slots[i], fmt or held) for i in layers]
     return tuple(np.stack(a) for a in zip(*parts))
 
   def read(self, path: Path, layers=None) -> np.ndarray:
@@ -235,6 +300,16 @@ class GGUFSource(TensorSource):
 
   def close(self) -> None:
     self._globals, self._layers = {}, {}  # the reader's memory map closes once it is collected
+
+
+def _kind(tensor) -> str | None:
+  """The block format that holds a 2-d tensor's type exactly ("q4_1", "q8_0" or "q8_16"), or
+  None (dequantized on load)."""
+  if len(tensor.shape) != 2:
+    return None
+  if tensor.tensor_type in _BLOCK_TYPES:
+    return _BLOCK_TYPES[tensor.tensor_type]
+  return "q8_16" if tensor.tensor_type in _Q8_16_TYPES else None
 
 
 def open_source(path: str) -> tuple[ModelConfig, Tokenizer, GGUFSource]:

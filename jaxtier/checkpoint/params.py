@@ -69,20 +69,24 @@ class TensorSource:
     return None
 
   def quantization(self, path: Path, layer: int | None = None) -> str | None:
-    """"q4_1" or "q8_0" where the tensor at `path` (every layer's, for a layer tensor, or only
-    `layer`'s) is stored in blocks of 32 along its input axis that those formats hold exactly
-    (GGUF's Q4_1, Q4_0 or Q4_K; Q8_0 or Q5_0: then `read_blocks` reads them as stored); else
-    None."""
+    """The block format (`jaxtier.matmul`) that holds exactly the tensor at `path` (every
+    layer's, for a layer tensor, or only `layer`'s) as the source stores it, in blocks along its
+    input axis: "q4_1" (GGUF's Q4_1, Q4_0 or Q4_K), "q8_0" (Q8_0 or Q5_0) or "q8_16" (the other
+    types that fit 8 bits, or layers of different such types); None where it is not stored in
+    such blocks. `read_blocks` then reads it as stored."""
     del path, layer
     return None
 
-  def read_blocks(self, path: Path, layers: Sequence[int] | None = None
+  def read_blocks(self, path: Path, layers: Sequence[int] | None = None, fmt: str | None = None
                   ) -> tuple[np.ndarray, ...]:
-    """A weight as its blocks, the blocked (input) axis K first: a layer weight as
-    (q [L, K, N], d [L, K / 32, N], ...) in `read`'s [in, out] layout, the embedding or LM head
-    table as the transpose of `read`'s [vocab, hidden] (q [K = hidden, N = vocab], ...). Q4_1:
-    (q uint8 0-15, d, m) with the weight d q + m; Q8_0: (q int8, d) with the weight d q (d and m
-    float32, repeated over each block's 32 rows)."""
+    """A weight as its blocks in format `fmt` (default: `quantization`'s; "q8_16" holds every
+    stored block type), the blocked (input) axis K first: a layer weight as (q [L, K, N],
+    d [L, K / 32, N], ...) in `read`'s [in, out] layout, the embedding or LM head table as the
+    transpose of `read`'s [vocab, hidden] (q [K = hidden, N = vocab], ...). Q4_1: (q uint8 0-15,
+    d, m) with the weight d q + m; Q8_0: (q int8, d) with the weight d q (d and m float32,
+    repeated over each block's 32 rows); Q8_16: (q int8, d, m) with d and m per 16 rows
+    [L, K / 16, N]."""
+    del layers, fmt
     raise NotImplementedError(f"{self.where}: {'/'.join(path)} is not stored in blocks")
 
   def read_all(self) -> dict[Path, np.ndarray]:

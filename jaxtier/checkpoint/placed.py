@@ -50,13 +50,15 @@ class Layout:
   device), "unrolled" (per-layer device buffers) or "offload" (a stack in pinned host memory,
   prefetched `prefetch_depth` layers ahead). `mesh`: the tensor-parallel mesh (None: this
   process's first device). `keep_quantized`: packed unrolled layers keep a fused kernel (q/k/v,
-  gate/up, o, down) of a layer in blocks where the source stores all its parts in blocks that Q4_1
-  holds exactly (GGUF's Q4_1, Q4_0, Q4_K: `TensorSource.quantization`; `FusedDecoderLayer(q4_1=
-  ...)`), the layer's other kernels as float32 panels, and a packed LM head keeps the table's
-  Q4_1 or Q8_0 blocks (or Q4_0, Q4_K, Q5_0), instead of dequantizing them on load
+  gate/up, o, down) of a layer in blocks where the source stores all its parts in blocks
+  (`TensorSource.quantization`, `block_kernels`): Q4_1 where that format holds every part
+  (GGUF's Q4_1, Q4_0, Q4_K), Q8_0 likewise (Q8_0, Q5_0), else Q8_16 (every type that fits 8 bits;
+  `FusedDecoderLayer(formats=...)`); the layer's other kernels are float32 panels, and a packed
+  LM head keeps the table's blocks the same way, instead of dequantizing them on load
   (`jaxtier.matmul`: the same products, fewer bytes).
-  `block_activations`: how kept blocks multiply, "float32" (bit for bit the dequantized weights'
-  products) or "int16" (x quantized per block; `matmul.pack_q4_1`).
+  `block_activations`: how kept Q4_1 and Q8_0 blocks multiply, "float32" (bit for bit the
+  dequantized weights' products) or "int16" (x quantized per block; `matmul.pack_q4_1`); Q8_16
+  blocks multiply float32.
   """
   groups: tuple[tuple[int, str], ...]
   prefetch_depth: int = 1
@@ -157,7 +159,7 @@ class _Group:
   splits: list
   values: list[dict]
   packed: bool = False  # fused layers whose kernels are packed (`jaxtier.matmul`)
-  blocks: tuple[frozenset, ...] = ()  # per layer: the kernels kept in the source's blocks
+  blocks: tuple[dict, ...] = ()  # per layer: {kernel: block format} kept in the source's blocks
   activations: str = "float32"  # ... multiplied so (`Layout.block_activations`)
   parts: dict = dataclasses.field(default_factory=dict)
 
@@ -178,18 +180,18 @@ class _Group:
 def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused: bool,
                     blocks: Sequence[frozenset] | None = None, activations: str = "float32"
                     ) -> _Group:
-  """blocks: per model layer, the fused kernels to keep in the source's blocks where the layers
-  pack, multiplied with `activations`."""
-  kept: tuple[frozenset, ...] = ()
+  """blocks: per model layer, {fused kernel: block format} to keep in the source's blocks where
+  the layers pack, multiplied with `activations`."""
+  kept: tuple[dict, ...] = ()
   if mode == "unrolled":
     fuse = FusedDecoderLayer if fused else (lambda layer: layer)
     make = lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0)))
     packed = fused and getattr(nnx.eval_shape(make), "packed", False)
     if packed and blocks is not None:
-      kept = tuple(frozenset(blocks[i]) for i in layers)
+      kept = tuple(dict(blocks[i]) for i in layers)
     if any(kept):
       modules = [nnx.eval_shape(lambda names=names: FusedDecoderLayer(
-          DecoderLayer(config, dtype, nnx.Rngs(0)), q4_1=names, activations=activations))
+          DecoderLayer(config, dtype, nnx.Rngs(0)), formats=names, activations=activations))
                  for names in kept]
     else:
       modules = [nnx.eval_shape(make) for _ in layers]
@@ -227,20 +229,24 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
       got = group.parts.setdefault(sub, {})
       kernel = group.packed and sub[-1] in FusedDecoderLayer.KERNELS
       ids = list(group.layers)
-      # the group's layers (indices) holding this kernel in blocks, and the others
-      kept = [j for j, names in enumerate(group.blocks) if kernel and sub[-1] in names]
-      rest = [j for j in range(len(ids)) if j not in kept]
-      got[path[1:]] = (  # (q, d, m) as stored, and floats
-          placer.source.read_blocks(path, [ids[j] for j in kept]) if kept else None,
+      # the group's layers (indices) holding this kernel in blocks, by format, and the others
+      formats = ([names.get(sub[-1]) for names in group.blocks] if kernel and group.blocks
+                 else [None] * len(ids))
+      kept = {fmt: [j for j, f in enumerate(formats) if f == fmt]
+              for fmt in sorted(set(formats) - {None})}
+      rest = [j for j, f in enumerate(formats) if f is None]
+      got[path[1:]] = (  # {format: (q, d, m) as stored}, and floats
+          {fmt: placer.source.read_blocks(path, [ids[j] for j in js], fmt)
+           for fmt, js in kept.items()},
           placer.host(_Read((path,), [ids[j] for j in rest])) if rest else None)
       if len(got) < len(parts):
         continue
       pieces = [got.pop(p) for p in parts]
       host = {}
-      if kept:
-        blocks = zip(*(b for b, _ in pieces))  # (q, d, m), each part's
-        host.update(zip(kept, matmul.pack_q4_1(*(np.concatenate(a, axis=-1) for a in blocks),
-                                               activations=group.activations)))
+      for fmt, js in kept.items():
+        blocks = zip(*(b[fmt] for b, _ in pieces))  # (q, d, m), each part's
+        host.update(zip(js, matmul.pack_blocks(fmt, [np.concatenate(a, axis=-1) for a in blocks],
+                                               group.activations)))
       if rest:
         floats = [f for _, f in pieces]
         floats = floats[0] if len(floats) == 1 else np.concatenate(floats, axis=-1)
@@ -262,13 +268,20 @@ class _Globals:
   packed_head: jax.Array | None = None  # the table's blocks, packed (`GroupedTransformer`)
 
 
-def block_kernels(source: TensorSource, num_layers: int) -> list[frozenset]:
-  """Per layer, the fused kernels whose every part `source` stores in blocks that Q4_1 holds
-  exactly (`TensorSource.quantization`)."""
-  return [frozenset(name for name in FusedDecoderLayer.KERNELS
-                    if all(source.quantization(("layers",) + part, layer) == "q4_1"
-                           for part in FusedDecoderLayer.PARTS[name]))
-          for layer in range(num_layers)]
+def block_kernels(source: TensorSource, num_layers: int) -> list[dict[str, str]]:
+  """Per layer, {fused kernel: block format} for the kernels whose every part `source` stores in
+  blocks (`TensorSource.quantization`): "q4_1" or "q8_0" where all parts are held by that format,
+  else "q8_16", which holds them all."""
+  out = []
+  for layer in range(num_layers):
+    kept = {}
+    for name in FusedDecoderLayer.KERNELS:
+      kinds = {source.quantization(("layers",) + part, layer)
+               for part in FusedDecoderLayer.PARTS[name]}
+      if None not in kinds:
+        kept[name] = kinds.pop() if len(kinds) == 1 else "q8_16"
+    out.append(kept)
+  return out
 
 
 def _head_path(config: ModelConfig) -> Path:
@@ -277,16 +290,15 @@ def _head_path(config: ModelConfig) -> Path:
 
 def _packed_head_blocks(placer: _Placer, config: ModelConfig, dtype, layout: Layout
                         ) -> jax.Array | None:
-  """The LM head packed from the table's Q4_1 or Q8_0 blocks and placed, where `layout` keeps
-  blocks and `GroupedTransformer` would pack the head; else None."""
+  """The LM head packed from the table's blocks (`TensorSource.quantization`'s format) and
+  placed, where `layout` keeps blocks and `GroupedTransformer` would pack the head; else None."""
   path = _head_path(config)
   kind = placer.source.quantization(path)
-  if not (layout.keep_quantized and layout.fused and kind in ("q4_1", "q8_0")
+  if not (layout.keep_quantized and layout.fused and kind in matmul.BLOCK_FORMATS
           and packs_by_default(dtype) and matmul.packs_exactly(config.vocab_size)):
     return None
   blocks = placer.source.read_blocks(path)
-  pack = matmul.pack_q4_1 if kind == "q4_1" else matmul.pack_q8_0
-  host = pack(*blocks, activations=layout.block_activations)
+  host = matmul.pack_blocks(kind, blocks, layout.block_activations)
   del blocks
   return placer.place(("packed_head",), host, jax.ShapeDtypeStruct(host.shape, host.dtype),
                       placement.DEVICE)

@@ -52,10 +52,9 @@ def matmul_flops_per_s(repeats: int = 5) -> tuple[float, int]:
 
 def _pack(w, fmt: str):
   activations = "int16" if fmt.endswith("_i16") else "float32"
-  if fmt.startswith("q4_1"):
-    return matmul.pack_q4_1(*matmul.quantize_q4_1(w), activations=activations)
-  if fmt.startswith("q8_0"):
-    return matmul.pack_q8_0(*matmul.quantize_q8_0(w), activations=activations)
+  blocks = fmt.removesuffix("_i16")
+  if blocks in matmul.BLOCK_FORMATS:
+    return matmul.pack_blocks(blocks, matmul.quantize_blocks(blocks, w), activations)
   return matmul.pack(w)
 
 
@@ -70,8 +69,8 @@ def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats:
   run far below a square matmul's rate). `packed`: the projections and LM head packed and
   multiplied as the packed model does (`jaxtier.matmul`); else XLA's matmuls on [in, out]
   weights. `layer_format` / `head_format` (`jaxtier.matmul.FORMATS`): where they pack, the
-  projections / LM head packed in those blocks (`matmul.pack_q4_1`, `pack_q8_0`), as the
-  loader keeps a GGUF file's."""
+  projections / LM head packed in those blocks (`matmul.pack_blocks`), as the loader keeps a
+  GGUF file's."""
   c = config
   shapes = [(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
             (c.num_heads * c.head_dim, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),
