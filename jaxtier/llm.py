@@ -145,10 +145,9 @@ class LLM:
     self.graphdef, self.state = nnx.split(self.loaded.model)
     if args.block_activations == "int16" and not any(
         matmul.weight_format(leaf).endswith("_i16") for leaf in jax.tree.leaves(self.state)):
-      logging.warning("block_activations='int16' has no effect: no Q4_1 or Q8_0 blocks are kept "
-                      "(they are kept for a GGUF file of Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0 layers, "
-                      "with weight_format='auto', unrolled layers on one device and the CPU "
-                      "kernels built; the other types' blocks multiply float32 inputs)")
+      logging.warning("block_activations='int16' has no effect: no GGUF blocks are kept (they are "
+                      "kept for a GGUF file of quantized layers, with weight_format='auto', "
+                      "unrolled layers on one device and the CPU kernels built)")
     num_device_blocks, num_host_blocks = self._pool_blocks()
     self.engine_config = EngineConfig(
         max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,

@@ -25,9 +25,9 @@ products are bit for bit those of the float32 panels of the dequantized weights
 of 4.
 
 The same blocks can instead multiply with int16 activations (`pack_q4_1(..., activations="int16")`,
-`pack_q8_0` likewise): uint16 (Q4_1) or int16 (Q8_0) words holding the blocks in panels of L
-columns, L = `lanes()` (16 with AVX-512, 8 with AVX2), per block d (and m) then the values in pairs
-of K rows (see `jaxtier/matmul_cpu.cc`). The kernel quantizes x per block of 32 values to int16
+`pack_q8_0` and `pack_q8_16` likewise): uint16 (Q4_1), int16 (Q8_0) or int32 (Q8_16) words
+holding the blocks in panels of L columns, L = `lanes()` (16 with AVX-512, 8 with AVX2), per
+block d (and m) then the values in pairs of K rows (see `jaxtier/matmul_cpu.cc`). The kernel quantizes x per block of 32 values to int16
 (`quantize_activations`) and sums each block's products exactly in int32; the reference is x's
 dequantized int16 values times the dequantized weights. Faster (no float dequantization, a
 multiply-add per pair of rows), but no longer bit for bit the dequantized model: on the default
@@ -54,15 +54,18 @@ from jaxtier.rotary import apply_rotary
 DEFAULT_PANEL = 64  # columns per panel where the kernels are unavailable
 DEFAULT_LANES = 16  # columns per int16-activation panel where the kernels are unavailable
 # The kernels' `format` attribute: float32 panels, GGUF blocks, GGUF blocks with int16 activations.
-FORMATS = {"float32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i16": 3, "q8_0_i16": 4, "q8_16": 5}
+FORMATS = {"float32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i16": 3, "q8_0_i16": 4, "q8_16": 5,
+           "q8_16_i16": 6}
 ACTIVATIONS = ("float32", "int16")  # how block formats multiply
 QUANT_BLOCK = 32  # K rows per block of every block format
 HALF_BLOCK = 16  # K rows per scale and minimum of the "q8_16" format
 # A block's bytes per panel column: Q4_1 d and m (4 bytes each) and 32 nibbles; Q8_0 d and 32
 # bytes; Q8_16 two (d, m) pairs and 32 bytes.
-BYTES_PER_COLUMN = {"q4_1": 24, "q8_0": 36, "q4_1_i16": 24, "q8_0_i16": 36, "q8_16": 48}
+BYTES_PER_COLUMN = {"q4_1": 24, "q8_0": 36, "q4_1_i16": 24, "q8_0_i16": 36, "q8_16": 48,
+                    "q8_16_i16": 48}
 _DTYPES = {np.dtype(np.uint8): "q4_1", np.dtype(np.int8): "q8_0", np.dtype(np.uint16): "q4_1_i16",
-           np.dtype(np.int16): "q8_0_i16", np.dtype(np.uint32): "q8_16"}
+           np.dtype(np.int16): "q8_0_i16", np.dtype(np.uint32): "q8_16",
+           np.dtype(np.int32): "q8_16_i16"}
 
 
 def panel_width() -> int:
@@ -110,8 +113,8 @@ def unpack(w_pkc, n: int):
 
 def weight_format(w) -> str:
   """The format of a packed weight, told by its dtype: "q4_1" (uint8, `pack_q4_1`), "q8_0"
-  (int8, `pack_q8_0`), "q4_1_i16" (uint16) and "q8_0_i16" (int16) (the same with
-  activations="int16"), "q8_16" (uint32, `pack_q8_16`), else "float32" (float panels)."""
+  (int8, `pack_q8_0`), "q8_16" (uint32, `pack_q8_16`), "q4_1_i16" (uint16), "q8_0_i16" (int16)
+  and "q8_16_i16" (int32) (the same with activations="int16"), else "float32" (float panels)."""
   return _DTYPES.get(np.dtype(w.dtype), "float32")
 
 
@@ -258,13 +261,16 @@ def quantize_q8_16(w_kn):
   return q.astype(xp.int8).reshape(w_kn.shape), d, m
 
 
-def pack_q8_16(q_kn, d_hn, m_hn, width: int | None = None):
+def pack_q8_16(q_kn, d_hn, m_hn, width: int | None = None, activations: str = "float32"):
   """8-bit values q [..., K, N] (int8) with a scale d and minimum m per 16 rows [..., K / 16, N]
   (float32; w = d q + m) -> uint32 [..., ceil(N / P), K / 32, 12 P]: per block of 32 rows of a
   panel, the first 16 rows' d and m, the last 16's d and m (float32, P each), then q row by row;
   columns past N are zero. It holds every GGUF type whose values fit 8 bits exactly
-  (`jaxtier.checkpoint.gguf_file.block_parts_q8_16`). Numpy in, numpy out; jax in, jax out."""
-  width = width or panel_width()
+  (`jaxtier.checkpoint.gguf_file.block_parts_q8_16`). With activations="int16": int32 [...,
+  ceil(N / L), K / 32, 12 L], L = `width` (default `lanes()`), the values in pairs of rows. Numpy
+  in, numpy out; jax in, jax out."""
+  _check_activations(activations)
+  width = width or (panel_width() if activations == "float32" else lanes())
   xp = np if isinstance(q_kn, np.ndarray) else jnp
   *lead, k, n = q_kn.shape
   halves = k // HALF_BLOCK
@@ -272,13 +278,13 @@ def pack_q8_16(q_kn, d_hn, m_hn, width: int | None = None):
     raise ValueError(f"expected q [..., K, N] with K a multiple of {QUANT_BLOCK} and d, m "
                      f"[..., K / {HALF_BLOCK}, N]; got {q_kn.shape}, {d_hn.shape}, {m_hn.shape}")
   q = _block_panels(q_kn.astype(xp.int8), width, QUANT_BLOCK)  # [..., p, B, 32, P]
-  values = q.reshape(*q.shape[:-2], -1)
+  values = (_row_pairs(q) if activations == "int16" else q).reshape(*q.shape[:-2], -1)
   pairs = lambda a: a.reshape(*lead, k // QUANT_BLOCK, 2, n)
   d, m = pairs(d_hn), pairs(m_hn)
   scales = [_scale_bytes(a[..., half, :], width, np.int8) for half in (0, 1) for a in (d, m)]
   out = xp.concatenate([*scales, values], axis=-1)
   out = np.ascontiguousarray(out) if xp is np else out
-  return _as_words(out, np.uint32)
+  return _as_words(out, np.uint32 if activations == "float32" else np.int32)
 
 
 BLOCK_FORMATS = ("q4_1", "q8_0", "q8_16")  # what `quantize_blocks` and `pack_blocks` take
@@ -295,15 +301,15 @@ def quantize_blocks(fmt: str, w_kn):
 
 def pack_blocks(fmt: str, parts, activations: str = "float32"):
   """A weight's block parts ((q, d, m) or (q, d), as `quantize_blocks` or a checkpoint's
-  `read_blocks` give them) packed in format `fmt`: `pack_q4_1` and `pack_q8_0` with
-  `activations`, `pack_q8_16` (which multiplies float32 activations whatever `activations`)."""
+  `read_blocks` give them) packed in format `fmt` for `activations` (`pack_q4_1`, `pack_q8_0`,
+  `pack_q8_16`)."""
   _check_activations(activations)
   if fmt == "q4_1":
     return pack_q4_1(*parts, activations=activations)
   if fmt == "q8_0":
     return pack_q8_0(*parts, activations=activations)
   if fmt == "q8_16":
-    return pack_q8_16(*parts)
+    return pack_q8_16(*parts, activations=activations)
   raise ValueError(f"block format {fmt!r}: expected one of {BLOCK_FORMATS}")
 
 
@@ -352,16 +358,18 @@ def dequantize_packed(w):
     return w
   xp = np if isinstance(w, np.ndarray) else jnp
   width = panel_columns(w)
-  if fmt.endswith("_i16"):
-    return _dequantize_pairs(_as_bytes(w), fmt, width, xp)
-  if fmt == "q8_16":
+  if fmt.startswith("q8_16"):
     b = _as_bytes(w)
     *lead, blocks, _ = b.shape
     scale = lambda i: _block_floats(b[..., 4 * i * width:4 * (i + 1) * width], width)
     rows = lambda a: xp.repeat(xp.stack(a, axis=-2), HALF_BLOCK, axis=-2)  # [..., B, 32, C]
     d, m = rows([scale(0), scale(2)]), rows([scale(1), scale(3)])
-    q = b[..., 16 * width:].reshape(*lead, blocks, QUANT_BLOCK, width).astype(xp.float32)
-    return (d * q + m).reshape(*lead, blocks * QUANT_BLOCK, width)
+    q = b[..., 16 * width:]
+    q = (xp.swapaxes(q.reshape(*lead, blocks, 16, width, 2), -1, -2)  # [.., T, 2, C]: unpaired
+         if fmt.endswith("_i16") else q).reshape(*lead, blocks, QUANT_BLOCK, width)
+    return (d * q.astype(xp.float32) + m).reshape(*lead, blocks * QUANT_BLOCK, width)
+  if fmt.endswith("_i16"):
+    return _dequantize_pairs(_as_bytes(w), fmt, width, xp)
   *lead, blocks, size = w.shape
   d = _block_floats(w[..., :4 * width], width)
   if fmt == "q8_0":
@@ -420,12 +428,13 @@ def packed_columns(w, ids):
                                                       jnp.float32)  # [..., B]
   d = floats(0)
   rows = jnp.arange(QUANT_BLOCK)
-  if fmt == "q8_16":  # the half's d and m, row i's own row of bytes
+  if fmt.startswith("q8_16"):  # the half's d and m; row i's own row of bytes, or a pair's byte
     high = rows >= HALF_BLOCK
     half = lambda i: jnp.where(high, floats((2 + i) * 4 * width)[..., None],
                                floats(i * 4 * width)[..., None])
     d, m = half(0), half(1)
-    q = b[p, blk, 16 * width + rows * width + c].astype(jnp.float32)  # [..., B, 32]
+    at = rows * width + c if fmt == "q8_16" else (rows // 2) * 2 * width + 2 * c + rows % 2
+    q = b[p, blk, 16 * width + at].astype(jnp.float32)  # [..., B, 32]
     return (d * q + m).reshape(*ids.shape, blocks * QUANT_BLOCK)
   if fmt.startswith("q8_0"):  # row i: its own row of bytes, or byte i % 2 of pair i // 2
     at = rows * width + c if fmt == "q8_0" else (rows // 2) * 2 * width + 2 * c + rows % 2
@@ -490,7 +499,8 @@ def _kernel_applies(x, w_pkc, *others) -> bool:
   float32 but a Q4_1 or Q8_0 weight, x not empty, the kernels built, and panels of the width they
   were built for (any other width runs the reference)."""
   return (all(a.dtype == jnp.float32 for a in (x, *others))
-          and w_pkc.dtype in (jnp.float32, jnp.uint8, jnp.int8, jnp.uint16, jnp.int16, jnp.uint32)
+          and w_pkc.dtype in (jnp.float32, jnp.uint8, jnp.int8, jnp.uint16, jnp.int16, jnp.uint32,
+                              jnp.int32)
           and x.size > 0 and cpu_kernels.available()
           and panel_columns(w_pkc) == (cpu_kernels.lanes() if weight_format(w_pkc).endswith("_i16")
                                        else cpu_kernels.panel_width()))

@@ -112,11 +112,14 @@ constexpr int64_t kQ8I16Bytes = 36 * kLanes;
 // blocks.
 constexpr int64_t kQ8_16 = 5;
 constexpr int64_t kQ816Bytes = 16 * kPanel + kQBlock * kPanel;
+constexpr int64_t kQ8_16I16 = 6;  // the same with int16 activations, in kLanes-column panels
+constexpr int64_t kQ816I16Bytes = 48 * kLanes;
 static_assert(kPassRows % kQBlock == 0, "a pass dequantizes whole blocks");
 
 // Bytes of a panel's rows [0, i) (i a multiple of kQBlock for the block formats).
 inline int64_t RowBytes(int64_t format, int64_t i) {
-  constexpr int64_t kBlockBytes[] = {0, kQ4Bytes, kQ8Bytes, kQ4I16Bytes, kQ8I16Bytes, kQ816Bytes};
+  constexpr int64_t kBlockBytes[] = {0,           kQ4Bytes,   kQ8Bytes,     kQ4I16Bytes,
+                                     kQ8I16Bytes, kQ816Bytes, kQ816I16Bytes};
   if (format == kF32) return i * kPanel * 4;
   return i / kQBlock * kBlockBytes[format];
 }
@@ -317,15 +320,16 @@ inline void TileBlocksOf(int64_t rows, const float* x, int64_t k, const uint8_t*
   }
 }
 
-// Block formats with int16 activations (kQ4_1I16, kQ8_0I16): the same GGUF blocks in panels of
-// kLanes columns, laid out for integer dot products, multiplied by x quantized per block of 32
-// values to int16 (one float32 scale per block). Per block, each column's 32 products sum exactly
-// in int32; the block then adds (d_w d_x) sum (+ m_w s_x, s_x = d_x sum q_x, for Q4_1) to the
-// column's float32 sum. Each lane of a vector holds one column; a 32-bit lane multiplies a pair of
+// Block formats with int16 activations (kQ4_1I16, kQ8_0I16, kQ8_16I16): the same blocks in
+// panels of kLanes columns, laid out for integer dot products, multiplied by x quantized per block
+// of 32 values to int16 (one float32 scale per block). Per block, each column's 32 products sum
+// exactly in int32; the block then adds (d_w d_x) sum (+ m_w s_x, s_x = d_x sum q_x, for Q4_1)
+// to the column's float32 sum (Q8_16: per half of 16 rows, with the half's d_w, m_w and s_x). Each lane of a vector holds one column; a 32-bit lane multiplies a pair of
 // K rows at once (vpdpwssd with AVX512-VNNI, vpmaddwd + add without). A panel's block is d (and
 // m) as float32, kLanes each, then its values in pairs of K rows: Q4_1, for pair t in [0, 8) and
 // column c, 2 bytes holding rows 2t and 2t + 1 in their low nibbles and rows 16 + 2t and 17 + 2t
-// in their high ones; Q8_0, for pair t in [0, 16), 2 bytes holding rows 2t and 2t + 1. Against
+// in their high ones; Q8_0, for pair t in [0, 16), 2 bytes holding rows 2t and 2t + 1 (Q8_16 the
+// same, after the two halves' d and m). Against
 // float32 activations a block costs a 16-32x cheaper multiply per pair of rows and no float
 // dequantization; x's rounding to 16 bits (a relative 1.5e-5 of its block's largest value) moves
 // the default model's logits by up to ~3e-3 (WORKSPACE.md, "int16 activations").
@@ -338,7 +342,9 @@ constexpr int64_t kI16Group = kPanel / kLanes;  // panels per work item (kPanel 
 constexpr int64_t kI16Ahead = 4096;
 constexpr float kI16Max = 32767.0f;
 
-inline bool IsI16(int64_t format) { return format == kQ4_1I16 || format == kQ8_0I16; }
+inline bool IsI16(int64_t format) {
+  return format == kQ4_1I16 || format == kQ8_0I16 || format == kQ8_16I16;
+}
 
 // The lanes of v rounded to the nearest integer, ties to even (the default rounding mode). Not
 // (v + 1.5 2^23) - 1.5 2^23: the compiler fuses the product that makes v into that add, which
@@ -354,9 +360,11 @@ inline I16 RoundLanes(V16 v) {
 }
 
 // x [m, k] -> q [m, k] int16, and per block of 32 values its scale d = max |x| / 32767 and
-// s = d * (sum of its q); q = x / d rounded to nearest even (x * (1 / d), as llama.cpp's
-// activation quantization computes it), 0 where the block is all zero.
-void QuantizeRows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, float* s) {
+// s = d * (sum of its q), and where h is not null per half block h = d * (sum of the half's q);
+// q = x / d rounded to nearest even (x * (1 / d), as llama.cpp's activation quantization computes
+// it), 0 where the block is all zero.
+void QuantizeRows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, float* s,
+                  float* h) {
   typedef int16_t I16x16 __attribute__((vector_size(32)));
   for (int64_t i = 0; i < m * k / kQBlock; ++i) {
     V16 a = LoadV(x + i * kQBlock), b = LoadV(x + i * kQBlock + 16);
@@ -389,6 +397,16 @@ void QuantizeRows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, fl
     std::memcpy(q + i * kQBlock + 16, &nb, sizeof(nb));
     d[i] = scale;
     s[i] = scale * static_cast<float>(sum);
+    if (h != nullptr) {
+#if defined(__AVX512F__)
+      const int32_t low = _mm512_reduce_add_epi32(reinterpret_cast<__m512i>(qa));
+#else
+      int32_t low = 0;
+      for (int l = 0; l < 16; ++l) low += qa[l];
+#endif
+      h[2 * i] = scale * static_cast<float>(low);
+      h[2 * i + 1] = scale * static_cast<float>(sum - low);
+    }
   }
 }
 
@@ -436,12 +454,14 @@ inline IN DotPairs(IN acc, IN w, const int16_t* x) {
 }
 
 // out[R rows, kLanes columns] (row stride n) = xq[R rows, K] (row stride k) @ a panel's `blocks`
-// K / 32 blocks, with x's block scales dx and sums sx (row stride k / 32).
+// K / 32 blocks, with x's block scales dx and sums sx (row stride k / 32; Q8_16: the halves'
+// sums, row stride k / 16).
 template <int64_t kFormat, int R>
 inline void TileI16(const int16_t* xq, int64_t k, const float* dx, const float* sx,
                     const uint8_t* blocks, float* out, int64_t n, bool stream) {
   constexpr bool kQ4 = kFormat == kQ4_1I16;
-  constexpr int64_t kBytes = kQ4 ? kQ4I16Bytes : kQ8I16Bytes;
+  constexpr bool kHalves = kFormat == kQ8_16I16;
+  constexpr int64_t kBytes = kQ4 ? kQ4I16Bytes : kHalves ? kQ816I16Bytes : kQ8I16Bytes;
   const int64_t kb = k / kQBlock;
   VN sums[R];
   for (int r = 0; r < R; ++r) sums[r] = VN{};
@@ -450,12 +470,20 @@ inline void TileI16(const int16_t* xq, int64_t k, const float* dx, const float* 
       for (int64_t line = 0; line < kBytes; line += kLine)
         __builtin_prefetch(blocks + kI16Ahead + line, 0, 2);
     }
-    // Two sums per row (low and high nibbles, or even and odd pairs of rows): a row's chain of
-    // dependent multiply-adds is half as long (8 rows: 8 instead of 16 per block).
+    // Two sums per row (low and high nibbles, even and odd pairs of rows, or Q8_16's halves): a
+    // row's chain of dependent multiply-adds is half as long (8 rows: 8 instead of 16 per block).
     IN acc[R], acc2[R];
     for (int r = 0; r < R; ++r) acc[r] = acc2[r] = IN{};
-    const uint8_t* q = blocks + (kQ4 ? 8 : 4) * kLanes;
-    if constexpr (kQ4) {
+    const uint8_t* q = blocks + (kQ4 ? 8 : kHalves ? 16 : 4) * kLanes;
+    if constexpr (kHalves) {
+      for (int t = 0; t < 8; ++t, q += 2 * kLanes) {
+        const IN w = WidenPairs<true>(q), w2 = WidenPairs<true>(q + 16 * kLanes);
+        for (int r = 0; r < R; ++r) {
+          acc[r] = DotPairs(acc[r], w, xq + r * k + 2 * t);
+          acc2[r] = DotPairs(acc2[r], w2, xq + r * k + 16 + 2 * t);
+        }
+      }
+    } else if constexpr (kQ4) {
       for (int t = 0; t < 8; ++t, q += 2 * kLanes) {
         const IN w = WidenPairs<false>(q);
         const IN lo = w & 0x000F000F, hi = (w >> 4) & 0x000F000F;
@@ -475,6 +503,17 @@ inline void TileI16(const int16_t* xq, int64_t k, const float* dx, const float* 
     }
     const float* scales = reinterpret_cast<const float*>(blocks);
     const VN dw = LoadN(scales);
+    if constexpr (kHalves) {  // d, m of rows 0-15, then of rows 16-31
+      const VN mw = LoadN(scales + kLanes), dw2 = LoadN(scales + 2 * kLanes);
+      const VN mw2 = LoadN(scales + 3 * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float scale = dx[r * kb + b];
+        const float* halves = sx + r * 2 * kb + 2 * b;
+        sums[r] += __builtin_convertvector(acc[r], VN) * (dw * scale) + mw * halves[0];
+        sums[r] += __builtin_convertvector(acc2[r], VN) * (dw2 * scale) + mw2 * halves[1];
+      }
+      continue;
+    }
     for (int r = 0; r < R; ++r) {
       sums[r] += __builtin_convertvector(acc[r] + acc2[r], VN) * (dw * dx[r * kb + b]);
       if constexpr (kQ4) sums[r] += LoadN(scales + kLanes) * sx[r * kb + b];
@@ -514,7 +553,7 @@ struct Call : jaxtier::Job {
   float eps = 0;
   std::vector<float> rows;  // x made by the prologue (normed rows, silu(gate) * up)
   std::vector<int16_t> xq;  // int16 formats: x quantized, and its block scales and sums
-  std::vector<float> dx, sx;
+  std::vector<float> dx, sx, sh;  // sh: the halves' sums (Q8_16)
   int64_t panels = 0;
   // The first `row_items` items make the input rows, `item_rows` each (the prologue, then for
   // the int16 formats the quantization); product items wait until all of them are done. Made
@@ -550,12 +589,16 @@ void Call::RunItem(int64_t item) {
   if (IsI16(format)) {
     const int64_t kb = k / kQBlock;
     const int64_t tiles = (rows + kTileI16 - 1) / kTileI16;
-    const auto tile = format == kQ4_1I16 ? TileI16Of<kQ4_1I16> : TileI16Of<kQ8_0I16>;
+    const auto tile = format == kQ4_1I16  ? TileI16Of<kQ4_1I16>
+                      : format == kQ8_0I16 ? TileI16Of<kQ8_0I16>
+                                           : TileI16Of<kQ8_16I16>;
+    const bool halves = format == kQ8_16I16;
     for (int64_t q = p * kI16Group; q < std::min(panels, (p + 1) * kI16Group); ++q) {
       const auto* blocks = reinterpret_cast<const uint8_t*>(w + q * RowBytes(format, k));
       for (int64_t t = 0, r = first; t < tiles; ++t) {
         const int64_t height = rows / tiles + (t < rows % tiles);
-        tile(height, xq.data() + r * k, k, dx.data() + r * kb, sx.data() + r * kb, blocks,
+        const float* sums_x = halves ? sh.data() + r * 2 * kb : sx.data() + r * kb;
+        tile(height, xq.data() + r * k, k, dx.data() + r * kb, sums_x, blocks,
              out + r * n + q * kLanes, n, t == 0);
         r += height;
       }
@@ -632,6 +675,7 @@ ffi::Error Multiply(ffi::ThreadPool pool, std::shared_ptr<Call> call, int64_t pa
     call->xq.resize(call->m * call->k);
     call->dx.resize(blocks);
     call->sx.resize(blocks);
+    if (call->format == kQ8_16I16) call->sh.resize(2 * blocks);
   }
   if (call->prologue != Prologue::kNone || IsI16(call->format)) {
     call->item_rows = (call->m + threads - 1) / threads;
@@ -663,7 +707,8 @@ bool Fits(const Dims& xd, const ffi::AnyBuffer& w, int64_t format, const Dims& o
   if (format == kQ8_0) return w.element_type() == ffi::S8 && wd[2] == kQ8Bytes;
   if (format == kQ8_16) return w.element_type() == ffi::U32 && wd[2] * 4 == kQ816Bytes;
   if (format == kQ4_1I16) return w.element_type() == ffi::U16 && wd[2] * 2 == kQ4I16Bytes;
-  return format == kQ8_0I16 && w.element_type() == ffi::S16 && wd[2] * 2 == kQ8I16Bytes;
+  if (format == kQ8_0I16) return w.element_type() == ffi::S16 && wd[2] * 2 == kQ8I16Bytes;
+  return format == kQ8_16I16 && w.element_type() == ffi::S32 && wd[2] * 4 == kQ816I16Bytes;
 }
 
 constexpr char kWeightShapes[] =
@@ -671,7 +716,8 @@ constexpr char kWeightShapes[] =
     "36 P] int8 (format 2, Q8_0) with P the panel width, or [N/L, K/32, 12 L] uint16 (format 3, "
     "Q4_1 with int16 activations) or [N/L, K/32, 18 L] int16 (format 4, Q8_0 with int16 "
     "activations) with L the vector lanes, or [N/P, K/32, 12 P] uint32 (format 5, 8-bit values "
-    "with a scale and minimum per 16 rows)";
+    "with a scale and minimum per 16 rows), or [N/L, K/32, 12 L] int32 (format 6, the same with "
+    "int16 activations)";
 
 void SetWeight(Call& call, const ffi::AnyBuffer& w, int64_t format) {
   call.w = static_cast<const char*>(w.untyped_data());
@@ -738,7 +784,7 @@ void Call::MakeRows(int64_t first, int64_t last) {
   if (IsI16(format)) {
     const int64_t kb = k / kQBlock;
     QuantizeRows(x + first * k, last - first, k, xq.data() + first * k, dx.data() + first * kb,
-                 sx.data() + first * kb);
+                 sx.data() + first * kb, sh.empty() ? nullptr : sh.data() + first * 2 * kb);
   }
 }
 

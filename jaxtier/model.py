@@ -116,8 +116,8 @@ class FusedDecoderLayer(DecoderLayer):
   block format per kernel ({kernel: "q4_1", "q8_0" or "q8_16"}, `matmul.pack_blocks`). Here the
   layer's weights are quantized so; the loader fills such a layer with a checkpoint's own blocks
   (`jaxtier.checkpoint.placed`), whose products are then bit for bit those of the float32 panels
-  of the dequantized weights. `activations="int16"` lays Q4_1 and Q8_0 blocks out to multiply x
-  quantized to int16 per block instead (faster; `matmul.pack_q4_1`).
+  of the dequantized weights. `activations="int16"` lays the blocks out to multiply x quantized
+  to int16 per block instead (faster; `matmul.pack_q4_1`).
   """
 
   # Each fused parameter is its parts' parameters concatenated along the last (output) axis.

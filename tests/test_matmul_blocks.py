@@ -464,8 +464,8 @@ def test_loader_keeps_each_layers_kernels_held_in_blocks(mixed_gguf):
   """A file that mixes types per layer (as llama.cpp's Q4_K_M files do): each layer keeps in
   blocks the fused kernels whose parts are all in blocks, in Q4_1 or Q8_0 where one of them holds
   every part, else in Q8_16, and the model gives bit for bit the logits of the file dequantized
-  on load. With int16 activations, the Q4_1 and Q8_0 kernels take the int16 layouts, Q8_16 stays,
-  and the logits stay within the activations' rounding."""
+  on load. With int16 activations, the kernels take the formats' int16 layouts, and the logits
+  stay within the activations' rounding."""
   (path, head), c = mixed_gguf, MIXED_CONFIG
   layout = lambda **kw: placed.Layout.of(c.num_layers, layer_execution="unrolled", **kw)
   floats = checkpoint.load(path, layout=layout()).model
@@ -478,7 +478,7 @@ def test_loader_keeps_each_layers_kernels_held_in_blocks(mixed_gguf):
     np.testing.assert_array_equal(a, b)
   int16 = checkpoint.load(path, layout=layout(keep_quantized=True,
                                               block_activations="int16")).model
-  as_int16 = lambda fmt: fmt + "_i16" if fmt in ("q4_1", "q8_0") else fmt
+  as_int16 = lambda fmt: fmt + "_i16" if fmt != "float32" else fmt
   assert [kernel_formats(layer) for layer in int16.groups[0].layers] == [
       {name: as_int16(fmt) for name, fmt in kept.items()} for kept in MIXED_KEPT]
   for a, b in zip(logits_of(int16, c), want):

@@ -16,15 +16,19 @@ from jaxtier import checkpoint, cpu_kernels, matmul
 from jaxtier.checkpoint import placed
 from jaxtier.model import FusedDecoderLayer, Transformer
 from test_matmul_blocks import (gguf_q4_1, gguf_q8_0, handler_inputs, logits_of, q4_config,
-                                write_q4_1_gguf)
+                                q8_16_case, write_q4_1_gguf)
 
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
                                 reason="no C++ compiler to build the CPU kernels")
 
 
 def blocks_case(rng, k, n, fmt, width=None):
-  """(packed weight, q, d, m or None, dequantized [K, N]) from the gguf package's blocks."""
+  """(packed weight, q, d, m or None, dequantized [K, N]) from the gguf package's blocks (Q8_16:
+  `matmul.quantize_q8_16`'s, d and m per 16 rows)."""
   w = rng.standard_normal((k, n), np.float32) * rng.uniform(0.01, 3, n).astype(np.float32)
+  if fmt == "q8_16":
+    (q, d, m), dequantized = q8_16_case(w)
+    return matmul.pack_q8_16(q, d, m, width, activations="int16"), q, d, m, dequantized
   if fmt == "q8_0":
     (q, d), dequantized = gguf_q8_0(w)
     return matmul.pack_q8_0(q, d, width, activations="int16"), q, d, None, dequantized
@@ -32,12 +36,16 @@ def blocks_case(rng, k, n, fmt, width=None):
   return matmul.pack_q4_1(q, d, m, width, activations="int16"), q, d, m, dequantized
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+FORMATS = ["q4_1", "q8_0", "q8_16"]
+PACK = {"q4_1": matmul.pack_q4_1, "q8_0": matmul.pack_q8_0, "q8_16": matmul.pack_q8_16}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,width", [(64, 16), (100, 16), (40, 8)])
 def test_int16_packing_round_trips_gguf_blocks(fmt, n, width):
   rng = np.random.default_rng(n + width)
   packed, q, d, m, dequantized = blocks_case(rng, 96, n, fmt, width)
-  dtype, words = (np.uint16, 12) if fmt == "q4_1" else (np.int16, 18)
+  dtype, words = {"q4_1": (np.uint16, 12), "q8_0": (np.int16, 18), "q8_16": (np.int32, 12)}[fmt]
   assert packed.dtype == dtype and packed.shape == (-(-n // width), 3, words * width)
   assert matmul.weight_format(packed) == fmt + "_i16"
   assert matmul.panel_columns(packed) == width and matmul.packed_rows(packed) == 96
@@ -45,9 +53,8 @@ def test_int16_packing_round_trips_gguf_blocks(fmt, n, width):
   floats = matmul.dequantize_packed(packed)
   np.testing.assert_array_equal(matmul.unpack(floats, n), dequantized)
   blocks = (q, d) if m is None else (q, d, m)
-  pack = matmul.pack_q8_0 if m is None else matmul.pack_q4_1
   np.testing.assert_array_equal(
-      np.asarray(pack(*map(jnp.asarray, blocks), width, activations="int16")), packed)
+      np.asarray(PACK[fmt](*map(jnp.asarray, blocks), width, activations="int16")), packed)
   np.testing.assert_array_equal(np.asarray(matmul.dequantize_packed(jnp.asarray(packed))), floats)
   ids = rng.integers(0, n, (3, 5))
   got = np.asarray(jax.jit(matmul.packed_columns)(jnp.asarray(packed), jnp.asarray(ids)))
@@ -74,23 +81,26 @@ def test_activation_quantization_bounds():
 
 
 def integer_reference(x, q, d, m):
-  """x @ the blocks in float64 from exact integer block sums: sum over blocks of d_x d_w
-  sum(q_x q_w) (+ m_w d_x sum(q_x)), with x quantized as the kernel does; also the sum of the
-  terms' magnitudes (the scale of float32 rounding)."""
+  """x @ the blocks in float64 from exact integer block sums: sum over groups of rows sharing a
+  weight scale (32, or Q8_16's 16, told by d's rows) of d_x d_w sum(q_x q_w) (+ m_w d_x
+  sum(q_x)), with x quantized per 32 values as the kernel does; also the sum of the terms'
+  magnitudes (the scale of float32 rounding)."""
   qx, dx = matmul.quantize_activations(x)
   rows, k = x.shape
-  qx = qx.reshape(rows, k // 32, 32).astype(np.int64)
-  dots = np.einsum("rbi,bin->rbn", qx, q.astype(np.int64).reshape(k // 32, 32, -1))
-  terms = [dots * dx.astype(np.float64)[..., None] * d.astype(np.float64)]
+  groups = d.shape[0]
+  dx = np.repeat(dx.astype(np.float64), groups * 32 // k, axis=-1)  # per group
+  qx = qx.reshape(rows, groups, k // groups).astype(np.int64)
+  dots = np.einsum("rbi,bin->rbn", qx, q.astype(np.int64).reshape(groups, k // groups, -1))
+  terms = [dots * dx[..., None] * d.astype(np.float64)]
   if m is not None:  # Q4_1's two terms nearly cancel (m is about -8 d)
-    terms.append((dx.astype(np.float64) * qx.sum(-1))[..., None] * m.astype(np.float64))
+    terms.append((dx * qx.sum(-1))[..., None] * m.astype(np.float64))
   return sum(t.sum(1) for t in terms), sum(np.abs(t).sum(1) for t in terms)
 
 
 kernel = jax.jit(matmul.packed_matmul, static_argnums=2)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows,k,n", [(1, 64, 48), (3, 96, 128), (8, 576, 64), (9, 160, 32),
                                       (33, 64, 80), (100, 1536, 16)])
 def test_int16_kernel_equals_exact_block_sums(fmt, rows, k, n):
@@ -128,7 +138,7 @@ def test_int16_nan_and_inf_inputs_give_nan_rows():
   assert np.isfinite(got[1]).all()
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_int16_fused_handlers_equal_their_references(fmt):
   """The norm, norm + bias + rotary and gating handlers quantize the input they make (normed
   rows, silu(gate) * up), as the XLA references do."""

@@ -56,9 +56,8 @@ class Layout:
   `FusedDecoderLayer(formats=...)`); the layer's other kernels are float32 panels, and a packed
   LM head keeps the table's blocks the same way, instead of dequantizing them on load
   (`jaxtier.matmul`: the same products, fewer bytes).
-  `block_activations`: how kept Q4_1 and Q8_0 blocks multiply, "float32" (bit for bit the
-  dequantized weights' products) or "int16" (x quantized per block; `matmul.pack_q4_1`); Q8_16
-  blocks multiply float32.
+  `block_activations`: how kept blocks multiply, "float32" (bit for bit the dequantized
+  weights' products) or "int16" (x quantized per block; `matmul.pack_q4_1`).
   """
   groups: tuple[tuple[int, str], ...]
   prefetch_depth: int = 1
