@@ -190,14 +190,7 @@ def pack_q4_1(q_kn, d_bn, m_bn, width: int | None = None, activations: str = "fl
   uint8 [..., ceil(N / P), K / 32, 24 P], P = `width` (default `panel_width()`); columns past N
   are zero (d = m = 0). With activations="int16": uint16 [..., ceil(N / L), K / 32, 12 L], L =
   `width` (default `lanes()`). Numpy in, numpy out; jax in, jax out."""
-  _check_activations(activations)
-  width = width or (panel_width() if activations == "float32" else lanes())
-  xp = np if isinstance(q_kn, np.ndarray) else jnp
-  *lead, k, n = q_kn.shape
-  blocks = k // QUANT_BLOCK
-  if k % QUANT_BLOCK or d_bn.shape != (*lead, blocks, n) or m_bn.shape != d_bn.shape:
-    raise ValueError(f"expected q [..., K, N] with K a multiple of {QUANT_BLOCK} and d, m "
-                     f"[..., K / {QUANT_BLOCK}, N]; got {q_kn.shape}, {d_bn.shape}, {m_bn.shape}")
+  xp, width = _pack_args(q_kn, {"d": d_bn, "m": m_bn}, QUANT_BLOCK, width, activations)
   q = _block_panels(q_kn.astype(xp.uint8), width, QUANT_BLOCK)  # [..., p, B, 32, P]
   if activations == "int16":  # rows 2t + j (low nibble) and 16 + 2t + j (high) at [t, c, j]
     half = _row_pairs(q[..., :16, :]) | (_row_pairs(q[..., 16:, :]) << 4)
@@ -228,14 +221,7 @@ def pack_q8_0(q_kn, d_bn, width: int | None = None, activations: str = "float32"
   ceil(N / P), K / 32, 36 P]: per block of a panel, d (float32, P) then q row by row; columns
   past N are zero. With activations="int16": int16 [..., ceil(N / L), K / 32, 18 L], L = `width`
   (default `lanes()`), the values in pairs of rows. Numpy in, numpy out; jax in, jax out."""
-  _check_activations(activations)
-  width = width or (panel_width() if activations == "float32" else lanes())
-  xp = np if isinstance(q_kn, np.ndarray) else jnp
-  *lead, k, n = q_kn.shape
-  blocks = k // QUANT_BLOCK
-  if k % QUANT_BLOCK or d_bn.shape != (*lead, blocks, n):
-    raise ValueError(f"expected q [..., K, N] with K a multiple of {QUANT_BLOCK} and d "
-                     f"[..., K / {QUANT_BLOCK}, N]; got {q_kn.shape}, {d_bn.shape}")
+  xp, width = _pack_args(q_kn, {"d": d_bn}, QUANT_BLOCK, width, activations)
   q = _block_panels(q_kn.astype(xp.int8), width, QUANT_BLOCK)  # [..., p, B, 32, P]
   values = (_row_pairs(q) if activations == "int16" else q).reshape(*q.shape[:-2], -1)
   out = xp.concatenate([_scale_bytes(d_bn, width, np.int8), values], axis=-1)
@@ -269,14 +255,8 @@ def pack_q8_16(q_kn, d_hn, m_hn, width: int | None = None, activations: str = "f
   (`jaxtier.checkpoint.gguf_file.block_parts_q8_16`). With activations="int16": int32 [...,
   ceil(N / L), K / 32, 12 L], L = `width` (default `lanes()`), the values in pairs of rows. Numpy
   in, numpy out; jax in, jax out."""
-  _check_activations(activations)
-  width = width or (panel_width() if activations == "float32" else lanes())
-  xp = np if isinstance(q_kn, np.ndarray) else jnp
+  xp, width = _pack_args(q_kn, {"d": d_hn, "m": m_hn}, HALF_BLOCK, width, activations)
   *lead, k, n = q_kn.shape
-  halves = k // HALF_BLOCK
-  if k % QUANT_BLOCK or d_hn.shape != (*lead, halves, n) or m_hn.shape != d_hn.shape:
-    raise ValueError(f"expected q [..., K, N] with K a multiple of {QUANT_BLOCK} and d, m "
-                     f"[..., K / {HALF_BLOCK}, N]; got {q_kn.shape}, {d_hn.shape}, {m_hn.shape}")
   q = _block_panels(q_kn.astype(xp.int8), width, QUANT_BLOCK)  # [..., p, B, 32, P]
   values = (_row_pairs(q) if activations == "int16" else q).reshape(*q.shape[:-2], -1)
   pairs = lambda a: a.reshape(*lead, k // QUANT_BLOCK, 2, n)
@@ -311,6 +291,20 @@ def pack_blocks(fmt: str, parts, activations: str = "float32"):
   if fmt == "q8_16":
     return pack_q8_16(*parts, activations=activations)
   raise ValueError(f"block format {fmt!r}: expected one of {BLOCK_FORMATS}")
+
+
+def _pack_args(q_kn, scales: dict, rows: int, width: int | None, activations: str):
+  """Checks a pack function's q [..., K, N] (K a multiple of 32) and its scales (per `rows`
+  rows, [..., K / rows, N]); returns (numpy or jax.numpy, as q is, and the panel width: `width`,
+  else `panel_width()`, or `lanes()` for int16 activations)."""
+  _check_activations(activations)
+  *lead, k, n = q_kn.shape
+  if k % QUANT_BLOCK or any(a.shape != (*lead, k // rows, n) for a in scales.values()):
+    raise ValueError(f"expected q [..., K, N] with K a multiple of {QUANT_BLOCK} and "
+                     f"{', '.join(scales)} [..., K / {rows}, N]; got q {q_kn.shape}, "
+                     + ", ".join(f"{name} {a.shape}" for name, a in scales.items()))
+  width = width or (panel_width() if activations == "float32" else lanes())
+  return (np if isinstance(q_kn, np.ndarray) else jnp), width
 
 
 def _check_activations(activations: str) -> None:

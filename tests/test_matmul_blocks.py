@@ -219,6 +219,10 @@ def test_bad_q4_1_shapes_are_refused():
                          jnp.asarray(packed_case(rng, 64, 64, fmt="q8_16")[0]))
   with pytest.raises(ValueError, match="block format 'q5_0'"):
     matmul.pack_blocks("q5_0", ())
+  with pytest.raises(ValueError, match=r"d, m \[\.\.\., K / 16, N\]; got q \(64, 8\), d \(2, 8\)"):
+    matmul.pack_q8_16(np.zeros((64, 8), np.int8), np.zeros((2, 8)), np.zeros((4, 8)))
+  with pytest.raises(ValueError, match="multiple of 32"):
+    matmul.pack_q8_0(np.zeros((40, 8), np.int8), np.zeros((1, 8)))
 
 
 def q4_config(tied: bool = False) -> ModelConfig:
