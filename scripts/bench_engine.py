@@ -552,14 +552,19 @@ def decode_section(tokenizer, hf, name: str = "decode_steps", **overrides) -> di
   packed = any(getattr(node, "packed", False) is True for _, node in nnx.iter_graph(model))
   # the formats the model holds its packed layers and head in (`jaxtier.matmul`)
   from jaxtier.model import FusedDecoderLayer
-  layer_format = next((matmul.weight_format(node.qkv_kernel[...])
-                       for _, node in nnx.iter_graph(model)
-                       if isinstance(node, FusedDecoderLayer) and node.packed), "float32")
+  kernels = ("qkv_kernel", "o_kernel", "gate_up_kernel", "down_kernel")  # measure's order
+  layer_formats = [[matmul.weight_format(getattr(node, name)[...]) for name in kernels]
+                   for _, node in nnx.iter_graph(model)
+                   if isinstance(node, FusedDecoderLayer) and node.packed]
+  distinct = sorted({fmt for formats in layer_formats for fmt in formats})
+  # one format, or the formats joined by "+" where a file mixes GGUF types ("q4_1+q8_0+q8_16")
+  layer_format = "+".join(distinct) if distinct else "float32"
   head = getattr(model, "packed_head", None)
   head_format = matmul.weight_format(head[...]) if head is not None else "float32"
-  matmuls = {batch: measure.weight_matmuls_s(c, batch, dtype, packed=packed,
-                                             layer_format=layer_format, head_format=head_format)
-             for batch in batches}
+  matmuls = {batch: measure.weight_matmuls_s(
+      c, batch, dtype, packed=packed, head_format=head_format,
+      layer_format=layer_formats if len(layer_formats) == c.num_layers else distinct[0] if distinct
+      else "float32") for batch in batches}
   xla_matmuls = (matmuls if not packed else
                  {batch: measure.weight_matmuls_s(c, batch, dtype) for batch in batches})
   prompts = {ctx: [filler(tokenizer, ctx, i) for i in range(4)] for ctx in contexts}

@@ -59,7 +59,7 @@ def _pack(w, fmt: str):
 
 
 def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats: int = 5,
-                     packed: bool = False, layer_format: str = "float32",
+                     packed: bool = False, layer_format="float32",
                      head_format: str = "float32") -> float:
   """Seconds of one decode step's weight matmuls alone at `rows` rows: every layer's q/k/v,
   output, gate/up and down projections and the LM head, on random weights of the model's
@@ -70,7 +70,8 @@ def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats:
   multiplied as the packed model does (`jaxtier.matmul`); else XLA's matmuls on [in, out]
   weights. `layer_format` / `head_format` (`jaxtier.matmul.FORMATS`): where they pack, the
   projections / LM head packed in those blocks (`matmul.pack_blocks`), as the loader keeps a
-  GGUF file's."""
+  GGUF file's; `layer_format` is one format for every projection, or per layer the formats of
+  its q/k/v, o, gate/up and down kernels (a file that mixes types)."""
   c = config
   shapes = [(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
             (c.num_heads * c.head_dim, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),
@@ -81,7 +82,10 @@ def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats:
   widths = [n for _, n in shapes]
   product = lambda x, w, n: x @ w
   if packed and matmul.packs_exactly(*widths):  # as FusedDecoderLayer packs
-    layers = [[_pack(w, layer_format) for w in layer] for layer in layers]
+    formats = ([[layer_format] * len(shapes)] * c.num_layers if isinstance(layer_format, str)
+               else layer_format)
+    layers = [[_pack(w, fmt) for w, fmt in zip(layer, fmts)]
+              for layer, fmts in zip(layers, formats, strict=True)]
     product = matmul.packed_matmul
   head = jax.random.normal(next(keys), (c.vocab_size, c.hidden_size), dtype) * 0.02
   logits = lambda h, head: h @ head.T
