@@ -359,6 +359,17 @@ inline I16 RoundLanes(V16 v) {
 #endif
 }
 
+// The sum of v's 16 lanes.
+inline int32_t SumInts(I16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_epi32(reinterpret_cast<__m512i>(v));
+#else
+  int32_t sum = 0;
+  for (int l = 0; l < 16; ++l) sum += v[l];
+  return sum;
+#endif
+}
+
 // x [m, k] -> q [m, k] int16, and per block of 32 values its scale d = max |x| / 32767 and
 // s = d * (sum of its q), and where h is not null per half block h = d * (sum of the half's q);
 // q = x / d rounded to nearest even (x * (1 / d), as llama.cpp's activation quantization computes
@@ -385,25 +396,14 @@ void QuantizeRows(const float* x, int64_t m, int64_t k, int16_t* q, float* d, fl
     const float scale = ok ? amax / kI16Max : std::numeric_limits<float>::quiet_NaN();
     const float inv = scale > 0 ? 1.0f / scale : 0.0f;
     const I16 qa = RoundLanes(a * inv), qb = RoundLanes(b * inv);
-    const I16 both = qa + qb;
-#if defined(__AVX512F__)
-    const int32_t sum = _mm512_reduce_add_epi32(reinterpret_cast<__m512i>(both));
-#else
-    int32_t sum = 0;
-    for (int l = 0; l < 16; ++l) sum += both[l];
-#endif
+    const int32_t sum = SumInts(qa + qb);
     const I16x16 na = __builtin_convertvector(qa, I16x16), nb = __builtin_convertvector(qb, I16x16);
     std::memcpy(q + i * kQBlock, &na, sizeof(na));
     std::memcpy(q + i * kQBlock + 16, &nb, sizeof(nb));
     d[i] = scale;
     s[i] = scale * static_cast<float>(sum);
     if (h != nullptr) {
-#if defined(__AVX512F__)
-      const int32_t low = _mm512_reduce_add_epi32(reinterpret_cast<__m512i>(qa));
-#else
-      int32_t low = 0;
-      for (int l = 0; l < 16; ++l) low += qa[l];
-#endif
+      const int32_t low = SumInts(qa);
       h[2 * i] = scale * static_cast<float>(low);
       h[2 * i + 1] = scale * static_cast<float>(sum - low);
     }

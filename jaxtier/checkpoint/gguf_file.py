@@ -258,10 +258,7 @@ class GGUFSource(TensorSource):
       tensors = [t for _, t in (slots if layer is None else slots[layer:layer + 1])]
     else:
       tensors = [self._globals[path]] if path in self._globals else []
-    kinds = {_kind(t) for t in tensors}
-    if len(kinds) == 1:
-      return kinds.pop()
-    return None if not kinds or None in kinds else "q8_16"  # types that differ fit 8 bits
+    return _held(tensors)
 
   def _blocks(self, sub: str | None, tensor, fmt: str) -> tuple[np.ndarray, ...]:
     """A tensor [out, in] as its blocks in format `fmt`, transposed to [in, out] (q/k rows
@@ -284,8 +281,7 @@ class GGUFSource(TensorSource):
       return self._blocks(None, self._globals[path], fmt or kind)
     slots = self._layers[path]
     layers = range(len(slots)) if layers is None else layers
-    kinds = {self.quantization(path, i) for i in layers}
-    held = None if None in kinds else kinds.pop() if len(kinds) == 1 else "q8_16"
+    held = _held([slots[i][1] for i in layers])
     if held is None or fmt not in (None, held, "q8_16"):
       return super().read_blocks(path, layers, fmt)
     parts = [self._blocks(*slots[i], fmt or held) for i in layers]
@@ -310,6 +306,15 @@ def _kind(tensor) -> str | None:
   if tensor.tensor_type in _BLOCK_TYPES:
     return _BLOCK_TYPES[tensor.tensor_type]
   return "q8_16" if tensor.tensor_type in _Q8_16_TYPES else None
+
+
+def _held(tensors) -> str | None:
+  """The block format that holds every one of `tensors` exactly: their shared `_kind`, "q8_16"
+  where their kinds differ (all fit 8 bits), None where one is not kept or there are none."""
+  kinds = {_kind(t) for t in tensors}
+  if len(kinds) == 1:
+    return kinds.pop()
+  return None if not kinds or None in kinds else "q8_16"
 
 
 def open_source(path: str) -> tuple[ModelConfig, Tokenizer, GGUFSource]:
