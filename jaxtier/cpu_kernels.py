@@ -151,5 +151,14 @@ def lanes() -> int | None:
 
 
 @functools.cache
+def integer_dots() -> bool:
+  """Whether the int16-activation block formats multiply in vector instructions as built for
+  this CPU (AVX512-VNNI, AVX512BW or AVX2; elsewhere their pair products are a scalar loop);
+  False when the kernels are unavailable."""
+  library = _load()[0]
+  return library is not None and bool(library.JaxtierIntegerDots())
+
+
+@functools.cache
 def _warn_once(reason: str) -> None:
   logging.warning("CPU kernels unavailable, using the XLA paths: %s", reason)

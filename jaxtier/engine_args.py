@@ -23,7 +23,7 @@ KV_CACHE_DTYPES = ("auto",) + tuple(ELEMENT_BYTES)
 LAYER_EXECUTIONS = ("auto", "scan", "unrolled")
 ATTENTION_IMPLS = ("auto", "xla", "cpu", "pallas")
 WEIGHT_FORMATS = ("auto", "float")
-BLOCK_ACTIVATIONS = ("float32", "int16")  # jaxtier.matmul.ACTIVATIONS
+BLOCK_ACTIVATIONS = ("auto", "float32", "int16")  # "auto" or one of jaxtier.matmul.ACTIVATIONS
 MAX_PREFETCH_DEPTH = 4
 MAX_BLOCK_SIZE = 1024
 CPU_DEFAULT_KV_GB = 1.0
@@ -125,20 +125,23 @@ class EngineArgs:
       GPU kernel for decode steps), or
       "auto": "cpu" for a pool on one CPU device when a C++ compiler is found, else "xla".
     weight_format: "auto": where a GGUF file stores weights in blocks and the CPU kernels
-      multiply the layers, those weights stay in blocks (the kernel dequantizes them in cache,
-      and its products are bit for bit those of the dequantized float32 weights), per layer and
+      multiply the layers, those weights stay in blocks (with float32 activations the kernel
+      dequantizes them in cache, and its products are bit for bit those of the dequantized
+      float32 weights; see block_activations), per layer and
       fused kernel (q/k/v, gate/up, o, down) in the smallest format that holds all its weights
       exactly: Q4_1 (0.75 bytes a weight instead of 4) for Q4_1, as the default model stores
       them, Q4_0 or Q4_K; Q8_0 (1.125) for Q8_0 or Q5_0; else 8-bit values with a scale and
       minimum per 16 weights (1.5) for those and Q6_K, Q5_K, Q5_1, Q3_K, Q2_K (a Q4_K_M file's
       mixed q/k/v, its Q6_K projections and LM head); the LM head likewise. Other types (F16,
       the IQ types) are dequantized. "float": every weight dequantized to `dtype` on load.
-    block_activations: how the blocks weight_format="auto" keeps multiply: "float32" (the
-      default: bit for bit the dequantized model) or "int16": each matmul quantizes its input
-      per block of 32 values to int16 and sums every block's products exactly in integers, as
-      llama.cpp does with int8 (faster: a decode step's weight matmuls 1.3-1.7x; logits move by
-      up to ~3e-3 on the default model, where int8 moved them by up to 0.66 and changed greedy
-      output).
+    block_activations: how the blocks weight_format="auto" keeps multiply. "int16": each
+      matmul quantizes its input per block of 32 values to int16 and sums every block's
+      products exactly in integers, as llama.cpp multiplies its blocks (with int8 inputs);
+      a decode step's weight matmuls run 1.3-2x faster, and logits move by up to ~3e-3 on the
+      default model (int8 inputs moved them by up to 0.66 and changed greedy output). A row's
+      result still does not depend on the other rows of its batch. "float32": bit for bit
+      the dequantized model. "auto" (the default): "int16" where the kernels multiply int16 in
+      vector instructions (x86 with AVX2 or AVX-512), else "float32".
   """
   model: str = "smollm2-135m-instruct"
   dtype: str = "float32"
@@ -166,7 +169,7 @@ class EngineArgs:
   trace_path: str | None = None
   attention_impl: str = "auto"
   weight_format: str = "auto"
-  block_activations: str = "float32"
+  block_activations: str = "auto"
 
   def __post_init__(self):
     if not isinstance(self.model, str) or not self.model:
@@ -222,6 +225,14 @@ class EngineArgs:
 
   def resolved_kv_cache_dtype(self) -> str:
     return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+  def resolved_block_activations(self) -> str:
+    """"float32" or "int16": "auto" is "int16" where the CPU kernels multiply int16 activations
+    in vector instructions (x86 with AVX2 or AVX-512), else "float32"."""
+    if self.block_activations != "auto":
+      return self.block_activations
+    from jaxtier import cpu_kernels  # pylint: disable=import-outside-toplevel
+    return "int16" if cpu_kernels.integer_dots() else "float32"
 
 
 ARG_NAMES = tuple(f.name for f in dataclasses.fields(EngineArgs))

@@ -68,10 +68,11 @@ flags.DEFINE_enum("weight_format", "auto", list(engine_args.WEIGHT_FORMATS), "au
                   "file's quantized weights (Q4_0/1, Q5_0/1, Q8_0 and the k-quants Q2_K-Q6_K) "
                   "stay in blocks where the CPU kernels multiply them (same results, 2.7-5x fewer "
                   "bytes per step); float: dequantize every weight on load")
-flags.DEFINE_enum("block_activations", "float32", list(engine_args.BLOCK_ACTIVATIONS), "how "
-                  "the kept blocks multiply: float32 (bit for bit the dequantized model) or int16 "
-                  "(inputs quantized per 32 values, integer block sums: faster, logits within "
-                  "~3e-3)")
+flags.DEFINE_enum("block_activations", "auto", list(engine_args.BLOCK_ACTIVATIONS), "how "
+                  "the kept blocks multiply: int16 (inputs quantized per 32 values, integer "
+                  "block sums: faster, logits within ~3e-3), float32 (bit for bit the "
+                  "dequantized model), or auto: int16 where the CPU kernels have integer vector "
+                  "products (AVX2 or AVX-512), else float32")
 
 # `seed` stays with each script: the batch job's --seed seeds its records' sampling.
 ENGINE_FLAGS = tuple(name for name in engine_args.ARG_NAMES if name != "seed")

@@ -131,11 +131,13 @@ class LLM:
       self.block_bytes = kv_block_bytes(self.config.num_layers, self.config.num_kv_heads,
                                         self.config.head_dim, self.kv_cache_dtype, args.block_size)
       self.layer_execution = resolve_layer_execution(args.layer_execution)
+      # how kept blocks multiply ("auto" resolved); no effect where no blocks are kept
+      self.block_activations = args.resolved_block_activations()
       self.offload = self._resolve_offload()
       self.layout = placed.Layout.of(self.config.num_layers, self.offload.offload_tail_layers,
                                      self.offload.prefetch_depth or 1, self.layer_execution,
                                      self.mesh, keep_quantized=keep_quantized,
-                                     block_activations=args.block_activations)
+                                     block_activations=self.block_activations)
     except BaseException:
       opened.close()
       raise

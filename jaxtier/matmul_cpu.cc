@@ -923,6 +923,16 @@ extern "C" int JaxtierPanelWidth() { return kPanel; }
 // Columns per panel of the int16-activation formats (the lanes of a vector).
 extern "C" int JaxtierLanes() { return kLanes; }
 
+// 1 where the int16-activation formats' pair products run in vector instructions (`DotPairs`:
+// AVX512-VNNI, AVX512BW or AVX2), 0 where they fall back to a scalar loop.
+extern "C" int JaxtierIntegerDots() {
+#if defined(__AVX512BW__) || (defined(__AVX2__) && !defined(__AVX512F__))
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxtierPackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

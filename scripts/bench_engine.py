@@ -35,8 +35,10 @@ Every figure comes from the same run, so ratios compare like with like on a nois
                 matmuls on [in, out] weights (`xla_weight_matmuls_alone_ms`).
                 Also batch-1 decode tokens/s of the engine and of Hugging Face
                 (`--hf_decode_tokens` tokens after the shortest context's prompt).
-                With `--decode_int16` (and GGUF blocks kept), the same again with
-                `block_activations="int16"` (`decode_steps_int16`; batch 1 against the same
+                `block_activations` names how the kept GGUF blocks multiply ("int16" or
+                "float32", `--block_activations` resolved; "none" without blocks). With
+                `--decode_other_activations` (and blocks kept), the same again with the other
+                one (`decode_steps_float32` or `decode_steps_int16`; batch 1 against the same
                 Hugging Face figure).
   compile:      compiled variants and compile seconds of every engine this run built.
   targets:      engine >= 3x HF and faster than the padded driver (mixed); under pressure >= 0.7x
@@ -68,8 +70,9 @@ from jaxtier import engine_flags
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seed", 0, "seed of the workloads (prompt kinds, lengths, texts, max_tokens)")
 flags.DEFINE_list("sections", ["mixed", "pressure", "decode_steps"], "sections to run")
-flags.DEFINE_bool("decode_int16", True, "also time decode steps with block_activations=int16 "
-                  "(where the engine keeps GGUF blocks)")
+flags.DEFINE_bool("decode_other_activations", True, "also time decode steps with the other "
+                  "block_activations (float32 where the run's resolve to int16, and the reverse), "
+                  "where the engine keeps GGUF blocks")
 flags.DEFINE_integer("num_prompts", 64, "prompts of the mixed workload", lower_bound=1)
 flags.DEFINE_integer("min_prompt", 16, "shortest mixed-workload prompt, tokens", lower_bound=1)
 flags.DEFINE_integer("max_prompt", 512, "longest mixed-workload prompt, tokens", lower_bound=1)
@@ -601,6 +604,8 @@ def decode_section(tokenizer, hf, name: str = "decode_steps", **overrides) -> di
       "read_bandwidth_gb_s_samples": [r[0] / 1e9 for r in rates],
       "matmul_gflop_s_samples": [r[1] / 1e9 for r in rates], "matmul_n": n,
       "packed_weights": packed, "layer_format": layer_format, "head_format": head_format,
+      "block_activations": (llm.block_activations if any(
+          fmt in matmul.BYTES_PER_COLUMN for fmt in distinct + [head_format]) else "none"),
       "steps_timed": FLAGS.decode_steps, "table": table,
       "targets": {
           "all_steps_le_1_5x_bound": all(
@@ -662,14 +667,17 @@ def main(argv):
     report["pressure"] = pressure_section(workload)
   if "decode_steps" in sections:
     report["decode_steps"] = decode_section(tokenizer, hf)
-    if (FLAGS.decode_int16 and FLAGS.block_activations == "float32"
-        and report["decode_steps"]["layer_format"] != "float32"):
-      int16 = decode_section(tokenizer, None, "decode_steps_int16", block_activations="int16")
+    ran = report["decode_steps"]["block_activations"]
+    if FLAGS.decode_other_activations and ran != "none":
+      other = "float32" if ran == "int16" else "int16"
+      name = f"decode_steps_{other}"
+      section = decode_section(tokenizer, None, name, block_activations=other)
       theirs = report["decode_steps"]["batch1"].get("hf_decode_tokens_per_s")
       if theirs:
-        int16["batch1"]["hf_decode_tokens_per_s"] = theirs
-        int16["batch1"]["engine_vs_hf"] = int16["batch1"]["engine_decode_tokens_per_s"] / theirs
-      report["decode_steps_int16"] = int16
+        section["batch1"]["hf_decode_tokens_per_s"] = theirs
+        section["batch1"]["engine_vs_hf"] = (section["batch1"]["engine_decode_tokens_per_s"]
+                                             / theirs)
+      report[name] = section
   report["compile"] = {
       "compiled_variants": sum(c["compiled_variants"] for c in COMPILES.values()),
       "compile_seconds": sum(c["compile_seconds"] for c in COMPILES.values()),

@@ -19,6 +19,7 @@ def fixture_path(*parts: str) -> str:
 
 @pytest.fixture(scope="session")
 def smollm_llm():
-  """The default model as a `jaxtier.LLM`, loaded once for the whole session (float32)."""
+  """The default model as a `jaxtier.LLM`, loaded once for the whole session (float32, its GGUF
+  blocks kept and multiplied with the default `block_activations`)."""
   import jaxtier
   return jaxtier.LLM(DEFAULT_MODEL, max_model_len=2048)

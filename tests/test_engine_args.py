@@ -29,8 +29,8 @@ from jaxtier.engine_args import EngineArgs
     (dict(max_model_len=1), r"max_model_len=1: expected an int >= 2"),
     (dict(attention_impl="flash"), r"attention_impl='flash': expected one of \('auto', 'xla'"),
     (dict(attention_impl="cpu", tensor_parallel_size=3), r"attention_impl='cpu' runs on one device"),
-    (dict(block_activations="int8"), r"block_activations='int8': expected one of \('float32', "
-                                     r"'int16'\)"),
+    (dict(block_activations="int8"), r"block_activations='int8': expected one of \('auto', "
+                                     r"'float32', 'int16'\)"),
 ])
 def test_bad_engine_arguments_are_named_with_their_range(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -508,7 +508,7 @@ def test_memory_report_counts_the_kept_blocks(mixed_gguf):
   want[head] += c.vocab_size * h * BYTES_PER_WEIGHT[head]
   # the embedding table, the norms and the rotary frequencies
   want["float32"] += (c.vocab_size * h + (2 * c.num_layers + 1) * h + c.head_dim // 2) * 4
-  report = jaxtier.LLM(path, max_num_seqs=2).memory_report()
+  report = jaxtier.LLM(path, max_num_seqs=2, block_activations="float32").memory_report()
   by_format = report["weight_bytes_by_format"]
   assert by_format == {fmt: int(n) for fmt, n in want.items() if n}
   assert sum(by_format.values()) == report["device_weight_bytes"] + report["host_weight_bytes"]

@@ -85,7 +85,9 @@ def test_greedy_continuations_match_hugging_face(smollm_llm):
 
 
 def test_last_position_logits_match_hugging_face(smollm_llm):
-  check_last_position_logits(smollm_llm, atol=2e-3)
+  # int16 activations (the default on x86) move the logits by up to ~3e-3
+  check_last_position_logits(smollm_llm,
+                             atol=5e-3 if smollm_llm.block_activations == "int16" else 2e-3)
 
 
 def test_chat_reply_stops_at_end_of_turn(smollm_llm):
@@ -158,8 +160,9 @@ def test_tensor_parallel_3_equals_tp1_resident_offloaded_and_swapping():
 
 def test_gguf_blocks_kept_give_the_dequantized_models_logits(smollm_llm):
   """The default model's Q4_1 layer weights and Q8_0 table stay in their blocks (weight_format
-  "auto", unrolled packed layers on CPU): a fifth of the bytes, and the logits of a prefill and
-  a decode step are bit for bit those of the same file dequantized to float32 on load."""
+  "auto", unrolled packed layers on CPU): a fifth of the bytes, and with float32 activations the
+  logits of a prefill and a decode step are bit for bit those of the same file dequantized to
+  float32 on load."""
   import jax.numpy as jnp
   from flax import nnx
   from jaxtier import checkpoint, cpu_kernels
@@ -168,14 +171,16 @@ def test_gguf_blocks_kept_give_the_dequantized_models_logits(smollm_llm):
   from jaxtier.model import FusedDecoderLayer
   if not cpu_kernels.available():
     pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
-  kept = nnx.merge(smollm_llm.graphdef, smollm_llm.state)
-  c = kept.config
+  c = smollm_llm.config
+  layout = lambda **kw: placed.Layout.of(c.num_layers, layer_execution="unrolled", **kw)
+  kept = checkpoint.load_opened(
+      checkpoint.open_checkpoint(smollm_llm.model_name, keep_quantized=True), "float32",
+      layout(keep_quantized=True, block_activations="float32")).model
   layers = kept.groups[0].layers
   assert all(getattr(layer, name)[...].dtype == jnp.uint8
              for layer in layers for name in FusedDecoderLayer.KERNELS)
   assert kept.packed_head[...].dtype == jnp.int8 and not hasattr(kept, "embed")
-  layout = placed.Layout.of(c.num_layers, layer_execution="unrolled")
-  floats = checkpoint.load(smollm_llm.model_name, layout=layout).model
+  floats = checkpoint.load(smollm_llm.model_name, layout=layout()).model
   assert floats.packed_head[...].dtype == jnp.float32
   nbytes = lambda model: sum(a.nbytes for a in jax.tree.leaves(nnx.state(model)))
   assert nbytes(kept) < nbytes(floats) / 4.5
@@ -193,24 +198,32 @@ def test_gguf_blocks_kept_give_the_dequantized_models_logits(smollm_llm):
     np.testing.assert_array_equal(a, b)
 
 
-def test_int16_activations_keep_hugging_faces_greedy_tokens():
-  """`block_activations="int16"` (inputs quantized per 32 values, integer block sums): the layers
-  and head hold uint16 / int16 words, the greedy continuations are still Hugging Face's, the
-  last-position logits within 5e-3 of its (the float path: 2e-3) with the same top 5, and the
-  engine with staggered arrivals gives the contiguous driver's tokens (rows do not depend on
-  their batch)."""
+def test_int16_activations_keep_hugging_faces_greedy_tokens(smollm_llm):
+  """`block_activations="int16"` (inputs quantized per 32 values, integer block sums), the
+  default ("auto") where the kernels have integer vector products: the layers and head hold
+  uint16 / int16 words, the greedy continuations are still Hugging Face's, the last-position
+  logits within 5e-3 of its (the float path: 2e-3) with the same top 5, and the engine with
+  staggered arrivals gives the contiguous driver's tokens (rows do not depend on their batch).
+  Where the default resolved to int16, the shared model's own tests above are those checks."""
   import jax.numpy as jnp
   from flax import nnx
   from jaxtier import cpu_kernels
   if not cpu_kernels.available():
     pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
-  llm = jaxtier.LLM(DEFAULT_MODEL, max_model_len=2048, block_activations="int16")
+  assert smollm_llm.block_activations == ("int16" if cpu_kernels.integer_dots() else "float32")
+  shared = smollm_llm.block_activations == "int16"
+  llm = smollm_llm if shared else jaxtier.LLM(DEFAULT_MODEL, max_model_len=2048,
+                                                block_activations="int16")
   try:
     model = nnx.merge(llm.graphdef, llm.state)
     assert model.packed_head[...].dtype == jnp.int16
     assert all(layer.qkv_kernel[...].dtype == jnp.uint16 for layer in model.groups[0].layers)
-    check_greedy_continuations(llm)
-    check_last_position_logits(llm, atol=5e-3)
-    check_staggered_engine_equals_contiguous_driver(llm)
+    assert llm.memory_report()["weight_bytes_by_format"].keys() == {"q4_1_i16", "q8_0_i16",
+                                                                    "float32"}
+    if not shared:
+      check_greedy_continuations(llm)
+      check_last_position_logits(llm, atol=5e-3)
+      check_staggered_engine_equals_contiguous_driver(llm)
   finally:
-    llm.engine.close()
+    if not shared:
+      llm.engine.close()
