@@ -66,8 +66,8 @@ flags.DEFINE_enum("attention_impl", "auto", list(engine_args.ATTENTION_IMPLS), "
                   "auto: cpu on one CPU device when a C++ compiler is found, else xla")
 flags.DEFINE_enum("weight_format", "auto", list(engine_args.WEIGHT_FORMATS), "auto: a GGUF "
                   "file's quantized weights (Q4_0/1, Q5_0/1, Q8_0 and the k-quants Q2_K-Q6_K) "
-                  "stay in blocks where the CPU kernels multiply them (same results, 2.7-5x fewer "
-                  "bytes per step); float: dequantize every weight on load")
+                  "stay in blocks where the CPU kernels multiply them (2.7-5x fewer bytes per step; "
+                  "see --block_activations); float: dequantize every weight on load")
 flags.DEFINE_enum("block_activations", "auto", list(engine_args.BLOCK_ACTIVATIONS), "how "
                   "the kept blocks multiply: int16 (inputs quantized per 32 values, integer "
                   "block sums: faster, logits within ~3e-3), float32 (bit for bit the "

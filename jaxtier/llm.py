@@ -131,8 +131,10 @@ class LLM:
       self.block_bytes = kv_block_bytes(self.config.num_layers, self.config.num_kv_heads,
                                         self.config.head_dim, self.kv_cache_dtype, args.block_size)
       self.layer_execution = resolve_layer_execution(args.layer_execution)
-      # how kept blocks multiply ("auto" resolved); no effect where no blocks are kept
-      self.block_activations = args.resolved_block_activations()
+      # how kept blocks multiply ("auto" resolved where blocks may be kept; float32 elsewhere,
+      # where it has no effect)
+      self.block_activations = (args.resolved_block_activations() if keep_quantized
+                                else "float32")
       self.offload = self._resolve_offload()
       self.layout = placed.Layout.of(self.config.num_layers, self.offload.offload_tail_layers,
                                      self.offload.prefetch_depth or 1, self.layer_execution,
