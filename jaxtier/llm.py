@@ -135,7 +135,7 @@ class LLM:
       # where it has no effect)
       self.block_activations = (args.resolved_block_activations() if keep_quantized
                                 else "float32")
-      self.offload = self._resolve_offload()
+      self.offload = self._resolve_offload(opened.source if keep_quantized else None)
       self.layout = placed.Layout.of(self.config.num_layers, self.offload.offload_tail_layers,
                                      self.offload.prefetch_depth or 1, self.layer_execution,
                                      self.mesh, keep_quantized=keep_quantized,
@@ -206,13 +206,20 @@ class LLM:
       return int(self.args.kv_cache_memory_gb * GB)
     return None
 
-  def _resolve_offload(self) -> offload_auto.Resolved:
+  def _resolve_offload(self, kept_from=None) -> offload_auto.Resolved:
     """The offload to run. "auto" plans against the paged pool the engine will allocate: the
     explicit pool size when one is given, else the smallest pool that can run (one max_model_len
     sequence), since the default pool takes whatever device memory the weights leave. So nothing
     is offloaded while the weights, the activations and that minimal pool fit in
-    `gpu_memory_utilization` of the device memory."""
+    `gpu_memory_utilization` of the device memory. `kept_from`: the opened source when resident
+    layers may keep its blocks; they are then sized as held (offloaded layers stay floats)."""
     args = self.args
+    resident = None
+    if kept_from is not None and args.offload_tail_layers != 0:
+      resident = placed.resident_bytes(
+          self.config, kept_from, checkpoint.resolve_dtype(args.dtype),
+          placed.Layout.of(self.config.num_layers, layer_execution=self.layer_execution,
+                           keep_quantized=True, block_activations=self.block_activations))
     minimal = blocks_for(self.max_model_len, args.block_size) * self.block_bytes
     kv_reserve = self._explicit_pool_bytes()
     memory = self._device_memory_bytes()
@@ -223,7 +230,7 @@ class LLM:
                           // self.tensor_parallel_size),
         tensor_parallel_size=self.tensor_parallel_size,
         activation_reserve_bytes=self._activation_reserve_bytes(),
-        batch=pow2_bucket(self.max_num_seqs), context=self.max_model_len)
+        batch=pow2_bucket(self.max_num_seqs), context=self.max_model_len, resident=resident)
 
   def _pool_blocks(self) -> tuple[int, int]:
     """Device and host KV pool sizes in blocks (see `jaxtier.engine_args` for the defaults)."""

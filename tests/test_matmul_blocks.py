@@ -512,3 +512,28 @@ def test_memory_report_counts_the_kept_blocks(mixed_gguf):
   by_format = report["weight_bytes_by_format"]
   assert by_format == {fmt: int(n) for fmt, n in want.items() if n}
   assert sum(by_format.values()) == report["device_weight_bytes"] + report["host_weight_bytes"]
+
+
+def test_offload_planner_sizes_resident_layers_as_held(mixed_gguf):
+  """`offload_tail_layers="auto"` plans with the bytes the resident layers and head are held in
+  (kept blocks; offloaded layers stay float32): the plan's device and host weight bytes are
+  `memory_report()`'s, with nothing offloaded where the float sizing would offload layers.
+  (`test_offload_smollm.py` checks a plan that offloads a tail.)"""
+  from jaxtier.offload.planner import ModelBytes
+  path, _ = mixed_gguf
+  kw = dict(max_num_seqs=2, max_model_len=64, offload_tail_layers="auto",
+            gpu_memory_utilization=1.0, block_activations="float32")
+  room = jaxtier.LLM(path, device_memory_gb=100.0, **kw)
+  plan = room.offload.plan
+  reserve = plan.kv_reserve_bytes + plan.activation_reserve_bytes
+  assert room.offload.offload_tail_layers == 0
+  assert plan.device_weight_bytes == room.memory_report()["device_weight_bytes"]
+  floats = ModelBytes.from_config(MIXED_CONFIG, "float32").weight_bytes
+  assert floats > plan.model.weight_bytes * 2
+  between = jaxtier.LLM(path, device_memory_gb=(reserve + floats - 1) / 1e9, **kw)
+  assert between.offload.offload_tail_layers == 0  # the float sizing offloaded layers here
+  assert between.memory_report()["device_weight_bytes"] == plan.device_weight_bytes
+  # One byte short of the kept weights: offloading n layers would free their kept bytes but
+  # buffer two float32 layers, more than all four kept layers take, so nothing fits.
+  with pytest.raises(ValueError, match="Does not fit"):
+    jaxtier.LLM(path, device_memory_gb=(reserve + plan.model.weight_bytes - 1) / 1e9, **kw)

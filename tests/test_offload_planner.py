@@ -1,6 +1,7 @@
 """The offload planner: the article's arithmetic, memory fit, the step simulation, presets, and the
 byte budget it hands the scheduler."""
 
+import dataclasses
 import math
 
 import pytest
@@ -53,6 +54,34 @@ def test_offloaded_layers_follow_w_against_m_minus_k_minus_a():
   assert "nothing to offload" in article_plan(0.040, kv_reserve_bytes=60_000_000_000).message()
   tight = article_plan(0.040, kv_reserve_bytes=79_000_000_000, activation_reserve_bytes=500_000_000)
   assert not tight.fits and "Does not fit" in tight.message()
+
+
+def test_resident_layer_bytes_shrink_only_what_stays_resident():
+  """Layers held resident in fewer bytes (kept GGUF blocks) than the float `layer_bytes` their
+  offloaded copies move: uniform resident bytes equal to `layer_bytes` plan exactly as none; a
+  quarter of them fit 16 GB of layers in 10 GB with fewer layers offloaded, each offloaded layer
+  still moving and buffering its float bytes."""
+  model = planner.ModelBytes(num_layers=32, layer_bytes=500_000_000)
+  args = dict(device_memory_bytes=10_000_000_000, link_bytes_per_s=22e9, layer_compute_s=0.040)
+  same = dataclasses.replace(model, resident_layer_bytes=(500_000_000,) * 32)
+  assert planner.plan(same, **args) == dataclasses.replace(planner.plan(model, **args),
+                                                           model=same)
+  kept = dataclasses.replace(model, resident_layer_bytes=(125_000_000,) * 32)
+  assert kept.weight_bytes == 4_000_000_000
+  assert planner.plan(kept, **args).offload_tail_layers == 0
+  # 6 GB: every n fitting R(32 - n) + 2 x 0.5 GB <= 6 GB, by enumeration: n >= 0 would need 4 GB
+  # (no offload: no buffers), so still 0; at 3.5 GB, 0.125 (32 - n) + 1 <= 3.5 -> n >= 12.
+  small = planner.plan(kept, **{**args, "device_memory_bytes": 3_500_000_000})
+  fits = [n for n in range(1, 33) if 125_000_000 * (32 - n) + 2 * 500_000_000 <= 3_500_000_000]
+  assert small.offload_tail_layers == min(fits) == 12 and small.prefetch_depth == 1
+  assert small.host_weight_bytes == 12 * 500_000_000
+  assert small.device_weight_bytes == 20 * 125_000_000 + 2 * 500_000_000
+  mixed = dataclasses.replace(model, resident_layer_bytes=(100_000_000,) * 16 + (200_000_000,) * 16)
+  assert mixed.resident_bytes(range(14, 18)) == 2 * 100_000_000 + 2 * 200_000_000
+  with pytest.raises(ValueError, match="resident_layer_bytes: 3 entries, expected num_layers=32"):
+    dataclasses.replace(model, resident_layer_bytes=(1, 2, 3))
+  with pytest.raises(ValueError, match="resident_layer_bytes"):
+    dataclasses.replace(model, resident_layer_bytes=(0,) * 32)
 
 
 def test_fixed_depth_is_used_for_the_memory_fit_and_the_prediction():

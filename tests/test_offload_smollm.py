@@ -77,6 +77,23 @@ def test_memory_report_and_placement_after_generate(smollm_llm):
   assert llm.memory_report() == after
 
 
+def test_auto_offload_plans_the_resident_layers_as_held():
+  """With 0.2 GB of device memory, `offload_tail_layers="auto"` sizes the resident layers and
+  head in the GGUF blocks the engine keeps (112 MB in all, not 538 MB of float32) and offloads
+  float32 layers from the tail until the rest and two prefetch buffers fit: the plan's device
+  and host weight bytes are what the loaded model holds."""
+  llm = jaxtier.LLM(DEFAULT_MODEL, max_model_len=1024, max_num_seqs=4, device_memory_gb=0.2,
+                    offload_tail_layers="auto", gpu_memory_utilization=1.0)
+  plan, report = llm.offload.plan, llm.memory_report()
+  assert plan.model.weight_bytes < 120e6  # blocks: float32 would be ~540 MB
+  assert 0 < llm.offload.offload_tail_layers < llm.config.num_layers
+  assert plan.device_weight_bytes <= plan.resident_budget_bytes
+  assert plan.device_weight_bytes - plan.prefetch_buffer_bytes == report["device_weight_bytes"]
+  assert plan.host_weight_bytes == report["host_weight_bytes"]
+  out = llm.generate(PROMPTS[0], jaxtier.SamplingParams(max_tokens=4, temperature=0))[0]
+  assert len(out.token_ids) == 4
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_exported_decode_step_streams_exactly_the_offloaded_bytes(loaded, depth):
   report = check_decode_step_transfers(loaded[0], OFFLOADED, depth)

@@ -287,20 +287,53 @@ def _head_path(config: ModelConfig) -> Path:
   return ("embed", "embedding") if config.tie_word_embeddings else ("lm_head",)
 
 
-def _packed_head_blocks(placer: _Placer, config: ModelConfig, dtype, layout: Layout
-                        ) -> jax.Array | None:
-  """The LM head packed from the table's blocks (`TensorSource.quantization`'s format) and
-  placed, where `layout` keeps blocks and `GroupedTransformer` would pack the head; else None."""
-  path = _head_path(config)
-  kind = placer.source.quantization(path)
+def _head_blocks(config: ModelConfig, source: TensorSource, dtype, layout: Layout) -> str | None:
+  """The block format the LM head keeps the table in (`TensorSource.quantization`'s), where
+  `layout` keeps blocks and `GroupedTransformer` would pack the head; else None."""
+  kind = source.quantization(_head_path(config))
   if not (layout.keep_quantized and layout.fused and kind in matmul.BLOCK_FORMATS
           and packs_by_default(dtype) and matmul.packs_exactly(config.vocab_size)):
+    return None
+  return kind
+
+
+def _packed_head_blocks(placer: _Placer, config: ModelConfig, dtype, layout: Layout
+                        ) -> jax.Array | None:
+  """The LM head packed from the table's blocks and placed (`_head_blocks`), or None."""
+  path = _head_path(config)
+  kind = _head_blocks(config, placer.source, dtype, layout)
+  if kind is None:
     return None
   blocks = placer.source.read_blocks(path)
   host = matmul.pack_blocks(kind, blocks, layout.block_activations)
   del blocks
   return placer.place(("packed_head",), host, jax.ShapeDtypeStruct(host.shape, host.dtype),
                       placement.DEVICE)
+
+
+def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Layout
+                   ) -> tuple[tuple[int, ...], int]:
+  """(bytes of each layer, bytes of everything else) as `build` would hold them on the device
+  with every layer resident in `layout`'s first group mode (unrolled layers keep the blocks of
+  `keep_quantized`): what the offload planner needs where kept blocks make resident layers and
+  the LM head smaller than their float parameters. Taken from the abstract modules `build`
+  places; nothing is read."""
+  c, size = config, jnp.dtype(dtype).itemsize
+  blocks = block_kernels(source, c.num_layers) if layout.keep_quantized else None
+  group = _abstract_group(c, dtype, layout.groups[0][1], range(c.num_layers), layout.fused,
+                          blocks, layout.block_activations)
+  nbytes = lambda state: sum(x.size * jnp.dtype(x.dtype).itemsize
+                             for x in jax.tree.leaves(state))
+  per_split = [nbytes(state) for _, state in group.splits]
+  layers = (tuple(per_split) if len(per_split) == c.num_layers
+            else (per_split[0] // c.num_layers,) * c.num_layers)  # one stack of all layers
+  table = c.vocab_size * c.hidden_size
+  other = (table * (1 if c.tie_word_embeddings else 2) + c.hidden_size) * size + c.head_dim // 2 * 4
+  kind = _head_blocks(c, source, dtype, layout)
+  if kind is not None:  # the head's table held in its blocks instead
+    fmt = kind if layout.block_activations == "float32" else f"{kind}_i16"
+    other += table // matmul.QUANT_BLOCK * matmul.BYTES_PER_COLUMN[fmt] - table * size
+  return layers, other
 
 
 def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,

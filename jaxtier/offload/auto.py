@@ -45,9 +45,14 @@ def activation_reserve_bytes(config: ModelConfig, batch: int, context: int, item
 
 def resolve(config: ModelConfig, dtype: str, offload_tail_layers, prefetch_depth, *,
             memory_bytes: int | None, kv_reserve_bytes: int, activation_reserve_bytes: int,
-            batch: int, context: int, tensor_parallel_size: int = 1) -> Resolved:
+            batch: int, context: int, tensor_parallel_size: int = 1,
+            resident: tuple[tuple[int, ...], int] | None = None) -> Resolved:
   """Turns the two engine arguments into numbers (see the module docstring), before any weight
   is loaded.
+
+  `resident`: (bytes of each layer, bytes of everything else) as the loader will hold them
+  resident (`jaxtier.checkpoint.placed.resident_bytes`), where that is not the float parameters
+  (kept GGUF blocks); None: `dtype` floats.
 
   `batch` and `context` give the decode step whose layer time is measured (on a layer of random
   weights). Under tensor parallelism every figure is per device: `memory_bytes` and
@@ -61,6 +66,9 @@ def resolve(config: ModelConfig, dtype: str, offload_tail_layers, prefetch_depth
     depth = 1 if prefetch_depth == "auto" else prefetch_depth
     return Resolved(offload_tail_layers, check_depth(depth, offload_tail_layers))
   bytes_ = ModelBytes.from_config(config, dtype, tensor_parallel_size=tensor_parallel_size)
+  if resident is not None:
+    bytes_ = dataclasses.replace(bytes_, resident_layer_bytes=tuple(resident[0]),
+                                 other_bytes=resident[1])
   fixed_depth = prefetch_depth if prefetch_depth != "auto" else (1 if cpu else None)
   assumed = bytes_.weight_bytes + kv_reserve_bytes + activation_reserve_bytes
   result = plan(bytes_, device_memory_bytes=memory_bytes or assumed,

@@ -2,10 +2,12 @@
 
 Symbols: M device memory, K KV reservation, A activation reserve, W bytes of all weights, L bytes
 of one layer, N layers, n offloaded tail layers, d prefetch depth, t_x = L / link bandwidth,
-t_c = compute time of one layer.
+t_c = compute time of one layer. R(j) is the device bytes of the first j layers held resident:
+j L, or less where resident layers keep a GGUF file's blocks (`ModelBytes.resident_layer_bytes`;
+an offloaded layer always moves and computes as L float bytes), and W = R(N) + the rest.
 
 - n = 0 if W <= M - K - A; otherwise the fewest tail layers for which the resident weights plus
-  the d + 1 layer buffers of the prefetch fit: W - n L + (d + 1) L <= M - K - A.
+  the d + 1 layer buffers of the prefetch fit: W - R(N) + R(N - n) + (d + 1) L <= M - K - A.
 - d = ceil(t_x / t_c), clipped to [1, min(4, n)].
 - A step cannot beat max(N t_c, n t_x) (plus the step's KV swap bytes over the link, which go
   first): `step_time_bound_s`. `predicted_step_s` plays the schedule of `prefetch_scan_layers` on a
@@ -34,6 +36,10 @@ class ModelBytes:
       `jaxtier.kv_bytes.kv_bytes_per_token`.
     layer_flops_per_token: matmul FLOPs of one layer for one token (2 x its parameters).
     attention_width: query heads x head dim (attention FLOPs per cached token are 4 x this).
+    resident_layer_bytes: per layer, its bytes when held resident on the device, where that is
+      not `layer_bytes` (the loader keeps a GGUF file's blocks in resident layers, while an
+      offloaded layer is held, moved and computed as `layer_bytes` of floats); empty: every layer
+      `layer_bytes`. `checkpoint.placed.resident_bytes` computes them.
   """
   num_layers: int
   layer_bytes: int
@@ -41,16 +47,30 @@ class ModelBytes:
   kv_bytes_per_token: int = 0
   layer_flops_per_token: int = 0
   attention_width: int = 0
+  resident_layer_bytes: tuple[int, ...] = ()
 
   def __post_init__(self):
     _check_int("num_layers", self.num_layers, 1)
     _check_int("layer_bytes", self.layer_bytes, 1)
     for name in ("other_bytes", "kv_bytes_per_token", "layer_flops_per_token", "attention_width"):
       _check_int(name, getattr(self, name), 0)
+    if self.resident_layer_bytes:
+      if len(self.resident_layer_bytes) != self.num_layers:
+        raise ValueError(f"resident_layer_bytes: {len(self.resident_layer_bytes)} entries, "
+                         f"expected num_layers={self.num_layers}")
+      for value in self.resident_layer_bytes:
+        _check_int("resident_layer_bytes", value, 1)
+
+  def resident_bytes(self, layers: range) -> int:
+    """Device bytes of `layers` held resident (R(stop) - R(start) in the module docstring)."""
+    if not self.resident_layer_bytes:
+      return len(layers) * self.layer_bytes
+    return sum(self.resident_layer_bytes[i] for i in layers)
 
   @property
   def weight_bytes(self) -> int:
-    return self.num_layers * self.layer_bytes + self.other_bytes
+    """Every weight resident: W."""
+    return self.resident_bytes(range(self.num_layers)) + self.other_bytes
 
   @classmethod
   def from_config(cls, config: ModelConfig, dtype: str = "bfloat16",
@@ -144,7 +164,7 @@ class OffloadPlan:
   @property
   def device_weight_bytes(self) -> int:
     """Resident weights plus the prefetch buffers."""
-    return self.model.weight_bytes - self.host_weight_bytes + self.prefetch_buffer_bytes
+    return _resident(self.model, self.offload_tail_layers, self.prefetch_depth)
 
   @property
   def weight_transfer_bytes_per_step(self) -> int:
@@ -212,7 +232,8 @@ def explain(p: OffloadPlan) -> str:
           f"{_ms(p.predicted_step_s)} instead of {_ms(p.compute_step_s)} of compute "
           f"({p.predicted_step_s / p.compute_step_s:.2f}x; bound {_ms(p.step_time_bound_s)}). "
           f"Offload fewer layers: at most {p.max_hidden_layers} can be hidden; keeping the other "
-          f"{keep} resident needs {_gb(keep * m.layer_bytes)} more device memory (lower the "
+          f"{keep} resident needs {_gb(m.resident_bytes(range(total - n, total - n + keep)))} "
+          "more device memory (lower the "
           "concurrency or context length), or accept the slowdown.")
 
 
@@ -286,8 +307,10 @@ def plan(model: ModelBytes, *, device_memory_bytes: int, link_bytes_per_s: float
 
 
 def _resident(model: ModelBytes, offloaded: int, depth: int) -> int:
+  """Device weight bytes with the last `offloaded` layers offloaded, prefetched `depth` ahead."""
   buffers = (depth + 1) * model.layer_bytes if offloaded else 0
-  return model.weight_bytes - offloaded * model.layer_bytes + buffers
+  return (model.resident_bytes(range(model.num_layers - offloaded)) + model.other_bytes
+          + buffers)
 
 
 def _fewest_offloaded(model: ModelBytes, budget: int, depth: int) -> int:
