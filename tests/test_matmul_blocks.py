@@ -294,10 +294,13 @@ def test_loader_keeps_a_gguf_files_blocks(tmp_path, tied):
   write_q4_1_gguf(path, Transformer(c, rngs=nnx.Rngs(3)))
   layout = placed.Layout.of(c.num_layers, layer_execution="unrolled")
   floats = checkpoint.load(path, layout=layout).model
+  read = []
   kept = checkpoint.load(path, layout=placed.Layout.of(c.num_layers, layer_execution="unrolled",
-                                                       keep_quantized=True)).model
+                                                       keep_quantized=True),
+                         observe=lambda name, _: read.append(name)).model
   assert kept.packed_head[...].dtype == jnp.int8 and floats.packed_head[...].dtype == jnp.float32
   assert hasattr(kept, "embed") != tied
+  assert "lm_head" not in read and "packed_head" in read  # the table read once, as blocks
   kept_layers, float_layers = kept.groups[0].layers, floats.groups[0].layers
   for layer in kept_layers:
     assert all(getattr(layer, name)[...].dtype == jnp.uint8 for name in FusedDecoderLayer.KERNELS)

@@ -367,7 +367,10 @@ def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
       config, embed,
       placer.fill(shell.final_norm, lambda p: whole(("final_norm",) + p), prefix=("final_norm",)),
       one("inv_freq", nnx.Variable),
-      None if config.tie_word_embeddings else one("lm_head", nnx.Param), packed_head)
+      # an untied table kept packed is not read as floats too (`GroupedTransformer` holds only
+      # the packed head then)
+      None if config.tie_word_embeddings or packed_head is not None else one("lm_head", nnx.Param),
+      packed_head)
   pending, first = [], 0
   blocks = block_kernels(source, config.num_layers) if layout.keep_quantized else None
   for n, mode in layout.groups:
