@@ -330,9 +330,8 @@ def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Lay
   table = c.vocab_size * c.hidden_size
   other = (table * (1 if c.tie_word_embeddings else 2) + c.hidden_size) * size + c.head_dim // 2 * 4
   kind = _head_blocks(c, source, dtype, layout)
-  if kind is not None:  # the head's table held in its blocks instead
-    fmt = kind if layout.block_activations == "float32" else f"{kind}_i16"
-    other += table // matmul.QUANT_BLOCK * matmul.BYTES_PER_COLUMN[fmt] - table * size
+  if kind is not None:  # the head's table held in its blocks instead (int16 layouts: same bytes)
+    other += table // matmul.QUANT_BLOCK * matmul.BYTES_PER_COLUMN[kind] - table * size
   return layers, other
 
 
