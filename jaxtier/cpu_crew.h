@@ -2,7 +2,8 @@
 // jaxtier/kvcache/paged_attention_cpu.cc; built into one library by jaxtier/cpu_kernels.py).
 //
 // A kernel call splits its work into items that any thread may claim from an atomic counter (a
-// `Job`). `RunJob` drains it on the calling thread and offers it to up to n crew threads beside. Why not XLA's intra-op pool: it wakes a sleeping thread per scheduled task,
+// `Job`), or (`Job::Split`) into one contiguous range of items per thread, each thread taking
+// what is left of the others' ranges once its own is done. `RunJob` drains it on the calling thread and offers it to up to n crew threads beside. Why not XLA's intra-op pool: it wakes a sleeping thread per scheduled task,
 // and a decode step's kernel calls last 50-300 us, so in most calls the pool's helper arrived after
 // the caller had claimed every item, and a small projection ran on one core at half the memory
 // bandwidth. Crew threads spin for `kSpin` after their last job (pausing, and yielding the core to
@@ -46,17 +47,55 @@ struct Job {
 
   // Claims and runs items until none is left to claim.
   void Drain() {
-    for (;;) {
+    if (parts <= 1) {
+      for (;;) {
+        const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
+        if (item >= items) return;
+        Run(item);
+      }
+    }
+    for (;;) {  // the shared items, in order
       const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
-      if (item >= items) return;
-      RunItem(item);
-      done.fetch_add(1, std::memory_order_release);
+      if (item >= shared) break;
+      Run(item);
+    }
+    // Then this thread's own range, then what is left of the others'.
+    const int64_t me = joined.fetch_add(1, std::memory_order_relaxed) % parts;
+    for (int64_t i = 0; i < parts; ++i) {
+      const int64_t part = (me + i) % parts;
+      const int64_t end = PartStart(part + 1);
+      for (;;) {
+        const int64_t item = cursor[part].fetch_add(1, std::memory_order_relaxed);
+        if (item >= end) break;
+        Run(item);
+      }
     }
   }
 
+  // Splits the items from `first_owned` on into `n` (<= kMaxParts) contiguous ranges, one per
+  // thread that drains the job; the items before it are claimed in order by whoever comes.
+  void Split(int64_t first_owned, int64_t n) {
+    shared = first_owned;
+    parts = std::clamp<int64_t>(n, 1, kMaxParts);
+    for (int64_t p = 0; p < parts; ++p) cursor[p].store(PartStart(p), std::memory_order_relaxed);
+  }
+
+  static constexpr int64_t kMaxParts = 8;
   int64_t items = 0;
   std::atomic<int64_t> next{0}, done{0};
   std::atomic<int64_t> seats{0};  // crew threads still allowed to join
+
+ private:
+  void Run(int64_t item) {
+    RunItem(item);
+    done.fetch_add(1, std::memory_order_release);
+  }
+  int64_t PartStart(int64_t part) const {
+    return shared + (items - shared) * part / parts;
+  }
+  int64_t shared = 0, parts = 1;
+  std::atomic<int64_t> joined{0};
+  std::atomic<int64_t> cursor[kMaxParts];
 };
 
 class Crew {

@@ -687,7 +687,14 @@ ffi::Error Multiply(ffi::ThreadPool pool, std::shared_ptr<Call> call, int64_t pa
   call->items = call->row_items +
                 (IsI16(call->format) ? (panels + kI16Group - 1) / kI16Group : panels) *
                     call->row_blocks;
-  jaxtier::RunJob(call, std::min<int64_t>(pool.num_threads(), call->items - 1));
+  // The product items in one contiguous range per thread: a thread's weights are one stream, so
+  // its prefetches run on across its items (claimed alternately, an item's last prefetches fell
+  // into the item the other thread had taken, and every item started cold). The default model's
+  // projections and head alone (Zen 4, two cores, 3 runs alternating, ms): 1 row 5.0-5.3 against
+  // 5.1-5.8, 8 rows 8.7-9.6 against 10.6-14.7, 32 rows 30.4-37.2 against 32.7-40.4.
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), call->items - 1);
+  call->Split(call->row_items, 1 + std::min<int64_t>(helpers, jaxtier::Crew::Get().size()));
+  jaxtier::RunJob(call, helpers);
   return ffi::Error::Success();
 }
 
