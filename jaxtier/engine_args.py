@@ -112,6 +112,8 @@ class EngineArgs:
       (a shared system prompt, earlier turns of a chat); on by default, as in vLLM.
     host_prefix_caching: blocks the device prefix cache evicts are kept in the host pool and loaded
       back on a hit (needs a host pool; swapped-out requests take its blocks first).
+    async_scheduling: plan and dispatch the next decode step before this one's tokens are read
+      (vLLM's async scheduling), so the host's work overlaps the device's; the same tokens.
     seed: seeds the per-request seeds of requests that do not set one.
     layer_execution: "scan", "unrolled" (separate per-layer buffers, faster on CPU) or "auto".
     offload_tail_layers: last layers kept in pinned host memory, an int or "auto" (the planner).
@@ -160,6 +162,7 @@ class EngineArgs:
   victim_policy: str = "longest_waiting"
   enable_prefix_caching: bool = True
   host_prefix_caching: bool = True
+  async_scheduling: bool = True
   seed: int = 0
   layer_execution: str = "auto"
   offload_tail_layers: int | str = 0
@@ -196,7 +199,7 @@ class EngineArgs:
     if not _is_number(self.watermark) or not 0 <= self.watermark < 1:
       raise ValueError(f"watermark={self.watermark!r}: expected a number in [0, 1)")
     check_choice("victim_policy", self.victim_policy, tuple(VICTIM_POLICIES))
-    for name in ("enable_prefix_caching", "host_prefix_caching"):
+    for name in ("enable_prefix_caching", "host_prefix_caching", "async_scheduling"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
     check_int("seed", self.seed, 0, 2**32 - 1)

@@ -47,6 +47,8 @@ flags.DEFINE_bool("enable_prefix_caching", True, "reuse the KV of full prompt bl
                   "requests computed (shared system prompts, earlier chat turns)")
 flags.DEFINE_bool("host_prefix_caching", True, "keep prefix blocks evicted from the device in the "
                   "host pool and load them back on a hit")
+flags.DEFINE_bool("async_scheduling", True, "plan and dispatch the next decode step before this "
+                  "one's tokens are read, overlapping host and device work (same tokens)")
 flags.DEFINE_enum("layer_execution", "auto", list(engine_args.LAYER_EXECUTIONS),
                   "how resident layers run; auto: unrolled on CPU, scan elsewhere")
 flags.DEFINE_string("offload_tail_layers", "0", "last layers kept in pinned host memory and "

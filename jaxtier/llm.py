@@ -99,7 +99,7 @@ class LLM:
       scripts' flags): dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
       num_device_blocks / kv_cache_memory_gb, num_host_blocks / swap_space_gb, kv_cache_dtype
       ("auto", "float32", "bfloat16", "int8"), preemption_mode, watermark, victim_policy,
-      enable_prefix_caching, host_prefix_caching, seed,
+      enable_prefix_caching, host_prefix_caching, async_scheduling, seed,
       layer_execution, offload_tail_layers, prefetch_depth, device_memory_gb,
       tensor_parallel_size, trace_path, attention_impl, weight_format, block_activations. Bad
       values raise ValueError before any weight loads.
@@ -161,7 +161,7 @@ class LLM:
         watermark=args.watermark, victim_policy=args.victim_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         host_prefix_caching=args.host_prefix_caching, trace_path=args.trace_path,
-        attention_impl=args.attention_impl)
+        attention_impl=args.attention_impl, async_scheduling=args.async_scheduling)
     self._engine: Engine | None = None
     self._rng = np.random.default_rng(args.seed)
     self._next_id = 0

@@ -88,12 +88,14 @@ def reference(model, tokenizer, prompts, params, seeds=None) -> list[tuple[int, 
 
 def assert_variants_are_warmed(engine: Engine):
   """Every program the engine ran is one `Engine.warmup` compiles: the shapes `step_shapes`
-  lists for its configuration, their sampling, and swaps of a padded count within the pools."""
+  lists for its configuration, their sampling, the decode calls' `follow` (planned ahead), and
+  swaps of a padded count within the pools."""
   c = engine.config
   shapes = set(batch.step_shapes(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                  engine.table_width))
   swaps = pow2_buckets_up_to(min(c.num_device_blocks, c.num_host_blocks)) if c.num_host_blocks else []
   warmed = ({("step",) + shape for shape in shapes} | {("sample", b) for b, _, _ in shapes}
+            | {("follow", b) for b, t, _ in shapes if t == 1}
             | {("swap", d, x) for d in ("out", "in") for x in swaps})
   assert set(engine.runner.variants()) <= warmed
 
@@ -214,6 +216,72 @@ def test_abort_mid_generation_frees_blocks_at_once(tiny):
   assert_all_free(engine)
   assert engine.abort("a") is None and not engine.has_unfinished()
   assert engine.stats()["requests_aborted"] == {"client_abort": 1}
+
+
+def test_planning_ahead_keeps_tokens_stops_and_blocks(tiny):
+  """Decode steps planned and dispatched before the previous step's tokens are read: requests
+  that stop on a stop token (ended while their next row is in flight), reach max_tokens, are
+  aborted with a plan in flight, or reuse a just-stopped request's id all get the tokens the
+  engine gives without planning ahead, and every block is free at the end."""
+  model, tokenizer = tiny
+  prompts = prompts_of((9, 14, 5, 21))
+  free = reference(model, tokenizer, prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                             ignore_eos=True))
+  # each request stops on the token it would generate 3rd, 5th, ... (a stop token id)
+  params = [SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[free[i][2 + 2 * i]])
+            if i < 3 else SamplingParams(max_tokens=7, temperature=0.8, ignore_eos=True)
+            for i in range(len(prompts))]
+
+  def drive(async_scheduling):
+    engine = engine_of(model, tokenizer, async_scheduling=async_scheduling)
+    for i, prompt in enumerate(prompts):
+      engine.add_request(i, prompt, params[i], seed=i)
+    done, step, streamed = {}, 0, {i: [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+      for update in engine.step():
+        key = update.request_id if update.request_id not in done else "again"
+        streamed[key] += update.new_token_ids
+        if update.completion is not None:
+          done[key] = update.completion
+          if key == 0:  # its id reused at once, while its next row may be in flight
+            engine.add_request(0, prompts[1], params[3], seed=5)
+            streamed["again"] = []
+      step += 1
+      if step == 4:
+        update = engine.abort(3)
+        done[3] = update.completion
+        streamed[3] += update.new_token_ids
+      assert step < 200
+    assert_all_free(engine)
+    assert all(list(done[i].token_ids) == streamed[i] for i in done)
+    return {i: (c.token_ids, c.finish_reason) for i, c in done.items()}, engine.stats()
+
+  ahead, stats = drive(True)
+  plain, plain_stats = drive(False)
+  assert ahead == plain
+  assert stats["steps_planned_ahead"] > 0 and plain_stats["steps_planned_ahead"] == 0
+  assert [ahead[i][1] for i in range(3)] == ["stop"] * 3 and ahead[3][1] == "abort"
+  # the stopped requests' tokens are the contiguous driver's with the same parameters
+  assert [ahead[i][0] for i in range(3)] == reference(model, tokenizer, prompts[:3], params[:3])
+  assert max(len(ahead[i][0]) for i in range(3)) > 2  # one stopped after steps planned ahead
+  assert stats["requests_finished"] == plain_stats["requests_finished"] == 4
+  assert stats["finished_by_reason"] == plain_stats["finished_by_reason"]
+
+
+def test_reset_prefix_cache_with_a_plan_in_flight_keeps_its_tokens(tiny):
+  model, tokenizer = tiny
+  prompt = prompts_of((13,))[0]
+  engine = engine_of(model, tokenizer)
+  engine.add_request("a", prompt, GREEDY, 0)
+  tokens = []
+  for _ in range(4):
+    tokens += [t for u in engine.step() for t in u.new_token_ids]
+  assert engine.stats()["steps_planned_ahead"] > 0
+  engine.reset_prefix_cache()  # the plan in flight is read first; its token comes next
+  while engine.has_unfinished():
+    tokens += [t for u in engine.step() for t in u.new_token_ids]
+  assert tuple(tokens) == reference(model, tokenizer, [prompt], GREEDY)[0]
+  assert_all_free(engine)
 
 
 def test_a_failing_step_ends_its_requests_and_the_engine_keeps_serving(tiny, monkeypatch):

@@ -190,7 +190,7 @@ def test_no_logprob_programs_run_when_no_request_asks(tiny):
     engine.add_request(i, prompt, SamplingParams(max_tokens=4, temperature=0), 0)
   while engine.has_unfinished():
     assert all(u.new_logprobs is None and u.prompt_logprobs is None for u in engine.step())
-  assert {v[0] for v in engine.runner.variants()} <= {"step", "sample", "swap"}
+  assert {v[0] for v in engine.runner.variants()} <= {"step", "sample", "follow", "swap"}
 
 
 @pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])

@@ -15,6 +15,16 @@ sequence. Only then are the sampled tokens read (the step's one host synchroniza
 to their requests and checked for stops; the scheduler learns which requests stopped at once, so
 requests join and leave between steps (continuous batching).
 
+Planning ahead (`async_scheduling`, vLLM's async scheduling): a step that is one decode call
+plans its successor before it reads its tokens, as if no request stopped (the scheduler still ends
+requests at max_tokens), and when the successor is again a pure decode call of the same rows, the
+engine dispatches it at once, each row's input token taken on the device from this step's sampled
+tokens (`Runner.step_after`). The device runs the two calls back to back while the host reads this
+step's tokens, runs the stop checks and returns; the next `step()` call starts with the successor
+in flight. A request that stopped on this step's token is ended with a `scheduler.Stop` event (its
+blocks freed at once) and its row of the successor is dropped. The tokens are the same as without
+it; only steps that are all decode (no prefill, swap, preemption, log-probabilities) plan ahead.
+
 Arrivals and aborts are applied to the scheduler state when they happen: an aborted request's
 blocks are free before `abort` returns. A request's sampling key is its seed folded with the number
 of tokens it has generated, so its tokens do not depend on what else shares the batch, or on
@@ -44,7 +54,8 @@ from jaxtier.logprobs import MAX_LOGPROBS, LogprobDict
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.scheduler.metrics import prefix_figures
-from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED
+from jaxtier.buckets import row_bucket
+from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED, FINISHED
 from jaxtier.tokenizer import Tokenizer
 
 
@@ -64,6 +75,8 @@ class EngineConfig:
       are kept in the host pool and loaded back on a hit.
     trace_path: a JSONL file that gets one line per step, or None.
     swap_impl, attention_impl: the swap and attention implementations (see jaxtier.kvcache).
+    async_scheduling: a pure decode step whose successor is a pure decode step of the same rows
+      plans and dispatches that successor before reading its own tokens (see `Engine.step`).
   """
   max_model_len: int
   max_num_seqs: int = 16
@@ -80,6 +93,7 @@ class EngineConfig:
   trace_path: str | None = None
   swap_impl: str = "loop"
   attention_impl: str = "auto"
+  async_scheduling: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +126,7 @@ class _Totals:
   max_swap_bytes_per_step: int = 0
   prefill_tokens: int = 0  # tokens computed by steps that prefilled, and their seconds
   prefill_seconds: float = 0.0
+  planned_ahead: int = 0  # steps dispatched before the previous step's tokens were read
 
 
 class Engine:
@@ -158,6 +173,9 @@ class Engine:
     self._peak = {"device": 0, "host": 0}
     self._started = time.perf_counter()
     self._trace = open(config.trace_path, "a") if config.trace_path else None
+    # A plan dispatched before its predecessor's tokens were read: (plan, calls, dispatched).
+    self._ahead: tuple | None = None
+    self._held: list[RequestUpdate] = []  # updates of a plan finished outside `step()`
 
   # Requests.
 
@@ -206,10 +224,11 @@ class Engine:
 
   def reset_prefix_cache(self) -> None:
     """Forgets every cached prefix block no running request uses (both tiers)."""
+    self._settle()
     self._state = scheduler.reset_prefix_cache(self._state)
 
   def has_unfinished(self) -> bool:
-    return bool(self._live)
+    return bool(self._live) or bool(self._held)
 
   @property
   def num_unfinished(self) -> int:
@@ -256,9 +275,23 @@ class Engine:
     itself stays usable.
     """
     start = time.perf_counter()
-    self._state, plan = scheduler.schedule(self._state)
+    held, self._held = self._held, []
     try:
-      updates, calls = self._run(plan)
+      if self._ahead is None:
+        self._state, plan = scheduler.schedule(self._state)
+        updates, calls, dispatched = self._dispatch(plan)
+      else:  # planned and dispatched by the previous call
+        (plan, calls, dispatched), self._ahead, updates = self._ahead, None, []
+      ahead = self._plan_ahead(plan, dispatched)
+      finished, new_updates = self._collect(dispatched)
+      if ahead is None:
+        self._state = scheduler.apply_event(self._state,
+                                            scheduler.StepFinished(tuple(finished)))
+      else:
+        for request_id, reason in finished:
+          self._state = scheduler.apply_event(self._state, scheduler.Stop(request_id, reason))
+        self._ahead = ahead
+        self._totals.planned_ahead += 1
     except Exception:
       self._abandon()
       raise
@@ -266,7 +299,7 @@ class Engine:
     rates = self._rates()
     if rates is not None and rates != self._state.rates:
       self._state = scheduler.apply_event(self._state, rates)
-    return updates
+    return held + updates + new_updates
 
   def _rates(self) -> scheduler.Rates | None:
     """The link and prefill rates measured so far, for the scheduler's load-or-recompute choice
@@ -279,8 +312,9 @@ class Engine:
     return scheduler.Rates(self.block_bytes / per_block,
                            totals.prefill_tokens / totals.prefill_seconds, per_swap)
 
-  def _run(self, plan: scheduler.Plan):
-    """Applies `plan` (see the module docstring); returns the updates and the model calls."""
+  def _dispatch(self, plan: scheduler.Plan):
+    """Dispatches `plan` (see the module docstring): its swaps, then its model calls. Returns
+    the updates of requests the plan ended, the calls' arrays and what `_collect` reads."""
     # The scheduler ends requests on its own only when it aborts them (host pool full, over the
     # KV cap); the engine ended the others itself, and their ids may be live again by now.
     updates = [self._finish(e.request_id, "abort", ()) for e in plan.ended
@@ -304,17 +338,68 @@ class Engine:
     dispatched = []
     for arrays in calls:
       if self._logprobs:
-        dispatched.append(self._step_logprobs(arrays))
+        dispatched.append(self._step_logprobs(arrays) + (self._progress_of(arrays),))
         continue
       tokens_b, self.cache = self.runner.step(self.cache, arrays)
-      dispatched.append((arrays, tokens_b, None))
-    finished, new_updates = self._collect(dispatched)
-    self._state = scheduler.apply_event(self._state, scheduler.StepFinished(tuple(finished)))
-    return updates + new_updates, calls
+      dispatched.append((arrays, tokens_b, None, self._progress_of(arrays)))
+    return updates, calls, dispatched
+
+  def _progress_of(self, arrays: batching.StepArrays) -> tuple[RequestProgress, ...]:
+    """The progress of each request a call computes for, as it is when the call is dispatched."""
+    return tuple(self._live[request_id][0] for request_id in arrays.request_ids)
+
+  def _plan_ahead(self, plan: scheduler.Plan, dispatched):
+    """With `plan` (one decode call) dispatched and its tokens not yet read: plans the next step
+    as if no request stopped and, if that is a pure decode call of the same rows (their bucket
+    too), dispatches it with its input tokens taken from this call's on the device. Returns
+    (next plan, its calls, its dispatched calls), the scheduler state then holding the next plan
+    in flight; else None, nothing changed."""
+    if (not self.config.async_scheduling or self._logprobs or len(dispatched) != 1
+        or len(plan.prefill) or not len(plan.decode)):
+      return None
+    arrays, tokens_b, _, _ = dispatched[0]
+    state, following = scheduler.schedule(
+        scheduler.apply_event(self._state, scheduler.StepFinished(())))
+    rows = {request_id: i for i, request_id in enumerate(arrays.request_ids)}
+    decode = following.decode
+    if (len(following.prefill) or not len(decode) or following.swap_out or following.swap_in
+        or following.prefetch or following.writeback or following.preempted
+        or any(e.status != FINISHED for e in following.ended)
+        or any(request_id not in rows for request_id in decode.request_ids)
+        or row_bucket(len(decode)) != arrays.tokens_bt.shape[0]):
+      return None
+    # Each row's last token is the one this call samples for it: a placeholder on the host.
+    next_arrays = batching.build(
+        decode, lambda request_id: self._token_ids(request_id) + (0,),
+        lambda request_id: dataclasses.replace(self._sampling(request_id),
+                                               num_generated=self._sampling(request_id)
+                                               .num_generated + 1),
+        decode=True, width=self.table_width)
+    source = np.full(next_arrays.tokens_bt.shape[0], -1, np.int32)
+    source[:len(decode)] = [rows[request_id] for request_id in decode.request_ids]
+    next_tokens, self.cache = self.runner.step_after(self.cache, next_arrays, tokens_b, source)
+    self._state = state
+    return following, [next_arrays], [(next_arrays, next_tokens, None,
+                                       self._progress_of(next_arrays))]
+
+  def _settle(self) -> None:
+    """Reads the plan dispatched ahead, if any, and reports it (its updates are returned by
+    the next `step()`), leaving no plan in flight."""
+    if self._ahead is None:
+      return
+    (plan, calls, dispatched), self._ahead = self._ahead, None
+    try:
+      finished, updates = self._collect(dispatched)
+      self._state = scheduler.apply_event(self._state, scheduler.StepFinished(tuple(finished)))
+    except Exception:
+      self._abandon()
+      raise
+    self._held += updates
 
   def _abandon(self) -> None:
     """After a failed step: ends the plan in flight and every live request, and replaces pools
     that a failed program consumed (donated) with fresh ones."""
+    self._ahead = None
     if self._state.in_flight is not None:
       self._state = scheduler.apply_event(self._state, scheduler.StepFinished(()))
     for request_id in list(self._live):
@@ -347,9 +432,11 @@ class Engine:
     return batching.SamplingInfo(progress.params, seed, len(progress.generated))
 
   def _collect(self, dispatched) -> tuple[list[tuple[Hashable, str]], list[RequestUpdate]]:
-    """Reads each call's sampled tokens and appends them; returns stops and updates."""
+    """Reads each call's sampled tokens and appends them; returns stops and updates. Rows of
+    requests that ended since their call was dispatched (aborted, or stopped on the token of the
+    step before a plan dispatched ahead) are dropped."""
     finished, updates = [], []
-    for arrays, tokens_b, extra in dispatched:
+    for arrays, tokens_b, extra, progresses in dispatched:
       tokens = np.asarray(tokens_b)
       sampled = None
       if extra is not None:  # log-probabilities: read only for calls that computed them
@@ -357,9 +444,9 @@ class Engine:
         if prompt is not None:
           lp.record_prompt(prompt, prompt_top, self._logprobs, self._token_text)
       for i, (request_id, keep) in enumerate(zip(arrays.request_ids, arrays.samples)):
-        if not keep:
+        progress = progresses[i]
+        if not keep or self._live.get(request_id, (None,))[0] is not progress:
           continue
-        progress, _ = self._live[request_id]
         token = int(tokens[i])
         progress.append(token)
         self._totals.generated_tokens += 1
@@ -449,6 +536,7 @@ class Engine:
         "computed_tokens": totals.computed_tokens,
         "decode_step_seconds_mean": (totals.decode_seconds / totals.decode_steps
                                      if totals.decode_steps else None),
+        "steps_planned_ahead": totals.planned_ahead,
         "compiled_variants": self.runner.compiled_variants,
         "compile_seconds": self.runner.compile_seconds,
         "block_size": self.config.block_size, "block_bytes": self.block_bytes,

@@ -17,6 +17,7 @@ link's rate and its fixed cost per swap (`SwapTimer.fit`).
 Shape legend: b rows, t tokens, h hidden size, v vocab, m table width, x padded block count.
 """
 
+import dataclasses
 import functools
 import itertools
 import queue
@@ -87,6 +88,15 @@ def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, h_bth, targets_bt
 _sample = jax.jit(sample)
 # So are the sampled tokens' log-probabilities, run only for calls where a request asks for them.
 _sample_logprobs = jax.jit(top_logprobs, static_argnames="k")
+
+
+@jax.jit
+def _follow(tokens_b, tokens_bt, rows_b):
+  """A decode call's input tokens [b, 1] when the call is dispatched before the previous call's
+  tokens are read: row i takes the previous call's sampled token of row rows_b[i] (< 0: its own
+  token in tokens_bt, as for padding)."""
+  previous = tokens_b[jnp.clip(rows_b, 0, tokens_b.shape[0] - 1)][:, None]
+  return jnp.where(rows_b[:, None] >= 0, previous, tokens_bt)
 
 
 def _marked(core):
@@ -265,7 +275,7 @@ class Runner:
 
   def variants(self) -> list[tuple]:
     """The programs this engine ran: ("step", rows, tokens, width), ("sample", rows),
-    ("swap", direction, x), and for log-probabilities ("logprobs", rows, k) and
+    ("follow", rows) (`step_after`), ("swap", direction, x), and for log-probabilities ("logprobs", rows, k) and
     ("prompt_logprobs", rows, tokens, k)."""
     return sorted(self._used, key=str)
 
@@ -301,6 +311,9 @@ class Runner:
       sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
       sampled_info = self._compiled(("sample", b), _sample, (logits_info, sampling)).out_info
       keys |= {("step", b, t, m), ("sample", b)}
+      if t == 1:  # a decode call may follow the previous one on the device (`step_after`)
+        self._compiled(("follow", b), _follow, (np.zeros(b, np.int32), tokens, last))
+        keys.add(("follow", b))
       if logprob_k is None:
         continue
       self._compiled(("logprobs", b, logprob_k), _sample_logprobs, (logits_info, sampled_info),
@@ -325,6 +338,15 @@ class Runner:
     logits_bv, _, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
     sample_args = (logits_bv, arrays.sampling)
     return self._program(("sample", arrays.shape[0]), _sample, sample_args)(*sample_args), cache
+
+  def step_after(self, cache: PagedKVCache, arrays: StepArrays, previous_b: jax.Array,
+                 rows_b: np.ndarray) -> tuple[jax.Array, PagedKVCache]:
+    """`step` for a decode call dispatched before the previous call's sampled tokens
+    `previous_b` are read: its row i's input token is previous_b[rows_b[i]] (see `_follow`),
+    taken on the device. The previous call's row count must be this call's."""
+    follow_args = (previous_b, arrays.tokens_bt, rows_b)
+    tokens_bt = self._program(("follow", arrays.shape[0]), _follow, follow_args)(*follow_args)
+    return self.step(cache, dataclasses.replace(arrays, tokens_bt=tokens_bt))
 
   def step_logprobs(self, cache: PagedKVCache, arrays: StepArrays, sample_k: int | None,
                     prompt_targets_bt: np.ndarray | None, prompt_k: int = 1

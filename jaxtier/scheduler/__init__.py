@@ -17,11 +17,12 @@ from jaxtier.scheduler.planning import schedule
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 from jaxtier.scheduler.request import Ended, Request, Seq
 from jaxtier.scheduler.state import (Abort, Arrive, ComputeBatch, Plan, Rates, SchedulerState,
-                                     StepFinished, initial_state)
+                                     StepFinished, Stop, initial_state)
 from jaxtier.scheduler.transitions import apply_event, reset_prefix_cache, step
 
 __all__ = [
     "Abort", "Arrive", "BlockPool", "ComputeBatch", "Ended", "Metrics", "Plan", "Rates", "Request",
-    "SchedulerConfig", "SchedulerState", "Seq", "StepFinished", "VICTIM_POLICIES", "apply_event",
+    "SchedulerConfig", "SchedulerState", "Seq", "StepFinished", "Stop", "VICTIM_POLICIES",
+    "apply_event",
     "blocks_for", "initial_state", "metrics", "reset_prefix_cache", "schedule", "step",
 ]

@@ -10,7 +10,10 @@ copies like any swap-in (in `prefetch`, or `swap_in` without prefetching), `cach
 Device blocks freed by this plan's swap-outs and write-backs may be the destinations of step 2 or 4 or be written in
 step 3, which is why step 1 goes first. `free_device` / `free_host` list the blocks that became free
 since the previous plan (finished, aborted, swapped out or dropped requests); they need no copy.
-Then the engine reports the step with a `StepFinished` event before asking for the next plan.
+Then the engine reports the step with a `StepFinished` event before asking for the next plan. An
+engine that plans ahead (its next decode step planned and running before it has read this step's
+tokens) reports this step as `StepFinished()` at once and each request that stopped on this step's
+token afterwards with a `Stop` event.
 """
 
 import dataclasses
@@ -55,6 +58,21 @@ class Abort:
 
 
 @dataclasses.dataclass(frozen=True)
+class Stop:
+  """The engine found that `request_id` stopped (`reason`: EOS, a stop string) on a token of a
+  step it had already reported, its next step being planned and in flight: the request ends now,
+  as FINISHED, and its blocks are freed at once (the plan in flight may still write its row, which
+  nothing reads; every later plan runs after it). Stopping a request that already ended does
+  nothing."""
+  request_id: RequestId
+  reason: str
+
+  def __post_init__(self):
+    if not (isinstance(self.reason, str) and self.reason):
+      raise ValueError(f"reason={self.reason!r}: expected a non-empty string")
+
+
+@dataclasses.dataclass(frozen=True)
 class Rates:
   """What the engine measured, for choosing between loading a host-tier prefix hit and recomputing
   it: loading h blocks costs `swap_latency_s + h * block_bytes / link_bytes_per_s`, recomputing
@@ -72,7 +90,7 @@ class Rates:
       raise ValueError(f"swap_latency_s={self.swap_latency_s!r}: expected a number >= 0")
 
 
-Event = Arrive | StepFinished | Abort | Rates
+Event = Arrive | StepFinished | Abort | Stop | Rates
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from jaxtier.scheduler.planning import schedule
 from jaxtier.scheduler.request import (ABORT_CLIENT, ABORT_TOO_LARGE, ABORTED, FINISH_LENGTH,
                                        FINISHED, Ended, Request, Seq)
 from jaxtier.scheduler.state import (Abort, Arrive, Event, Plan, Rates, SchedulerState, StepFinished,
-                                     find, with_ended)
+                                     Stop, find, with_ended)
 
 
 def step(state: SchedulerState, events: Iterable[Event] = ()) -> tuple[SchedulerState, Plan]:
@@ -40,10 +40,12 @@ def apply_event(state: SchedulerState, event: Event) -> SchedulerState:
   if isinstance(event, StepFinished):
     return _step_finished(state, event)
   if isinstance(event, Abort):
-    return _abort(state, event)
+    return _end(state, event.request_id, Ended(event.request_id, ABORTED, ABORT_CLIENT))
+  if isinstance(event, Stop):
+    return _end(state, event.request_id, Ended(event.request_id, FINISHED, event.reason))
   if isinstance(event, Rates):
     return dataclasses.replace(state, rates=event)
-  raise ValueError(f"event={event!r}: expected an Arrive, StepFinished, Abort or Rates")
+  raise ValueError(f"event={event!r}: expected an Arrive, StepFinished, Abort, Stop or Rates")
 
 
 def _arrive(state: SchedulerState, request: Request) -> SchedulerState:
@@ -130,12 +132,13 @@ def _check_finished(state: SchedulerState, event: StepFinished, sampling: set) -
   return stopped
 
 
-def _abort(state: SchedulerState, event: Abort) -> SchedulerState:
-  found = find(state, event.request_id)
+def _end(state: SchedulerState, request_id, ended: Ended) -> SchedulerState:
+  """Ends a live request at once (`Abort`, `Stop`), wherever it is, and frees its blocks."""
+  found = find(state, request_id)
   if found is None:
     return state
   place, seq = found
-  remaining = tuple(s for s in getattr(state, place) if s.request_id != event.request_id)
+  remaining = tuple(s for s in getattr(state, place) if s.request_id != request_id)
   state = dataclasses.replace(state, **{place: remaining})
   if place == "running":
     cache, private = prefix.release(state.device_cache, seq.blocks)
@@ -145,7 +148,7 @@ def _abort(state: SchedulerState, event: Abort) -> SchedulerState:
   elif place == "swapped":
     host, _ = allocator.update(state.host, release=seq.blocks)
     state = dataclasses.replace(state, host=host, freed_host=state.freed_host + seq.blocks)
-  return with_ended(state, (Ended(seq.request_id, ABORTED, ABORT_CLIENT),))
+  return with_ended(state, (ended,))
 
 
 def reset_prefix_cache(state: SchedulerState) -> SchedulerState:
