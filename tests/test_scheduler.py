@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxtier.scheduler import (Abort, Arrive, Request, SchedulerConfig, Seq, StepFinished,
+from jaxtier.scheduler import (Abort, Arrive, Request, SchedulerConfig, Seq, StepFinished, Stop,
                                allocator, apply_event, initial_state, metrics, schedule, step)
 from jaxtier.scheduler import policies
 from jaxtier.scheduler.request import (ABORT_CLIENT, ABORT_HOST_FULL, ABORT_TOO_LARGE, ABORTED,
@@ -321,6 +321,27 @@ def test_stop_for_an_aborted_in_flight_request_is_ignored():
   state, _ = step(initial_state(_config()), [Arrive(_request(0, 4))])
   state, plan = step(state, [Abort(0), StepFinished(finished=((0, "stop"),))])
   assert [(e.request_id, e.reason) for e in plan.ended] == [(0, ABORT_CLIENT)]
+
+
+def test_stop_with_the_next_plan_in_flight_ends_the_request_as_finished():
+  """An engine planning ahead reports a step as StepFinished() and a stop found afterwards with
+  Stop: the request ends FINISHED with that reason, its blocks free at once, while the next plan
+  (which still holds its row) is in flight; its StepFinished then ignores the request."""
+  config = _config()
+  state, _ = step(initial_state(config), [Arrive(_request(0, 4)), Arrive(_request(1, 4))])
+  state, plan = step(state, [StepFinished()])  # both decode in this plan
+  assert sorted(plan.decode.request_ids) == [0, 1]
+  state = apply_event(state, Stop(0, "stop"))
+  assert _ids(state.running) == [1] and state.in_flight is plan
+  assert apply_event(state, Stop(0, "stop")) == state  # already ended: nothing
+  held = allocator.blocks_for(5, config.block_size)
+  assert state.device.num_free == config.num_device_blocks - held
+  state, plan = step(state, [StepFinished()])
+  assert [(e.request_id, e.status, e.reason) for e in plan.ended] == [(0, FINISHED, "stop")]
+  assert plan.decode.request_ids == (1,)
+  assert metrics(state).finished == (("stop", 1),) and not metrics(state).aborted
+  with pytest.raises(ValueError, match="reason"):
+    Stop(1, "")
 
 
 def test_protocol_errors_are_reported():
