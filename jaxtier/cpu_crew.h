@@ -3,7 +3,9 @@
 //
 // A kernel call splits its work into items that any thread may claim from an atomic counter (a
 // `Job`), or (`Job::Split`) into one contiguous range of items per thread, each thread taking
-// what is left of the others' ranges once its own is done. `RunJob` drains it on the calling thread and offers it to up to n crew threads beside. Why not XLA's intra-op pool: it wakes a sleeping thread per scheduled task,
+// what is left of the others' ranges once its own is done. `RunJob` drains it on the calling
+// thread and offers it to up to n crew threads beside. Why not XLA's intra-op pool: it wakes a
+// sleeping thread per scheduled task,
 // and a decode step's kernel calls last 50-300 us, so in most calls the pool's helper arrived after
 // the caller had claimed every item, and a small projection ran on one core at half the memory
 // bandwidth. Crew threads spin for `kSpin` after their last job (pausing, and yielding the core to
