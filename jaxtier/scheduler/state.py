@@ -24,6 +24,11 @@ from jaxtier.scheduler.config import SchedulerConfig
 from jaxtier.scheduler.request import FINISHED, Ended, Request, RequestId, Seq
 
 
+def _is_reason(reason) -> bool:
+  """Whether `reason` can be a stop reason: a non-empty string."""
+  return isinstance(reason, str) and bool(reason)
+
+
 @dataclasses.dataclass(frozen=True)
 class Arrive:
   """A client submitted `request`."""
@@ -46,8 +51,7 @@ class StepFinished:
 
   def __post_init__(self):
     for entry in self.finished:
-      if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], str)
-              and entry[1]):
+      if not (isinstance(entry, tuple) and len(entry) == 2 and _is_reason(entry[1])):
         raise ValueError(f"finished entry {entry!r}: expected (request_id, non-empty reason)")
 
 
@@ -68,7 +72,7 @@ class Stop:
   reason: str
 
   def __post_init__(self):
-    if not (isinstance(self.reason, str) and self.reason):
+    if not _is_reason(self.reason):
       raise ValueError(f"reason={self.reason!r}: expected a non-empty string")
 
 
