@@ -377,29 +377,9 @@ class TinyAttentionModel(nnx.Module):
     return self.head(h)
 
 
-def test_small_leaves_travel_stacked_and_come_back_in_order():
-  """The model call takes small same-shaped leaves stacked (fewer arguments to dispatch); each
-  comes back as itself, in its place, inside a program too."""
-  from jaxtier.engine import runner
-  rng = np.random.default_rng(0)
-  shapes = [(8,), (4, 4), (8,), (runner.SMALL_LEAF_BYTES // 4 + 1,), (8,), (4, 4), (3,)]
-  leaves = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
-  leaves.insert(2, jnp.arange(8, dtype=jnp.int32))  # same shape, other dtype: not stacked with
-  groups = runner.bundle_groups(leaves)
-  assert sorted(groups) == [(0, 3, 5), (1, 6)]  # the large leaf and the singletons stay apart
-  bundled = runner.bundle(leaves, groups)
-  assert len(jax.tree.leaves(bundled)) == len(leaves) - 3
-  for out in (runner.unbundle(bundled, groups, len(leaves)),
-              jax.jit(lambda b: runner.unbundle(b, groups, len(leaves)))(bundled)):
-    assert len(out) == len(leaves)
-    for a, b in zip(out, leaves):
-      assert a.dtype == b.dtype
-      np.testing.assert_array_equal(a, b)
-
-
 def test_distinct_norm_scales_per_layer_equal_the_reference(tiny):
   """Norm scales of every layer made distinct (the fixture's are all ones, so a leaf passed to
-  the wrong layer would go unseen): the engine, which passes them stacked, equals the driver."""
+  the wrong layer would go unseen): the engine equals the driver."""
   model, tokenizer = tiny
   graphdef, state = nnx.split(model)
   rng = np.random.default_rng(1)
@@ -408,7 +388,6 @@ def test_distinct_norm_scales_per_layer_equal_the_reference(tiny):
   model = nnx.merge(graphdef, state)
   prompts = prompts_of(PROMPT_LENS[:3])
   engine = engine_of(model, tokenizer)
-  assert engine.runner._leaves[1], "the tiny model's norm scales are not stacked"
   done = run(engine, prompts, GREEDY)
   expected = reference(model, tokenizer, prompts, GREEDY)
   assert [done[i].token_ids for i in range(len(prompts))] == expected

@@ -173,75 +173,29 @@ _PROGRAMS: dict[tuple, Any] = {}  # compiled programs of this process, by layout
 _LAYOUT_IDS: dict[tuple, int] = {}  # (graphdef, state, cache, swap impl) -> a small id, hashed once
 
 
-# Leaves up to this size that share shape, dtype and placement (the layers' norm scales) travel
-# to the model call stacked, one array per group. Every argument of a call costs its dispatch a
-# few microseconds (signature, layout and buffer checks, on memory the step has just streamed
-# its weights through): with the default model's 183 weight arrays the call took ~0.5-0.8 ms to
-# dispatch on a two-core Zen 4 (~0.1 ms for the same arrays in a loop of calls that do no
-# work); with the 60 norm scales stacked into two arrays, ~0.4-0.55 ms.
-SMALL_LEAF_BYTES = 64 * 1024
-
-
-def _stacked_sharding(sharding):
-  """The placement of a stack of arrays placed as `sharding` (None: not stackable)."""
-  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    return sharding
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
-        None, *sharding.spec), memory_kind=sharding.memory_kind)
-  return None
-
-
-def bundle_groups(leaves) -> tuple[tuple[int, ...], ...]:
-  """Indices of the small leaves (SMALL_LEAF_BYTES) that share shape, dtype and placement, in
-  groups of two or more: each group is passed to the model call as one stacked array."""
-  groups: dict[tuple, list[int]] = {}
-  for i, x in enumerate(leaves):
-    if (isinstance(x, jax.Array) and x.nbytes <= SMALL_LEAF_BYTES
-        and x.sharding.memory_kind in (None, "device")  # host-held (offloaded) leaves stay apart
-        and _stacked_sharding(x.sharding) is not None):
-      groups.setdefault((x.shape, x.dtype, x.sharding), []).append(i)
-  return tuple(tuple(g) for g in groups.values() if len(g) > 1)
-
-
-def bundle(leaves, groups) -> tuple[tuple, tuple]:
-  """(the leaves outside `groups`, one stacked array per group)."""
-  grouped = {i for g in groups for i in g}
-  rest = tuple(x for i, x in enumerate(leaves) if i not in grouped)
-  stacks = tuple(jax.device_put(jnp.stack([leaves[i] for i in g]),
-                                _stacked_sharding(leaves[g[0]].sharding)) for g in groups)
-  return rest, stacks
-
-
-def unbundle(bundled, groups, count: int) -> list:
-  """The `count` leaves again from `bundle`'s output (inside a program: slices of the stacks)."""
-  rest, stacks = bundled
-  leaves = [None] * count
-  for g, stack in zip(groups, stacks):
-    for j, i in enumerate(g):
-      leaves[i] = stack[j]
-  others = iter(rest)
-  return [next(others) if x is None else x for x in leaves]
-
-
 @functools.lru_cache(maxsize=16)
-def _forward_fn(graphdef: nnx.GraphDef, state_def, groups):
+def _forward_fn(graphdef: nnx.GraphDef, state_def):
   """`_forward` jitted with the graph and the state's tree structure closed over (hashed once,
-  not on every call); it takes the state's leaves as `bundle` passes them, tuples of arrays,
-  which a call flattens in C++ (flattening the `nnx.State` itself runs Python for every
-  variable: ~0.5 ms a call here)."""
-  def forward(bundled, cache, tokens_bt, pos_bt, tables_bm, last_b):
-    leaves = unbundle(bundled, groups, state_def.num_leaves)
+  not on every call); it takes the state's leaves, a tuple of arrays, which a call flattens in
+  C++ (flattening the `nnx.State` itself runs Python for every variable: ~0.5 ms a call here).
+
+  Every leaf is its own argument. Passing the norm scales stacked (two arrays instead of 60:
+  each argument costs the dispatch a few microseconds) made the model call slower on the whole:
+  each scale became a slice op that depends on nothing else in the program (64 ops ready at its
+  start instead of 4), and XLA:CPU's executor hands ops that are ready beside another to its
+  thread pool, whose threads compete with the kernels' for the cores. The default model at
+  batch 1 (two-core Zen 4, three runs each way alternating): 5.4-6.0 ms a step with every leaf
+  apart against 6.3-7.2 stacked, though the dispatch took 0.65-0.82 ms against 0.55-0.78."""
+  def forward(leaves, cache, tokens_bt, pos_bt, tables_bm, last_b):
     return _forward(graphdef, jax.tree.unflatten(state_def, leaves), cache, tokens_bt, pos_bt,
                     tables_bm, last_b)
   return jax.jit(forward, donate_argnames="cache")
 
 
 @functools.lru_cache(maxsize=16)
-def _prompt_fn(graphdef: nnx.GraphDef, state_def, groups):
+def _prompt_fn(graphdef: nnx.GraphDef, state_def):
   """`_prompt_logprobs` jitted the same way."""
-  def prompt(bundled, h_bth, targets_bt, k):
-    leaves = unbundle(bundled, groups, state_def.num_leaves)
+  def prompt(leaves, h_bth, targets_bt, k):
     return _prompt_logprobs(graphdef, jax.tree.unflatten(state_def, leaves), h_bth, targets_bt, k)
   return jax.jit(prompt, static_argnames="k")
 
@@ -257,11 +211,9 @@ class Runner:
 
   def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache,
                swap_impl: str = "loop"):
-    leaves = jax.tree.leaves(state)
-    groups = bundle_groups(leaves)
-    self._leaves = bundle(leaves, groups)  # what the model calls take for the state
-    self._forward = _forward_fn(graphdef, jax.tree.structure(state), groups)
-    self._prompt = _prompt_fn(graphdef, jax.tree.structure(state), groups)
+    self._leaves = tuple(jax.tree.leaves(state))
+    self._forward = _forward_fn(graphdef, jax.tree.structure(state))
+    self._prompt = _prompt_fn(graphdef, jax.tree.structure(state))
     layout = (graphdef, _layout(state), _layout(cache), swap_impl)
     self._layout_id = _LAYOUT_IDS.setdefault(layout, len(_LAYOUT_IDS))
     self._used: set[tuple] = set()
@@ -293,8 +245,7 @@ class Runner:
     return program
 
   def forward_args(self, cache: PagedKVCache, tokens_bt, pos_bt, tables_bm, last_b) -> tuple:
-    """The arguments of the jitted model call, in its order (the state goes as its leaves,
-    small ones stacked: `bundle`)."""
+    """The arguments of the jitted model call, in its order (the state goes as its leaves)."""
     return (self._leaves, cache, tokens_bt, pos_bt, tables_bm, last_b)
 
   def precompile(self, cache: PagedKVCache, shapes, swap_sizes, logprob_k: int | None = None
