@@ -7,12 +7,22 @@ per 4 KiB page, about 10,000 per step for 42 MB. An offloaded tail with prefetch
 layer copies among its temporaries (14 MB per SmolLM2 layer in float32), so from d = 2 on each step
 paid for those faults (measured: 10,374 faults and +30 ms per step at d = 2, none at d = 1).
 
-`retain_freed_memory()` turns that off for the whole process: glibc stops using `mmap` for
-allocations, serves every thread from its main heap (a per-thread arena cannot hold a block of
-64 MB or more without `mmap`) and stops returning the top of the heap to the system, so a block
-freed by one step is reused by the next. The costs: the process keeps its peak heap, and threads
-share one allocator lock. It is a process-wide setting, so entry points (scripts) call it, not the
-library, and before the first JAX computation starts XLA's threads (arenas that exist stay).
+`retain_freed_memory()` turns that off for the whole process: glibc stops using `mmap` where it has
+a choice and stops returning the top of a heap to the system, so a block freed by one step is
+reused by the next. Each thread keeps its own arena, which holds blocks below 64 MB; a block of
+64 MB or more that a thread other than the main one allocates is still mapped afresh (glibc's
+per-thread heaps are 64 MB at most and it falls back to `mmap` there).
+`retain_freed_memory(single_arena=True)` also serves every thread from the main heap, which holds
+blocks of any size, for steps whose temporaries are whole layers of a large model (an offloaded
+tail); the batch and serving scripts ask for it when they offload. Its cost is one allocator lock
+for all threads: the host thread's dispatch and XLA's threads then contend for it every step.
+Measured on the default model's decode step (two-core Zen 4, processes alternating): at batch 1,
+5.0-6.0 ms with per-thread arenas against 5.5-6.8 ms with one (faster in 8 of 9 pairs); at batch
+32, 41-55 against 45-50 ms (faster in 2 of 3).
+
+The costs of either: the process keeps its peak heap. It is a process-wide setting, so entry
+points (scripts) call it, not the library, and before the first JAX computation starts XLA's
+threads (arenas that exist stay).
 """
 
 import ctypes
@@ -38,11 +48,13 @@ def _glibc() -> ctypes.CDLL | None:
   return libc
 
 
-def retain_freed_memory() -> bool:
-  """Makes glibc keep freed blocks for reuse (one arena, no mmap, no trim). True if applied; False
-  when the C library is not glibc (the setting does not exist there)."""
+def retain_freed_memory(single_arena: bool = False) -> bool:
+  """Makes glibc keep freed blocks for reuse (no mmap, no trim; with `single_arena`, one arena for
+  every thread). True if applied; False when the C library is not glibc (the settings do not
+  exist there)."""
   libc = _glibc()
   if libc is None:
     return False
-  settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _INT_MAX))
+  settings = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _INT_MAX)) + (
+      ((M_ARENA_MAX, 1),) if single_arena else ())
   return all([bool(libc.mallopt(param, value)) for param, value in settings])

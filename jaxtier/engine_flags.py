@@ -104,16 +104,19 @@ def apply_config_defaults() -> None:
 def prepare() -> None:
   """What an engine script does first: warnings-only logging unless --verbosity is given, --config
   defaults applied, the engine flags checked together (`EngineArgs`; a bad value is one line),
-  freed memory retained (`jaxtier.cpu_allocator`, before JAX starts its threads), and compiled
+  freed memory retained (`jaxtier.cpu_allocator`, before JAX starts its threads; in one arena
+  when offloading), and compiled
   programs kept on disk (`enable_compilation_cache`)."""
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   apply_config_defaults()
   try:
-    engine_args.EngineArgs(**llm_kwargs())
+    args = engine_args.EngineArgs(**llm_kwargs())
   except ValueError as e:
     usage_error(str(e))
-  cpu_allocator.retain_freed_memory()
+  # One arena for every thread only where a step's temporaries may be whole layers (an offloaded
+  # tail, or "auto"): it makes the host thread's dispatch contend with XLA's threads for the lock.
+  cpu_allocator.retain_freed_memory(single_arena=args.offload_tail_layers != 0)
   enable_compilation_cache()
 
 

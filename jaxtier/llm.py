@@ -107,9 +107,9 @@ class LLM:
   Loading is placement-first (`jaxtier.checkpoint.placed`): each tensor goes straight to its
   device shard or, for the offloaded tail, to pinned host memory.
 
-  With offloaded layers on CPU, call `jaxtier.cpu_allocator.retain_freed_memory()` first: the d + 1
-  fetched layers are step temporaries, which glibc maps afresh (page-faulting) every step once they
-  pass 32 MB.
+  With offloaded layers on CPU, call
+  `jaxtier.cpu_allocator.retain_freed_memory(single_arena=True)` first: the d + 1 fetched layers
+  are step temporaries, which glibc maps afresh (page-faulting) every step once they pass 32 MB.
   """
 
   def __init__(self, model: str, **engine_args):

@@ -222,7 +222,8 @@ def measure_load(source: str, n: int, method: str, path: str, num_layers: int) -
 
 def measure_decode(n: int) -> dict:
   from jaxtier import cpu_allocator
-  retained = cpu_allocator.retain_freed_memory()  # before JAX starts its threads
+  # before JAX starts its threads; one arena, as the scripts that offload
+  retained = cpu_allocator.retain_freed_memory(single_arena=n > 0)
   import jaxtier
   llm = jaxtier.LLM(FLAGS.model, dtype=FLAGS.dtype, offload_tail_layers=n, max_model_len=512,
                     max_num_seqs=1)

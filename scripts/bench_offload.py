@@ -210,7 +210,7 @@ def device_report(offloaded, depths) -> dict:
 
 def main(argv):
   del argv
-  retained = FLAGS.retain_freed_memory and cpu_allocator.retain_freed_memory()
+  retained = FLAGS.retain_freed_memory and cpu_allocator.retain_freed_memory(single_arena=True)
   offloaded, depths = [int(n) for n in FLAGS.offloaded], [int(d) for d in FLAGS.depths]
   common = {"backend": jax.default_backend(), "device": str(jax.local_devices()[0]),
             "order": FLAGS.order, "rounds": FLAGS.rounds, "steps_per_round": FLAGS.steps,
