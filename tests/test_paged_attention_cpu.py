@@ -65,6 +65,31 @@ def test_wide_tables():
                              atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pages", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("lengths", [[256], [257, 3], [1000], [2048, 600, 1]])
+def test_long_rows_of_small_batches(lengths, pages):
+  """Few rows of up to 2048 slots (more items than threads only through the kv heads) in each
+  page type; a padding row beside them stays zero."""
+  rng = np.random.default_rng(len(lengths) * 7 + lengths[0])
+  q, kp, vp, table, pos = make_case(rng, b=len(lengths) + 1, t=1, kv=3, g=3, d=64, c=16,
+                                    lengths=lengths + [5])
+  pos[-1] = -1
+  scales = ()
+  if pages == "int8":
+    (kq, ks), (vq, vs) = quantize_int8(jnp.asarray(kp)), quantize_int8(jnp.asarray(vp))
+    scales = (ks, vs)
+    kp, vp = kq, vq
+    k_ref, v_ref = np.asarray(dequantize_int8(kq, ks)), np.asarray(dequantize_int8(vq, vs))
+  elif pages == "bfloat16":
+    kp, vp = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
+    k_ref, v_ref = np.asarray(kp, np.float32), np.asarray(vp, np.float32)
+  else:
+    k_ref, v_ref = kp, vp
+  out = run(q, kp, vp, table, pos, *scales)
+  np.testing.assert_allclose(out, expected(q, k_ref, v_ref, table, pos), atol=1e-5, rtol=1e-5)
+  assert np.all(out[-1] == 0)
+
+
 @pytest.mark.parametrize("d", [16, 64, 128])
 def test_int8_equals_attention_on_dequantized_values(d):
   rng = np.random.default_rng(1)
