@@ -105,8 +105,7 @@ def prepare() -> None:
   """What an engine script does first: warnings-only logging unless --verbosity is given, --config
   defaults applied, the engine flags checked together (`EngineArgs`; a bad value is one line),
   freed memory retained (`jaxtier.cpu_allocator`, before JAX starts its threads; in one arena
-  when offloading), and compiled
-  programs kept on disk (`enable_compilation_cache`)."""
+  when offloading), and compiled programs kept on disk (`enable_compilation_cache`)."""
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   apply_config_defaults()
