@@ -9,6 +9,7 @@ scripts/bench_offload.py instead, since a kernel that reclaims idle pages (DAMON
 retained pages too.
 """
 
+import functools
 import json
 import subprocess
 import sys
@@ -40,6 +41,7 @@ print(json.dumps({"applied": applied, "mmapped": info.hblkhd, "heap": info.arena
 """
 
 
+@functools.cache  # the default process serves several cases
 def allocator_bytes(mode: str, mb: int) -> dict:
   proc = subprocess.run([sys.executable, "-c", PROGRAM, mode, str(mb)], capture_output=True,
                         text=True, timeout=120)

@@ -31,6 +31,19 @@ def run(q, kp, vp, table, pos, *scales):
   return np.asarray(paged_attention_cpu(*map(jnp.asarray, (q, kp, vp, table, pos)), *scales))
 
 
+def stored(kp, vp, pages: str):
+  """float32 pages as the cache stores them ("float32", "int8" or "bfloat16"): (k, v, the int8
+  scales or (), and the float32 values the reference attends over)."""
+  if pages == "int8":
+    (kq, ks), (vq, vs) = quantize_int8(jnp.asarray(kp)), quantize_int8(jnp.asarray(vp))
+    k_ref, v_ref = np.asarray(dequantize_int8(kq, ks)), np.asarray(dequantize_int8(vq, vs))
+    return kq, vq, (ks, vs), k_ref, v_ref
+  if pages == "bfloat16":
+    kb, vb = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
+    return kb, vb, (), np.asarray(kb, np.float32), np.asarray(vb, np.float32)
+  return kp, vp, (), kp, vp
+
+
 @pytest.mark.parametrize("c", [1, 16, 32])
 @pytest.mark.parametrize("g", [1, 3, 8])
 @pytest.mark.parametrize("d", [8, 64, 72, 128])
@@ -74,18 +87,8 @@ def test_long_rows_of_small_batches(lengths, pages):
   q, kp, vp, table, pos = make_case(rng, b=len(lengths) + 1, t=1, kv=3, g=3, d=64, c=16,
                                     lengths=lengths + [5])
   pos[-1] = -1
-  scales = ()
-  if pages == "int8":
-    (kq, ks), (vq, vs) = quantize_int8(jnp.asarray(kp)), quantize_int8(jnp.asarray(vp))
-    scales = (ks, vs)
-    kp, vp = kq, vq
-    k_ref, v_ref = np.asarray(dequantize_int8(kq, ks)), np.asarray(dequantize_int8(vq, vs))
-  elif pages == "bfloat16":
-    kp, vp = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
-    k_ref, v_ref = np.asarray(kp, np.float32), np.asarray(vp, np.float32)
-  else:
-    k_ref, v_ref = kp, vp
-  out = run(q, kp, vp, table, pos, *scales)
+  k, v, scales, k_ref, v_ref = stored(kp, vp, pages)
+  out = run(q, k, v, table, pos, *scales)
   np.testing.assert_allclose(out, expected(q, k_ref, v_ref, table, pos), atol=1e-5, rtol=1e-5)
   assert np.all(out[-1] == 0)
 
@@ -94,9 +97,8 @@ def test_long_rows_of_small_batches(lengths, pages):
 def test_int8_equals_attention_on_dequantized_values(d):
   rng = np.random.default_rng(1)
   q, kp, vp, table, pos = make_case(rng, b=3, t=1, kv=2, g=3, d=d, c=4, lengths=[5, 30, 13])
-  (kq, ks), (vq, vs) = quantize_int8(jnp.asarray(kp)), quantize_int8(jnp.asarray(vp))
-  out = run(q, kq, vq, table, pos, ks, vs)
-  k_deq, v_deq = np.asarray(dequantize_int8(kq, ks)), np.asarray(dequantize_int8(vq, vs))
+  k, v, scales, k_deq, v_deq = stored(kp, vp, "int8")
+  out = run(q, k, v, table, pos, *scales)
   np.testing.assert_allclose(out, expected(q, k_deq, v_deq, table, pos), atol=1e-5, rtol=1e-5)
 
 
@@ -158,13 +160,10 @@ def test_prefill_rows_of_one_prompt_split_over_threads():
 def test_prefill_int8_and_bfloat16_pages(d):
   rng = np.random.default_rng(3)
   q, kp, vp, table, pos = make_case(rng, b=2, t=5, kv=2, g=3, d=d, c=4, lengths=[5, 33])
-  (kq, ks), (vq, vs) = quantize_int8(jnp.asarray(kp)), quantize_int8(jnp.asarray(vp))
-  k_deq, v_deq = np.asarray(dequantize_int8(kq, ks)), np.asarray(dequantize_int8(vq, vs))
-  np.testing.assert_allclose(run(q, kq, vq, table, pos, ks, vs),
-                             expected(q, k_deq, v_deq, table, pos), atol=1e-5, rtol=1e-5)
-  kb, vb = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
-  want = expected(q, np.asarray(kb, np.float32), np.asarray(vb, np.float32), table, pos)
-  np.testing.assert_allclose(run(q, kb, vb, table, pos), want, atol=1e-5, rtol=1e-5)
+  for pages in ("int8", "bfloat16"):
+    k, v, scales, k_ref, v_ref = stored(kp, vp, pages)
+    np.testing.assert_allclose(run(q, k, v, table, pos, *scales),
+                               expected(q, k_ref, v_ref, table, pos), atol=1e-5, rtol=1e-5)
 
 
 @hypothesis.settings(max_examples=8, deadline=None)
