@@ -22,10 +22,17 @@ Every figure comes from the same run, so ratios compare like with like on a nois
                 `Engine.step()`) at each batch in `--batches` and prompt length in `--contexts`,
                 against the bound max((weight bytes + KV bytes read) / read bandwidth,
                 FLOPs / matmul rate), both rates measured in this run (a jitted sum over a large
-                array; a jitted float32 matmul) before every (batch, context) point and after
-                the last. A point's `ratio` uses the better of the two samples around it (the
-                machine's rates drift by tens of percent within minutes on shared hosts);
-                `ratio_vs_best_rates` uses the best samples of the whole run, the strictest
+                array; a jitted float32 matmul) before every visit of a (batch, context) point
+                and after the last. Each point is visited `--decode_rounds` times, in rounds
+                over all the points (the machine's rates and the steps' times drift by tens of
+                percent within minutes on shared hosts, so no one slow or fast stretch decides
+                a point). A point's `step_ms` is the median of its visits' medians, and its
+                `ratio` divides it by the bound at the median rates of the samples just before
+                and just after its visits (central estimates over the same minutes: the sum's
+                rate here ranges over 20-50 GB/s, and its highest samples do not show in the
+                steps). `visits_ratio` holds each visit against the better of its two samples,
+                `ratio_at_better_samples` their median, and `ratio_vs_best_rates` the point's
+                step against the bound at the best samples of the whole run, the strictest
                 bound. All samples are reported.
                 FLOPs: 2 x params x batch + 4 x batch x context x layers x heads x head_dim.
                 Beside it, the step's weight matmuls alone at that batch
@@ -97,6 +104,11 @@ flags.DEFINE_integer("decode_steps", 20, "timed pure decode steps per (batch, co
 # first few steps after a compile ran up to ~30% slower here (batch 1, 512 tokens: 6.6-8.7 ms for
 # steps 3-8 of a fresh process against ~6 ms later), so 2 warm steps put that into the median.
 flags.DEFINE_integer("warm_steps", 8, "untimed decode steps before the timed ones", lower_bound=1)
+# The machine's rates and the steps' times both swing by tens of percent within minutes here, so
+# every (batch, context) point is visited this many times, in rounds over all the points (the
+# first round compiles), and a point's figures are the medians over its visits.
+flags.DEFINE_integer("decode_rounds", 3, "visits of each (batch, context) decode point, in rounds",
+                     lower_bound=1)
 flags.DEFINE_integer("hf_batch_size", 8, "static batch of the Hugging Face side", lower_bound=1)
 flags.DEFINE_integer("hf_decode_tokens", 64, "tokens of the batch-1 decode comparison",
                      lower_bound=2)
@@ -546,8 +558,8 @@ def decode_section(tokenizer, hf, name: str = "decode_steps", **overrides) -> di
   params = sum(matmul.parameter_count(x) for x in leaves)
   per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, llm.kv_cache_dtype)
   from jaxtier.offload import measure
-  # The machine's rates vary over minutes (shared cores): they are sampled before each context's
-  # steps and after the last, and the bound uses the best of each (the strictest bound).
+  # The machine's rates vary over minutes (shared cores): they are sampled before each visit of
+  # a point and after the last.
   rates = []
 
   def sample_rates():
@@ -574,33 +586,47 @@ def decode_section(tokenizer, hf, name: str = "decode_steps", **overrides) -> di
   xla_matmuls = (matmuls if not packed else
                  {batch: measure.weight_matmuls_s(c, batch, dtype) for batch in batches})
   prompts = {ctx: [filler(tokenizer, ctx, i) for i in range(4)] for ctx in contexts}
-  steps = []
-  for ctx in contexts:
-    for batch in batches:
+  visits = {(batch, ctx): [] for ctx in contexts for batch in batches}
+  for _ in range(FLAGS.decode_rounds):
+    for batch, ctx in visits:
       sample_rates()
-      steps.append((batch, ctx, len(rates) - 1, decode_step(llm, batch, ctx, prompts[ctx])))
+      visits[batch, ctx].append((len(rates) - 1, decode_step(llm, batch, ctx, prompts[ctx])))
   sample_rates()
   bandwidth = max(r[0] for r in rates)
   flops_rate, n = max(r[1] for r in rates), rates[0][2]
   table = []
-  for batch, ctx, sample, step in steps:
-    context = step["mean_context"]
+  for (batch, ctx), visited in visits.items():
+    context = visited[0][1]["mean_context"]
     kv_bytes = batch * context * per_token
     flops = 2 * params * batch + 4 * batch * context * c.num_layers * c.num_heads * c.head_dim
-    around = rates[sample:sample + 2]  # the samples just before and just after this point
-    bound = max((weight_bytes + kv_bytes) / max(r[0] for r in around),
-                flops / max(r[1] for r in around))
+
+    def bound(samples):
+      return max((weight_bytes + kv_bytes) / statistics.median(r[0] for r in samples),
+                 flops / statistics.median(r[1] for r in samples))
+
+    # The samples just before and just after each visit: a point's bound uses their medians,
+    # a central estimate of the rates over the minutes of its visits, as its step is the median
+    # of its steps. `visits_ratio` is each visit against the better of its two samples.
+    around = [r for i, _ in visited for r in rates[i:i + 2]]
+    step_s = statistics.median(step["step_s"] for _, step in visited)
+    visits_ratio = [step["step_s"] / max(
+        (weight_bytes + kv_bytes) / max(r[0] for r in rates[i:i + 2]),
+        flops / max(r[1] for r in rates[i:i + 2])) for i, step in visited]
     strictest = max((weight_bytes + kv_bytes) / bandwidth, flops / flops_rate)
-    table.append({"batch": batch, "context": ctx, "step_ms": 1e3 * step["step_s"],
-                  "bound_ms": 1e3 * bound, "ratio": step["step_s"] / bound,
-                  "ratio_vs_best_rates": step["step_s"] / strictest,
+    memory_s = (weight_bytes + kv_bytes) / statistics.median(r[0] for r in around)
+    table.append({"batch": batch, "context": ctx, "step_ms": 1e3 * step_s,
+                  "bound_ms": 1e3 * bound(around), "ratio": step_s / bound(around),
+                  "visits_step_ms": [1e3 * step["step_s"] for _, step in visited],
+                  "visits_ratio": visits_ratio,
+                  "ratio_at_better_samples": statistics.median(visits_ratio),
+                  "ratio_vs_best_rates": step_s / strictest,
                   "weight_matmuls_alone_ms": 1e3 * matmuls[batch],
                   "xla_weight_matmuls_alone_ms": 1e3 * xla_matmuls[batch],
-                  "step_over_weight_matmuls": step["step_s"] / matmuls[batch],
-                  "bound_by": ("memory" if (weight_bytes + kv_bytes) / max(r[0] for r in around)
-                               >= flops / max(r[1] for r in around) else "compute"),
+                  "step_over_weight_matmuls": step_s / matmuls[batch],
+                  "bound_by": "memory" if memory_s >= bound(around) else "compute",
                   "mean_context": context, "kv_bytes_read": int(kv_bytes), "flops": int(flops),
-                  "compile_s_in_timed_steps": step["compile_s_in_timed_steps"]})
+                  "compile_s_in_timed_steps": sum(step["compile_s_in_timed_steps"]
+                                                  for _, step in visited)})
   report = {
       "weight_bytes": weight_bytes, "params": params, "kv_bytes_per_token": per_token,
       "read_bandwidth_gb_s": bandwidth / 1e9, "matmul_gflop_s": flops_rate / 1e9,
@@ -609,10 +635,13 @@ def decode_section(tokenizer, hf, name: str = "decode_steps", **overrides) -> di
       "packed_weights": packed, "layer_format": layer_format, "head_format": head_format,
       "block_activations": (llm.block_activations if any(
           fmt in matmul.BYTES_PER_COLUMN for fmt in distinct + [head_format]) else "none"),
-      "steps_timed": FLAGS.decode_steps, "table": table,
+      "steps_timed": FLAGS.decode_steps, "rounds": FLAGS.decode_rounds, "table": table,
       "targets": {
           "all_steps_le_1_5x_bound": all(
               row["ratio"] <= TARGETS["decode_step_over_bound"] for row in table),
+          "all_steps_le_1_5x_bound_at_better_samples": all(
+              row["ratio_at_better_samples"] <= TARGETS["decode_step_over_bound"]
+              for row in table),
           "all_steps_le_1_5x_bound_at_best_rates": all(
               row["ratio_vs_best_rates"] <= TARGETS["decode_step_over_bound"] for row in table)}}
   # Batch 1 against Hugging Face, same prompt and tokens, per-token times on each side.
