@@ -102,7 +102,7 @@ flags.DEFINE_integer("decode_steps", 20, "timed pure decode steps per (batch, co
                      lower_bound=1)
 # Each (batch, context) point compiles its prefill and decode shapes just before its steps; the
 # first few steps after a compile ran up to ~30% slower here (batch 1, 512 tokens: 6.6-8.7 ms for
-# steps 3-8 of a fresh process against ~6 ms later), so 2 warm steps put that into the median.
+# steps 3-8 of a fresh process against ~6 ms later): with 2 warm steps, those went into the median.
 flags.DEFINE_integer("warm_steps", 8, "untimed decode steps before the timed ones", lower_bound=1)
 # The machine's rates and the steps' times both swing by tens of percent within minutes here, so
 # every (batch, context) point is visited this many times, in rounds over all the points (the
