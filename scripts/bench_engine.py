@@ -600,22 +600,23 @@ def decode_section(tokenizer, hf, name: str = "decode_steps", **overrides) -> di
     kv_bytes = batch * context * per_token
     flops = 2 * params * batch + 4 * batch * context * c.num_layers * c.num_heads * c.head_dim
 
-    def bound(samples):
-      return max((weight_bytes + kv_bytes) / statistics.median(r[0] for r in samples),
-                 flops / statistics.median(r[1] for r in samples))
+    def times(read_rate, matmul_rate):  # (memory seconds, compute seconds) at these rates
+      return (weight_bytes + kv_bytes) / read_rate, flops / matmul_rate
 
     # The samples just before and just after each visit: a point's bound uses their medians,
     # a central estimate of the rates over the minutes of its visits, as its step is the median
     # of its steps. `visits_ratio` is each visit against the better of its two samples.
     around = [r for i, _ in visited for r in rates[i:i + 2]]
+    memory_s, compute_s = times(statistics.median(r[0] for r in around),
+                                statistics.median(r[1] for r in around))
+    bound = max(memory_s, compute_s)
     step_s = statistics.median(step["step_s"] for _, step in visited)
-    visits_ratio = [step["step_s"] / max(
-        (weight_bytes + kv_bytes) / max(r[0] for r in rates[i:i + 2]),
-        flops / max(r[1] for r in rates[i:i + 2])) for i, step in visited]
-    strictest = max((weight_bytes + kv_bytes) / bandwidth, flops / flops_rate)
-    memory_s = (weight_bytes + kv_bytes) / statistics.median(r[0] for r in around)
+    visits_ratio = [step["step_s"] / max(times(max(r[0] for r in rates[i:i + 2]),
+                                               max(r[1] for r in rates[i:i + 2])))
+                    for i, step in visited]
+    strictest = max(times(bandwidth, flops_rate))
     table.append({"batch": batch, "context": ctx, "step_ms": 1e3 * step_s,
-                  "bound_ms": 1e3 * bound(around), "ratio": step_s / bound(around),
+                  "bound_ms": 1e3 * bound, "ratio": step_s / bound,
                   "visits_step_ms": [1e3 * step["step_s"] for _, step in visited],
                   "visits_ratio": visits_ratio,
                   "ratio_at_better_samples": statistics.median(visits_ratio),
@@ -623,7 +624,7 @@ def decode_section(tokenizer, hf, name: str = "decode_steps", **overrides) -> di
                   "weight_matmuls_alone_ms": 1e3 * matmuls[batch],
                   "xla_weight_matmuls_alone_ms": 1e3 * xla_matmuls[batch],
                   "step_over_weight_matmuls": step_s / matmuls[batch],
-                  "bound_by": "memory" if memory_s >= bound(around) else "compute",
+                  "bound_by": "memory" if memory_s >= compute_s else "compute",
                   "mean_context": context, "kv_bytes_read": int(kv_bytes), "flops": int(flops),
                   "compile_s_in_timed_steps": sum(step["compile_s_in_timed_steps"]
                                                   for _, step in visited)})
