@@ -144,6 +144,10 @@ class EngineArgs:
       result still does not depend on the other rows of its batch. "float32": bit for bit
       the dequantized model. "auto" (the default): "int16" where the kernels multiply int16 in
       vector instructions (x86 with AVX2 or AVX-512), else "float32".
+    chat_template: the chat template `chat` and chat requests render with, instead of the
+      model's: a path to a .jinja file, or the template itself (a value holding a brace or a
+      newline), as vLLM's --chat-template; None: the model's (see
+      `jaxtier.tokenizer.read_chat_template`).
   """
   model: str = "smollm2-135m-instruct"
   dtype: str = "float32"
@@ -173,6 +177,7 @@ class EngineArgs:
   attention_impl: str = "auto"
   weight_format: str = "auto"
   block_activations: str = "auto"
+  chat_template: str | None = None
 
   def __post_init__(self):
     if not isinstance(self.model, str) or not self.model:
@@ -220,6 +225,9 @@ class EngineArgs:
                          f"{cpu_kernels.unavailable_reason()}")
     check_choice("weight_format", self.weight_format, WEIGHT_FORMATS)
     check_choice("block_activations", self.block_activations, BLOCK_ACTIVATIONS)
+    if self.chat_template is not None:
+      from jaxtier import tokenizer  # pylint: disable=import-outside-toplevel
+      tokenizer.resolve_chat_template(self.chat_template)
 
   @property
   def token_budget(self) -> int:

@@ -75,6 +75,9 @@ flags.DEFINE_enum("block_activations", "auto", list(engine_args.BLOCK_ACTIVATION
                   "block sums: faster, logits within ~3e-3), float32 (bit for bit the "
                   "dequantized model), or auto: int16 where the CPU kernels have integer vector "
                   "products (AVX2 or AVX-512), else float32")
+flags.DEFINE_string("chat_template", None, "chat template for chat requests instead of the "
+                    "model's: a .jinja file path or the template itself (as vLLM's "
+                    "--chat-template); default: the model's")
 
 # `seed` stays with each script: the batch job's --seed seeds its records' sampling.
 ENGINE_FLAGS = tuple(name for name in engine_args.ARG_NAMES if name != "seed")

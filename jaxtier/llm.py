@@ -23,7 +23,7 @@ from jaxtier.offload import auto as offload_auto
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler import Request
 from jaxtier.scheduler.allocator import blocks_for
-from jaxtier.tokenizer import Message
+from jaxtier.tokenizer import Message, resolve_chat_template
 
 Prompt = str | Sequence[int]
 
@@ -101,8 +101,8 @@ class LLM:
       ("auto", "float32", "bfloat16", "int8"), preemption_mode, watermark, victim_policy,
       enable_prefix_caching, host_prefix_caching, async_scheduling, seed,
       layer_execution, offload_tail_layers, prefetch_depth, device_memory_gb,
-      tensor_parallel_size, trace_path, attention_impl, weight_format, block_activations. Bad
-      values raise ValueError before any weight loads.
+      tensor_parallel_size, trace_path, attention_impl, weight_format, block_activations,
+      chat_template. Bad values raise ValueError before any weight loads.
 
   Loading is placement-first (`jaxtier.checkpoint.placed`): each tensor goes straight to its
   device shard or, for the offloaded tail, to pinned host memory.
@@ -146,6 +146,9 @@ class LLM:
     self.loaded = checkpoint.load_opened(opened, args.dtype, self.layout)
     self.model_name = model
     self.tokenizer = self.loaded.tokenizer
+    if args.chat_template is not None:
+      self.tokenizer = dataclasses.replace(
+          self.tokenizer, chat_template=resolve_chat_template(args.chat_template))
     self.graphdef, self.state = nnx.split(self.loaded.model)
     if args.block_activations == "int16" and not any(
         matmul.weight_format(leaf).endswith("_i16") for leaf in jax.tree.leaves(self.state)):

@@ -212,8 +212,62 @@ def _eos_ids_from_config(directory: str) -> list[int]:
   return ids
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+LEGACY_CHAT_TEMPLATE_FILE = "chat_template.json"
+_JINJA_CHARS = "{}\n"
+
+
+def default_chat_template(value) -> str | None:
+  """The template `transformers` applies when none is named: a string as it is; of named
+  templates (a dict, or the list of {"name", "template"} that tokenizer_config.json stores), the
+  one named "default" (None when there is none)."""
+  if isinstance(value, list):
+    value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+  if isinstance(value, dict):
+    value = value.get("default")
+  return value if isinstance(value, str) else None
+
+
+def read_chat_template(directory: str, config: dict) -> str | None:
+  """A Hugging Face directory's chat template, found where `transformers` looks: its own file
+  `chat_template.jinja` (what `save_pretrained` writes today), else the older
+  `chat_template.json` ({"chat_template": ...}), else tokenizer_config.json's "chat_template"."""
+  path = os.path.join(directory, CHAT_TEMPLATE_FILE)
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  path = os.path.join(directory, LEGACY_CHAT_TEMPLATE_FILE)
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      return default_chat_template(json.load(f).get("chat_template"))
+  return default_chat_template(config.get("chat_template"))
+
+
+def resolve_chat_template(value: str) -> str:
+  """The template an engine's `chat_template` argument names: the text of a file at that path,
+  or, for a value holding a brace or a newline (which no sensible path does), the template
+  itself, as vLLM's `--chat-template` takes it. Raises ValueError for a path that cannot be read
+  or a template jinja2 cannot parse."""
+  if not isinstance(value, str) or not value:
+    raise ValueError(f"chat_template={value!r}: expected a .jinja file path or a template string")
+  if not any(c in value for c in _JINJA_CHARS):
+    try:
+      with open(value, encoding="utf-8") as f:
+        value = f.read()
+    except OSError as e:
+      raise ValueError(f"chat_template={value!r} looks like a file path but cannot be read "
+                       f"({e.strerror}); expected a .jinja file or a template string") from None
+  try:
+    _compile_template(value)
+  except jinja2.exceptions.TemplateSyntaxError as e:
+    raise ValueError(f"chat_template: the template does not parse: {e} (line {e.lineno})"
+                     ) from None
+  return value
+
+
 def load_tokenizer_dir(directory: str) -> Tokenizer:
-  """Loads `tokenizer.json` and `tokenizer_config.json` of a Hugging Face (or jaxtier) directory."""
+  """Loads `tokenizer.json`, `tokenizer_config.json` and the chat template (see
+  `read_chat_template`) of a Hugging Face (or jaxtier) directory."""
   path = os.path.join(directory, "tokenizer.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{directory} has no tokenizer.json")
@@ -223,9 +277,7 @@ def load_tokenizer_dir(directory: str) -> Tokenizer:
   if os.path.isfile(config_path):
     with open(config_path) as f:
       config = json.load(f)
-  template = config.get("chat_template")
-  if isinstance(template, list):  # named templates: use the default one
-    template = next((t["template"] for t in template if t.get("name") == "default"), None)
+  template = read_chat_template(directory, config)
   bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
   eos_ids = list(config.get("eos_token_ids", [])) + _eos_ids_from_config(directory)
   if eos is not None and backend.token_to_id(eos) is not None:

@@ -4,6 +4,11 @@ Writes:
   tests/fixtures/tiny_llama/   a random Llama checkpoint (llama3 rope scaling, untied embeddings, two
                                safetensors shards with an index), tokenizer, and hf_logits.npz
   tests/fixtures/tiny_qwen2/   a random Qwen2 checkpoint (q/k/v biases, tied embeddings), same files
+  tests/fixtures/tiny_llama_chat/  a random Llama checkpoint and tokenizer as `save_pretrained` of
+                               this transformers writes them (the chat template in
+                               chat_template.jinja), and hf_chat.json: chat-templated prompts, their
+                               renderings and ids, and HF's greedy generation from them
+                               (`--only_chat_template` writes this one alone)
   tests/fixtures/smollm2_hf.json  for the default model: prompt token ids, HF's top-k last-position
                                logits, 24-token greedy continuations, chat template renderings and
                                tokenizations, computed by transformers from the same GGUF file.
@@ -29,6 +34,7 @@ flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "..", "tests"
                     "fixture directory")
 flags.DEFINE_integer("top_k", 20, "how many last-position logits to keep per prompt")
 flags.DEFINE_integer("continuation", 24, "greedy continuation length")
+flags.DEFINE_bool("only_chat_template", False, "write tests/fixtures/tiny_llama_chat alone")
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -135,9 +141,73 @@ def smollm_fixture(path: str) -> None:
                "tokenized": tokenized}, f, indent=1)
 
 
+# A template that exercises what the loader must get right: trim_blocks / lstrip_blocks
+# whitespace, bos/eos tokens, filters and a system message handled apart.
+CHAT_TEMPLATE_JINJA = """{{ bos_token }}
+{% for m in messages %}
+  {% if m['role'] == 'system' %}
+[SYS] {{ m['content'] | trim }}
+  {% else %}
+<|{{ m['role'] }}|>
+{{ m['content'] }}{{ eos_token }}
+  {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}"""
+CHAT_CONVERSATIONS = [
+    [{"role": "user", "content": "Hello, world! The quick brown fox."}],
+    [{"role": "system", "content": "  Rotary embeddings rotate pairs.  "},
+     {"role": "user", "content": "Caches page blocks between device and host memory."}],
+]
+
+
+def tiny_llama_chat(directory: str, new_tokens: int = 12) -> None:
+  """A random Llama (tiny_llama's sizes) and its tokenizer with a chat template, both saved by
+  `save_pretrained`, and HF's greedy generation from each chat-templated conversation."""
+  shutil.rmtree(directory, ignore_errors=True)
+  os.makedirs(directory)
+  scratch = os.path.join(directory, "_tokenizer")
+  os.makedirs(scratch)
+  tiny_tokenizer(scratch)
+  tokenizer = transformers.PreTrainedTokenizerFast(
+      tokenizer_file=os.path.join(scratch, "tokenizer.json"), bos_token="<s>", eos_token="</s>",
+      chat_template=CHAT_TEMPLATE_JINJA)
+  shutil.rmtree(scratch)
+  tokenizer.save_pretrained(directory)
+  if not os.path.isfile(os.path.join(directory, "chat_template.jinja")):
+    sys.exit(f"transformers {transformers.__version__} did not write chat_template.jinja")
+  config = transformers.LlamaConfig(
+      vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+      rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2,
+      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(config).eval()
+  model.save_pretrained(directory, safe_serialization=True)
+  cases = []
+  for conv in CHAT_CONVERSATIONS:
+    text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    with torch.no_grad():
+      out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=new_tokens,
+                           output_scores=True, return_dict_in_generate=True)
+    top2 = [torch.topk(s[0], 2).values for s in out.scores]
+    cases.append({"messages": conv, "text": text, "ids": ids,
+                  "greedy": out.sequences[0, len(ids):].tolist(),
+                  "min_top2_margin": min(float(v[0] - v[1]) for v in top2)})
+  with open(os.path.join(directory, "hf_chat.json"), "w") as f:
+    json.dump({"transformers": transformers.__version__, "torch": torch.__version__,
+               "max_new_tokens": new_tokens, "cases": cases}, f, indent=1)
+
+
 def main(argv):
   del argv
   out = os.path.abspath(FLAGS.out)
+  if FLAGS.only_chat_template:
+    tiny_llama_chat(os.path.join(out, "tiny_llama_chat"))
+    print(f"fixture written to {out}/tiny_llama_chat", file=sys.stderr)
+    return
   llama = transformers.LlamaConfig(
       vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
