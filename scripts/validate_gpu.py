@@ -1,0 +1,347 @@
+"""Checks the accelerator path on the machine it runs on and writes one JSON object.
+
+What a GPU (or TPU) user runs, checked in one short process (`scripts/validate_gpu.sh` wraps it for a
+machine that has JAX but not jaxtier's other dependencies):
+- `env`: JAX and its devices, each device's memory kinds and limit.
+- `link`: host <-> device copy rates with `pinned_host` buffers at 4, 64 and 512 MiB, and the device's
+  own copy rate (bytes read plus written), which bounds a decode step.
+- `hf_tiny`: the tiny Hugging Face fixtures' logits (committed, computed by transformers in float32)
+  against jaxtier's at the highest matmul precision, at the platform's default precision (TF32 on
+  NVIDIA GPUs) and with bfloat16 weights: worst absolute error and greedy (argmax) agreement.
+- `engine_tiny`: `jaxtier.LLM` on the tiny Llama fixture: greedy tokens of the contiguous-cache
+  reference driver, the resident engine, the engine with offloaded tail layers, and the engine
+  under a device pool small enough to swap, which must all be identical; swap bytes and seconds.
+- `decode`: a random-weight model of TinyLlama-1.1B's shape in bfloat16 (smaller with
+  `--allow_cpu`): decode tokens/s at batch 1, 8 and 32 against the bound weight bytes / device copy
+  rate, and with offloaded tail layers against max(resident step, offloaded bytes / host-to-device
+  rate).
+
+Each section is timed and guarded: an error is recorded in the section and the next one runs; a
+section that would start past `--budget_s` is skipped. The JSON is rewritten after every section,
+so a run cut short still leaves what it measured.
+
+  python scripts/validate_gpu.py --out=validate_gpu.json             # on a GPU or TPU
+  python scripts/validate_gpu.py --out=/tmp/v.json --allow_cpu       # a dry run on a CPU
+"""
+
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+
+from absl import app, flags
+
+_OUT = flags.DEFINE_string("out", "validate_gpu.json", "where the JSON goes")
+_ALLOW_CPU = flags.DEFINE_bool("allow_cpu", False, "run on a CPU (small shapes; a dry run)")
+_BUDGET = flags.DEFINE_float("budget_s", 420.0, "no section starts after this many seconds")
+_SECTIONS = flags.DEFINE_list("sections", ["env", "link", "hf_tiny", "engine_tiny", "decode"],
+                              "sections to run, in order")
+_DECODE_BATCHES = flags.DEFINE_list("decode_batches", ["1", "8", "32"], "decode batch sizes")
+_DECODE_OFFLOAD = flags.DEFINE_list("decode_offload", ["8", "16"],
+                                    "offloaded tail layers for the decode section (2 and 4 of the "
+                                    "small model's 8 with --allow_cpu)")
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+MIB = 1 << 20
+
+
+def _median(values):
+  values = sorted(values)
+  return values[len(values) // 2]
+
+
+def _timed(fn, repeats: int) -> float:
+  """Median seconds of `fn()` (which blocks until its work is done) after one warm-up call."""
+  fn()
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    samples.append(time.perf_counter() - start)
+  return _median(samples)
+
+
+def section_env() -> dict:
+  import jax
+  import flax
+  devices = jax.devices()
+  out = {"jax": jax.__version__, "flax": flax.__version__, "backend": jax.default_backend(),
+         "python": sys.version.split()[0], "devices": []}
+  for d in devices:
+    entry = {"kind": d.device_kind, "memory_kinds": [m.kind for m in d.addressable_memories()]}
+    stats = d.memory_stats() or {}
+    entry["bytes_limit"] = stats.get("bytes_limit")
+    out["devices"].append(entry)
+  return out
+
+
+def section_link() -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import SingleDeviceSharding
+  device = jax.devices()[0]
+  on_device = SingleDeviceSharding(device, memory_kind="device")
+  pinned = SingleDeviceSharding(device, memory_kind="pinned_host")
+  out = {}
+  sizes = (4, 64, 512) if not _ALLOW_CPU.value else (4, 64)
+  for mib in sizes:
+    n = mib * MIB // 4
+    x_dev = jax.device_put(np.random.default_rng(0).standard_normal(n, np.float32), on_device)
+    x_host = jax.device_put(x_dev, pinned)
+    x_host.block_until_ready()
+    d2h = _timed(lambda: jax.device_put(x_dev, pinned).block_until_ready(), 5)
+    h2d = _timed(lambda: jax.device_put(x_host, on_device).block_until_ready(), 5)
+    out[f"{mib}MiB"] = {"h2d_gbps": mib * MIB / h2d / 1e9, "d2h_gbps": mib * MIB / d2h / 1e9}
+    del x_dev, x_host
+  n = (1024 if not _ALLOW_CPU.value else 128) * MIB // 4
+  x = jnp.ones(n, jnp.float32) * 1.5
+  copy = jax.jit(lambda a: a * 1.0001)
+  seconds = _timed(lambda: copy(x).block_until_ready(), 10)
+  out["device_copy_gbps"] = 2 * n * 4 / seconds / 1e9
+  return out
+
+
+def _logit_errors(model, ref, ids_key, logits_key) -> tuple[float, float]:
+  import jax.numpy as jnp
+  import numpy as np
+  from jaxtier.kvcache import ContiguousKVCache
+  c = model.config
+  ids = jnp.asarray(ref[ids_key])[None]
+  t = ids.shape[1]
+  cache = ContiguousKVCache.create(c.num_layers, 1, t, c.num_kv_heads, c.head_dim, jnp.float32)
+  logits, _ = model(ids, jnp.arange(t, dtype=jnp.int32)[None], cache)
+  got = np.asarray(logits[0], np.float32)
+  want = ref[logits_key]
+  return float(np.abs(got - want).max()), float((got.argmax(-1) == want.argmax(-1)).mean())
+
+
+def section_hf_tiny() -> dict:
+  import jax
+  import numpy as np
+  from jaxtier import checkpoint
+  out = {}
+  for name in ("tiny_llama", "tiny_qwen2"):
+    directory = os.path.join(FIXTURES, name)
+    ref = dict(np.load(os.path.join(directory, "hf_logits.npz")))
+    entry = {}
+    for label, dtype, precision in (("float32_highest", "float32", "highest"),
+                                    ("float32_default", "float32", None),
+                                    ("bfloat16", "bfloat16", None)):
+      model, _ = checkpoint.load_model(directory, dtype=dtype)
+      with jax.default_matmul_precision(precision) if precision else _nothing():
+        errors = [_logit_errors(model, ref, f"ids_{k}", f"logits_{k}") for k in ("a", "b")]
+      entry[label] = {"max_abs_err": max(e for e, _ in errors),
+                      "argmax_agreement": min(a for _, a in errors)}
+    out[name] = entry
+  out["float32_highest_ok"] = all(
+      out[n]["float32_highest"]["max_abs_err"] < 1e-4 for n in ("tiny_llama", "tiny_qwen2"))
+  return out
+
+
+class _nothing:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+def _greedy_ids(llm, prompts, max_tokens):
+  import jaxtier
+  params = jaxtier.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+  return [list(o.token_ids) for o in llm.generate(prompts, params)]
+
+
+def section_engine_tiny() -> dict:
+  import jax
+  import numpy as np
+  import jaxtier
+  from jaxtier import checkpoint
+  from flax import nnx
+  from jaxtier.generate import generate_batch
+  from jaxtier.sampling import SamplingParams
+  from jaxtier.scheduler import Request
+  directory = os.path.join(FIXTURES, "tiny_llama")
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 300, size=n).tolist() for n in (5, 11, 23, 3, 17, 30, 9, 14)]
+  max_tokens = 24
+  out = {}
+  with jax.default_matmul_precision("highest"):
+    loaded = checkpoint.load(directory, "float32")
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    graphdef, state = nnx.split(loaded.model)
+    requests = [Request.of(i, p, greedy, 0) for i, p in enumerate(prompts)]
+    ref = [list(c.token_ids) for c in generate_batch(graphdef, state, loaded.tokenizer, requests,
+                                                     64, np.float32)]
+    common = dict(max_model_len=64, max_num_seqs=8, block_size=4, dtype="float32")
+    runs = {
+        "resident": dict(num_device_blocks=128, num_host_blocks=64),
+        "offload_2_layers": dict(num_device_blocks=128, num_host_blocks=64, offload_tail_layers=2,
+                                 prefetch_depth=1),
+        "small_pool_swap": dict(num_device_blocks=24, num_host_blocks=96, preemption_mode="swap",
+                                enable_prefix_caching=False),
+    }
+    for label, extra in runs.items():
+      llm = jaxtier.LLM(directory, **common, **extra)
+      start = time.perf_counter()
+      got = _greedy_ids(llm, prompts, max_tokens)
+      stats = llm.stats()
+      entry = {"identical_to_reference": got == ref, "seconds": time.perf_counter() - start,
+               "swap_out_count": stats.get("swap_out_count"),
+               "swap_out_bytes": stats.get("swap_out_bytes"),
+               "swap_in_bytes": stats.get("swap_in_bytes"),
+               "swap_seconds": stats.get("swap_seconds")}
+      if stats.get("swap_seconds"):
+        entry["swap_gbps"] = ((stats.get("swap_out_bytes") or 0) + (stats.get("swap_in_bytes") or 0)
+                              ) / stats["swap_seconds"] / 1e9
+      out[label] = entry
+      del llm
+      gc.collect()
+  out["all_identical"] = all(v["identical_to_reference"] for v in out.values())
+  return out
+
+
+def _random_llama_dir(directory: str, small: bool) -> dict:
+  """A Hugging Face Llama directory with random float16 weights of TinyLlama-1.1B's shape (or a
+  small one), and the tiny fixture's tokenizer (token ids are what the benchmark feeds)."""
+  import numpy as np
+  from safetensors.numpy import save_file
+  cfg = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+             num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
+  if small:
+    cfg = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=1000)
+  config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                tie_word_embeddings=False, attention_bias=False, bos_token_id=1, eos_token_id=2,
+                torch_dtype="float16", **cfg)
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(config, f)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(FIXTURES, "tiny_llama", name), directory)
+  rng = np.random.default_rng(0)
+  h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+  hd = h // cfg["num_attention_heads"]
+  kv = cfg["num_key_value_heads"] * hd
+
+  def w(*shape):
+    return (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16)
+
+  tensors = {"model.embed_tokens.weight": w(v, h), "lm_head.weight": w(v, h),
+             "model.norm.weight": np.ones(h, np.float16)}
+  for layer in range(cfg["num_hidden_layers"]):
+    p = f"model.layers.{layer}."
+    tensors.update({p + "self_attn.q_proj.weight": w(h, h), p + "self_attn.k_proj.weight": w(kv, h),
+                    p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, h),
+                    p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+                    p + "mlp.down_proj.weight": w(h, i),
+                    p + "input_layernorm.weight": np.ones(h, np.float16),
+                    p + "post_attention_layernorm.weight": np.ones(h, np.float16)})
+  save_file(tensors, os.path.join(directory, "model.safetensors"))
+  return cfg
+
+
+def section_decode(link: dict | None) -> dict:
+  import numpy as np
+  import jaxtier
+  small = _ALLOW_CPU.value
+  tmp = tempfile.mkdtemp(prefix="jaxtier-validate-")
+  try:
+    start = time.perf_counter()
+    cfg = _random_llama_dir(tmp, small)
+    out = {"model": cfg, "write_seconds": time.perf_counter() - start}
+    new_tokens = 32 if not small else 8
+    prompt_len = 16
+    batches = [int(b) for b in _DECODE_BATCHES.value]
+    copy_gbps = (link or {}).get("device_copy_gbps")
+    h2d = ((link or {}).get("512MiB") or (link or {}).get("64MiB") or {}).get("h2d_gbps")
+    rng = np.random.default_rng(1)
+    offloads = [2, 4] if small else [int(n) for n in _DECODE_OFFLOAD.value]
+    runs = [("resident", 0)] + [(f"offload_{n}", n) for n in offloads]
+    resident_step = {}
+    for label, offloaded in runs:
+      if offloaded >= cfg["num_hidden_layers"]:
+        continue
+      load_start = time.perf_counter()
+      llm = jaxtier.LLM(tmp, dtype="bfloat16", max_model_len=256, max_num_seqs=max(batches),
+                        block_size=16, num_device_blocks=max(batches) * 8 + 16,
+                        num_host_blocks=64, offload_tail_layers=offloaded,
+                        enable_prefix_caching=False)
+      report = llm.memory_report()
+      entry = {"load_seconds": time.perf_counter() - load_start, "memory_report": report}
+      weight_bytes = report.get("device_weight_bytes", 0) + report.get("host_weight_bytes", 0)
+      for b in batches if offloaded == 0 else [1, max(batches)]:
+        prompts = [rng.integers(3, cfg["vocab_size"], size=prompt_len).tolist() for _ in range(b)]
+        params = jaxtier.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        first = time.perf_counter()
+        llm.generate(prompts, params)
+        compile_and_run = time.perf_counter() - first
+        short = jaxtier.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, short)
+        t_short = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        t_long = time.perf_counter() - t0
+        step = max(t_long - t_short, 1e-9) / (new_tokens - 2)  # prefill and set-up cancel out
+        cell = {"first_call_seconds": compile_and_run, "step_ms": step * 1e3,
+                "tokens_per_s": b / step}
+        if copy_gbps:
+          bound = weight_bytes / (copy_gbps * 1e9)
+          cell["hbm_bound_ms"] = bound * 1e3
+          cell["ratio_to_hbm_bound"] = step / bound
+        if offloaded:
+          cell["resident_step_ms"] = resident_step.get(b)
+          if h2d and resident_step.get(b):
+            link_s = report.get("host_weight_bytes", 0) / (h2d * 1e9)
+            bound = max(resident_step[b] / 1e3, link_s)
+            cell["link_bound_ms"] = link_s * 1e3
+            cell["ratio_to_max_compute_link"] = step / bound
+        else:
+          resident_step[b] = step * 1e3
+        entry[f"batch_{b}"] = cell
+      out[label] = entry
+      del llm
+      gc.collect()
+    return out
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv):
+  del argv
+  import jax
+  if jax.default_backend() == "cpu" and not _ALLOW_CPU.value:
+    raise SystemExit("no accelerator: JAX runs on the CPU (pass --allow_cpu for a dry run)")
+  began = time.perf_counter()
+  result = {"sections": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+  for name in _SECTIONS.value:
+    if time.perf_counter() - began > _BUDGET.value:
+      result["sections"][name] = {"skipped": "time budget"}
+      continue
+    start = time.perf_counter()
+    try:
+      if name == "decode":
+        value = section_decode(result["sections"].get("link"))
+      else:
+        value = globals()[f"section_{name}"]()
+    except Exception as e:  # pylint: disable=broad-except  (one section's failure is its result)
+      value = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    value["section_seconds"] = time.perf_counter() - start
+    result["sections"][name] = value
+    result["total_seconds"] = time.perf_counter() - began
+    with open(_OUT.value, "w") as f:
+      json.dump(result, f, indent=1, default=str)
+    print(f"validate_gpu: {name} done in {value['section_seconds']:.1f} s", flush=True)
+  print(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+  app.run(main)

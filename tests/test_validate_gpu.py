@@ -1,0 +1,28 @@
+"""`scripts/validate_gpu.py` as a dry run on the CPU: its sections run and its checks hold here."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def test_validate_gpu_dry_run(tmp_path):
+  out = tmp_path / "v.json"
+  subprocess.run([sys.executable, "scripts/validate_gpu.py", f"--out={out}", "--allow_cpu",
+                  "--sections=env,link,hf_tiny,engine_tiny"], cwd=ROOT, check=True,
+                 capture_output=True, timeout=600)
+  sections = json.loads(out.read_text())["sections"]
+  assert all("error" not in s for s in sections.values()), sections
+  assert sections["env"]["backend"] == "cpu"
+  assert sections["hf_tiny"]["float32_highest_ok"]
+  assert sections["engine_tiny"]["all_identical"]
+  assert sections["engine_tiny"]["small_pool_swap"]["swap_out_count"] > 0
+
+
+def test_validate_gpu_refuses_cpu_without_flag(tmp_path):
+  result = subprocess.run([sys.executable, "scripts/validate_gpu.py", f"--out={tmp_path}/v.json",
+                           "--sections=env"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert result.returncode != 0
+  assert "--allow_cpu" in result.stderr
