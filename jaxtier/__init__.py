@@ -3,7 +3,7 @@
 The top-level names load lazily, so `import jaxtier.scheduler` (pure Python) does not import JAX.
 """
 
-import importlib
+from importlib import import_module as _import_module
 
 _EXPORTS = {"LLM": "jaxtier.llm", "RequestOutput": "jaxtier.llm", "CompletionOutput": "jaxtier.llm",
             "SamplingParams": "jaxtier.sampling", "Logprob": "jaxtier.logprobs"}
@@ -14,9 +14,10 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
   if name in _EXPORTS:
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    return getattr(_import_module(_EXPORTS[name]), name)
   raise AttributeError(f"module 'jaxtier' has no attribute {name!r}")
 
 
 def __dir__():
-  return sorted(list(globals()) + list(_EXPORTS))
+  """The public names and the subpackages imported so far (no helpers of this module)."""
+  return sorted({n for n in globals() if not n.startswith("_")} | set(_EXPORTS) | {"__version__"})

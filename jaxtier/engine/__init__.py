@@ -5,7 +5,7 @@ Names load lazily; the engine's arguments (`EngineArgs`) live in `jaxtier.engine
 imports no JAX, so that scripts check them when flags are parsed.
 """
 
-import importlib
+from importlib import import_module as _import_module
 
 _EXPORTS = {"Engine": "jaxtier.engine.engine", "EngineArgs": "jaxtier.engine_args",
             "RequestUpdate": "jaxtier.engine.engine", "EngineModel": "jaxtier.engine.runner"}
@@ -15,5 +15,10 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
   if name in _EXPORTS:
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    return getattr(_import_module(_EXPORTS[name]), name)
   raise AttributeError(f"module 'jaxtier.engine' has no attribute {name!r}")
+
+
+def __dir__():
+  """The public names and the submodules imported so far (no helpers of this module)."""
+  return sorted({n for n in globals() if not n.startswith("_")} | set(_EXPORTS))
