@@ -22,12 +22,27 @@ from jaxtier.kvcache.attention import dense_attention
 
 @flax.struct.dataclass(frozen=True)
 class ContiguousKVCache:
+  """K and V of every layer, one row of `max_len` slots per sequence: slot i holds position i.
+
+  A pytree (a `flax.struct` dataclass): pass it into and out of jitted functions, donating it so
+  the writes happen in place. Its memory is layers x batch x max_len whatever the sequences'
+  lengths; `PagedKVCache` holds only the blocks sequences use.
+  """
   k_lbskd: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
   v_lbskd: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
 
   @classmethod
   def create(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
              dtype=jnp.float32) -> "ContiguousKVCache":
+    """A zeroed cache for `batch` sequences of up to `max_len` tokens each.
+
+    Args:
+      num_layers, kv_heads, head_dim: the model's (`ModelConfig.num_layers`, `num_kv_heads`,
+        `head_dim`).
+      batch: sequences decoded together; row b of the model's inputs is sequence b.
+      max_len: slots per sequence, the longest prompt plus generated tokens it can hold.
+      dtype: storage dtype of keys and values (new ones are cast to it when written).
+    """
     shape = (num_layers, batch, max_len, kv_heads, head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
@@ -38,6 +53,22 @@ class ContiguousKVCache:
   def update_and_attend(self, layer: jax.Array, q_btnd: jax.Array, k_btkd: jax.Array,
                         v_btkd: jax.Array, pos_bt: jax.Array, meta: Any = None
                         ) -> tuple["ContiguousKVCache", jax.Array]:
+    """Writes one layer's new keys and values into their slots, then attends over the cache.
+
+    The model calls this from each decoder layer (the cache contract of `jaxtier.kvcache`).
+
+    Args:
+      layer: index of the layer (may be traced, as inside the model's `lax.scan`).
+      q_btnd: queries [b, t, n, d] of the new tokens (rotary embedding applied).
+      k_btkd, v_btkd: their keys and values [b, t, k, d].
+      pos_bt: each new token's position [b, t], its slot; below zero marks padding, which is
+        not written (and whose output is meaningless).
+      meta: unused (the paged cache's block tables travel here).
+
+    Returns:
+      (the cache with the new tokens written, attention output [b, t, n, d]): each query
+      attends causally to its sequence's slots up to its own position.
+    """
     del meta
     b, t = pos_bt.shape
     slot_bt = jnp.where(pos_bt >= 0, pos_bt, self.max_len)  # padding lands out of range: dropped

@@ -72,6 +72,7 @@ class PagedCacheConfig:
 
   @property
   def quantized(self) -> bool:
+    """Whether values are stored as int8 with a float32 scale per token (kv_cache_dtype "int8")."""
     return self.kv_cache_dtype == "int8"
 
   @property
@@ -156,7 +157,12 @@ def _allocate(leading: tuple[int, ...], config: PagedCacheConfig, target) -> KVB
 
 @flax.struct.dataclass(frozen=True)
 class PagedKVCache:
-  """Device and host block pools of a paged KV cache (see the module docstring)."""
+  """Device and host block pools of a paged KV cache (see the module docstring).
+
+  Create it with `PagedKVCache.create(PagedCacheConfig(...))`; each model call takes a
+  `PagedMetadata` of block tables. `jaxtier.kvcache.swap_out` / `swap_in` move whole blocks
+  between the pools.
+  """
   device: KVBlocks  # [kv_heads, layers, blocks, block_size, head_dim] in `device` memory
   host: KVBlocks  # [host_blocks, kv_heads, layers, block_size, head_dim] in `pinned_host` memory
   config: PagedCacheConfig = flax.struct.field(pytree_node=False)
@@ -165,7 +171,13 @@ class PagedKVCache:
   def create(cls, config: PagedCacheConfig, device: jax.Device | None = None,
              mesh: jax.sharding.Mesh | None = None) -> "PagedKVCache":
     """Allocates both pools (zeros) over `mesh` (split by kv heads, see `jaxtier.sharding`), or
-    on `device` (default: this process's first device)."""
+    on `device` (default: this process's first device).
+
+    The device pool holds `config.num_blocks` blocks, the pinned-host pool
+    `config.host_blocks`; "auto" attention is resolved for the mesh (`resolve_attention_impl`)
+    and kept in the returned cache's config. Raises ValueError when the kv heads do not split
+    over the mesh.
+    """
     if mesh is None:
       mesh = sharding.make_mesh(1, [device or jax.local_devices()[0]])
     config = dataclasses.replace(
@@ -180,7 +192,23 @@ class PagedKVCache:
   def update_and_attend(self, layer: jax.Array, q_btnd: jax.Array, k_btkd: jax.Array,
                         v_btkd: jax.Array, pos_bt: jax.Array, meta: PagedMetadata
                         ) -> tuple["PagedKVCache", jax.Array]:
-    """Writes the new tokens of `layer`, then attends over the sequence's cached tokens."""
+    """Writes the new tokens of `layer`, then attends over the sequence's cached tokens.
+
+    The model calls this from each decoder layer (the cache contract of `jaxtier.kvcache`).
+
+    Args:
+      layer: index of the layer (may be traced, as inside the model's `lax.scan`).
+      q_btnd: queries [b, t, n, d] of the new tokens (rotary embedding applied).
+      k_btkd, v_btkd: their keys and values [b, t, k, d].
+      pos_bt: each new token's position [b, t]; below zero marks padding, not written.
+      meta: the block table of each row's sequence; position i lives in block
+        `meta.block_tables_bm[b, i // block_size]`.
+
+    Returns:
+      (the cache with the new tokens written, attention output [b, t, n, d]). A decode step on
+      a float pool with the "cpu" impl writes and attends in one kernel call; otherwise
+      `write_chunk` then `attend`.
+    """
     if (self.config.attention_impl == "cpu" and q_btnd.shape[1] == 1
         and not self.config.quantized):
       return write_and_attend_cpu(self, layer, q_btnd, k_btkd, v_btkd, pos_bt, meta)
