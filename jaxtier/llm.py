@@ -178,6 +178,19 @@ class LLM:
                             self.engine_config)
     return self._engine
 
+  @property
+  def model(self) -> nnx.Module:
+    """The NNX model (`jaxtier.model.Transformer` or `GroupedTransformer`), for use in your own
+    JAX code: `model(tokens_bt, pos_bt, cache)` -> (logits, cache) with a cache of
+    `jaxtier.kvcache`.
+
+    Each access merges `graphdef` and `state` into a new module whose parameters are the very
+    arrays the engine runs (no copy, no extra memory). Treat them as read-only: `nnx.update` on
+    the module would swap its own references only, and the engine keeps running the arrays it
+    was built with; build a new `LLM` to serve changed weights.
+    """
+    return nnx.merge(self.graphdef, self.state)
+
   def _check_model(self, config) -> None:
     """The checks that need the model's config, before any weight is read."""
     args = self.args
