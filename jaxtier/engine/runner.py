@@ -72,15 +72,31 @@ def _forward(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, toke
 PROMPT_LOGITS_CHUNK = 256  # positions whose [positions, vocab] logits exist at once
 
 
-def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, h_bth, targets_bt, k: int):
+def prompt_chunks(positions: int, most: int = PROMPT_LOGITS_CHUNK) -> tuple[int, int]:
+  """(chunks, positions per chunk) for the logits of `positions` positions, at most `most` at a
+  time: the fewest chunks, as even as can be, so padding the positions to chunks x size adds
+  fewer than `chunks` positions. Row buckets are not powers of two (24 rows of 16 tokens are
+  384 positions), so a fixed chunk of `most` need not divide them."""
+  chunks = -(-positions // most)
+  return chunks, -(-positions // chunks)
+
+
+def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, h_bth, targets_bt, k: int,
+                     most: int = PROMPT_LOGITS_CHUNK):
   """Log-probabilities [b, t] of `targets_bt` (and the top k) from the hidden states of every
-  position, through `model.logits`, PROMPT_LOGITS_CHUNK positions at a time."""
+  position, through `model.logits`, at most `most` positions at a time (see `prompt_chunks`;
+  padded positions are zeros, dropped after)."""
   model = nnx.merge(graphdef, state)
   b, t, h = h_bth.shape
-  c = min(b * t, PROMPT_LOGITS_CHUNK)  # both powers of two: c divides b * t
+  n = b * t
+  chunks, c = prompt_chunks(n, most)
+  pad = chunks * c - n
+  h_nh = jnp.pad(h_bth.reshape(n, h), ((0, pad), (0, 0)))
+  targets_n = jnp.pad(targets_bt.reshape(n), (0, pad))
   top = jax.lax.map(lambda x: top_logprobs(model.logits(x[0]), x[1], k),
-                    (h_bth.reshape(-1, c, h), targets_bt.reshape(-1, c)))
-  return jax.tree.map(lambda a: a.reshape((b, t) + a.shape[2:]), top)
+                    (h_nh.reshape(chunks, c, h), targets_n.reshape(chunks, c)))
+  return jax.tree.map(lambda a: a.reshape((chunks * c,) + a.shape[2:])[:n].reshape(
+      (b, t) + a.shape[2:]), top)
 
 
 # Sampling is a program of its own: it compiles once per row count instead of once more inside

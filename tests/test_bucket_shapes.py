@@ -1,0 +1,161 @@
+"""Programs at every shape the buckets produce, against one-piece references.
+
+Past 8 rows a call's rows are multiples of a step, not powers of two (`buckets.row_bucket`: 24,
+40, 48, 56, ...), so no program may assume that rows x tokens is a power of two or divides one.
+Prompt log-probabilities (what echo scores over HTTP too) and sampling are run at bucket shapes and
+compared with log_softmax of the whole logits in numpy, and a batch of 24 or 40 prompts asking for
+prompt log-probabilities gets what each prompt gets alone.
+
+Shape legend: b rows, t tokens per row, n positions, h hidden size, v vocab.
+"""
+
+import functools
+import os
+
+import jax
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxtier
+from conftest import fixture_path
+from jaxtier import checkpoint
+from jaxtier.buckets import row_bucket
+from jaxtier.engine import batch, runner
+from jaxtier.logprobs import MAX_LOGPROBS
+from jaxtier.sampling import SamplingArrays, SamplingParams
+from jaxtier.server import AsyncEngine, create_app
+
+MAX_NUM_SEQS = 64  # the default: warm-up shapes are checked for every count up to it
+TOL = 1e-5
+ENGINE_ARGS = dict(max_model_len=64, max_num_seqs=40, layer_execution="scan")
+PREFILL_SHAPES = sorted({(b, t) for b, t, _ in batch.step_shapes(MAX_NUM_SEQS, 2048, 2048, 128)
+                         if t > 1})
+_HYPOTHESIS = settings(
+    max_examples=40 if os.environ.get("JAXTIER_HYPOTHESIS_PROFILE") == "ci" else 8,
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                          HealthCheck.too_slow], derandomize=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  graphdef, state = nnx.split(checkpoint.load(fixture_path("tiny_llama"), "float32").model)
+  return graphdef, state
+
+
+@pytest.fixture(scope="module")
+def llm():
+  return jaxtier.LLM(fixture_path("tiny_llama"), **ENGINE_ARGS)
+
+
+def log_softmax(logits_nv: np.ndarray) -> np.ndarray:
+  shifted = np.asarray(logits_nv, np.float64)
+  shifted = shifted - shifted.max(-1, keepdims=True)
+  return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def check_top(top, ref_nv: np.ndarray, tokens_n: np.ndarray, k: int) -> None:
+  """`TopLogprobs` over n positions (any leading shape) against the reference log_softmax."""
+  n = len(tokens_n)
+  token_lp, rank = np.asarray(top.token_lp).reshape(n), np.asarray(top.token_rank).reshape(n)
+  top_lp = np.asarray(top.top_lp_k).reshape(n, k)
+  top_ids = np.asarray(top.top_ids_k).reshape(n, k)
+  at_token = ref_nv[np.arange(n), tokens_n]
+  np.testing.assert_allclose(token_lp, at_token, atol=TOL)
+  np.testing.assert_array_equal(rank, (ref_nv >= at_token[:, None]).sum(-1))
+  np.testing.assert_array_equal(top_ids, np.argsort(-ref_nv, axis=-1, kind="stable")[:, :k])
+  np.testing.assert_allclose(top_lp, np.take_along_axis(ref_nv, top_ids, -1), atol=TOL)
+
+
+@given(positions=st.integers(1, 1 << 20), most=st.integers(1, 1024))
+def test_prompt_chunks_hold_every_position_in_the_fewest_even_chunks(positions, most):
+  chunks, size = runner.prompt_chunks(positions, most)
+  assert 0 < size <= most and chunks == -(-positions // most)
+  assert 0 <= chunks * size - positions < chunks
+
+
+def test_prompt_chunks_of_every_bucket_shape_pad_less_than_a_chunk_count():
+  for b, t in PREFILL_SHAPES:
+    chunks, size = runner.prompt_chunks(b * t)
+    assert size <= runner.PROMPT_LOGITS_CHUNK and chunks * size - b * t < chunks
+  assert runner.prompt_chunks(24 * 16) == (2, 192)  # the shape that could not be reshaped
+
+
+@_HYPOTHESIS
+@given(shape=st.sampled_from(PREFILL_SHAPES), most=st.sampled_from([runner.PROMPT_LOGITS_CHUNK,
+                                                                    100, 7]),
+       seed=st.integers(0, 3))
+def test_prompt_logprobs_at_bucket_shapes_equal_one_piece_log_softmax(tiny, shape, most, seed):
+  graphdef, state = tiny
+  model = nnx.merge(graphdef, state)
+  b, t = shape
+  h, v = model.config.hidden_size, model.config.vocab_size
+  rng = np.random.default_rng(seed)
+  h_bth = rng.normal(size=(b, t, h)).astype(np.float32)
+  targets_bt = rng.integers(0, v, size=(b, t)).astype(np.int32)
+  k = 3
+  prompt = jax.jit(functools.partial(runner._prompt_logprobs, graphdef, k=k, most=most))
+  top = prompt(state, h_bth, targets_bt)
+  assert top.token_lp.shape == (b, t) and top.top_ids_k.shape == (b, t, k)
+  ref_nv = log_softmax(model.logits(h_bth.reshape(b * t, h)))  # every position in one piece
+  check_top(top, ref_nv, targets_bt.reshape(-1), k)
+
+
+@_HYPOTHESIS
+@given(rows=st.integers(1, MAX_NUM_SEQS), seed=st.integers(0, 3))
+def test_sampling_and_its_logprobs_at_row_buckets_equal_numpy(rows, seed):
+  b, v = row_bucket(rows), 300
+  rng = np.random.default_rng(seed)
+  logits_bv = rng.normal(size=(b, v)).astype(np.float32) * 4
+  greedy = SamplingArrays.from_params([SamplingParams(temperature=0)] * b, [0] * b, [0] * b)
+  tokens_b = np.asarray(runner._sample(logits_bv, greedy))
+  np.testing.assert_array_equal(tokens_b, logits_bv.argmax(-1))
+  top = runner._sample_logprobs(logits_bv, tokens_b, k=MAX_LOGPROBS)
+  check_top(top, log_softmax(logits_bv), tokens_b, MAX_LOGPROBS)
+
+
+def prompts_of(count: int, seed: int) -> list[list[int]]:
+  """`count` prompts of 2-16 tokens: one prefill call of `row_bucket(count)` rows of 16."""
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, 300, size=rng.integers(2, 17)).tolist() for _ in range(count)]
+
+
+def assert_same_entries(batched, alone) -> None:
+  assert len(batched) == len(alone) and batched[0] is None and alone[0] is None
+  for got, want in zip(batched[1:], alone[1:]):
+    assert list(got) == list(want)
+    for token, value in got.items():
+      assert value.rank == want[token].rank and value.decoded_token == want[token].decoded_token
+      np.testing.assert_allclose(value.logprob, want[token].logprob, atol=TOL)
+
+
+@pytest.mark.parametrize("count", [24, 40])
+def test_a_batch_of_prompts_gets_the_prompt_logprobs_each_gets_alone(llm, count):
+  prompts = prompts_of(count, seed=count)
+  params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+  batched = llm.generate(prompts, params)
+  assert (count, 16) in {v[1:3] for v in llm.engine.runner.variants() if v[0] == "step"}
+  for prompt, out in zip(prompts, batched):
+    assert_same_entries(out.prompt_logprobs, llm.generate(prompt, params)[0].prompt_logprobs)
+
+
+def test_echo_scores_24_prompts_over_http(llm):
+  served = jaxtier.LLM(fixture_path("tiny_llama"), **ENGINE_ARGS)
+  engine = AsyncEngine(served, warmup=False)
+  try:
+    prompts = prompts_of(24, seed=7)
+    response = TestClient(create_app(engine, "tiny")).post("/v1/completions", json={
+        "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert response.status_code == 200, response.text
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    for choice, prompt in zip(response.json()["choices"], prompts):
+      alone = llm.generate(prompt, params)[0].prompt_logprobs
+      token_logprobs = choice["logprobs"]["token_logprobs"]
+      assert token_logprobs[0] is None and len(token_logprobs) == len(prompt)
+      np.testing.assert_allclose(token_logprobs[1:], [e[t].logprob for e, t in
+                                                      zip(alone[1:], prompt[1:])], atol=TOL)
+  finally:
+    engine.close()
