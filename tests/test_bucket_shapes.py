@@ -3,12 +3,14 @@
 Past 8 rows a call's rows are multiples of a step, not powers of two (`buckets.row_bucket`: 24,
 40, 48, 56, ...), so no program may assume that rows x tokens is a power of two or divides one.
 Prompt log-probabilities (what echo scores over HTTP too) and sampling are run at bucket shapes and
-compared with log_softmax of the whole logits in numpy, and a batch of 24 or 40 prompts asking for
-prompt log-probabilities gets what each prompt gets alone.
+compared with log_softmax of the whole logits in numpy; every program the warm-up compiles for
+max_num_seqs 1..64 is built with `jax.eval_shape` (traced, not compiled); and a batch of 24 or 40
+prompts asking for prompt log-probabilities gets what each prompt gets alone.
 
 Shape legend: b rows, t tokens per row, n positions, h hidden size, v vocab.
 """
 
+import dataclasses
 import functools
 import os
 
@@ -25,6 +27,8 @@ from conftest import fixture_path
 from jaxtier import checkpoint
 from jaxtier.buckets import row_bucket
 from jaxtier.engine import batch, runner
+from jaxtier.engine.engine import warmup_programs
+from jaxtier.engine_args import EngineArgs
 from jaxtier.logprobs import MAX_LOGPROBS
 from jaxtier.sampling import SamplingArrays, SamplingParams
 from jaxtier.server import AsyncEngine, create_app
@@ -115,6 +119,27 @@ def test_sampling_and_its_logprobs_at_row_buckets_equal_numpy(rows, seed):
   np.testing.assert_array_equal(tokens_b, logits_bv.argmax(-1))
   top = runner._sample_logprobs(logits_bv, tokens_b, k=MAX_LOGPROBS)
   check_top(top, log_softmax(logits_bv), tokens_b, MAX_LOGPROBS)
+
+
+def test_every_warmup_program_of_max_num_seqs_1_to_64_builds(llm):
+  """The warm-up's own list and arguments (`warmup_programs`, `Runner.trace_programs`), for the
+  configuration each max_num_seqs gets (its default token budget), traced without compiling."""
+  engine = llm.engine
+  programs = {}
+  for n in range(1, MAX_NUM_SEQS + 1):
+    config = dataclasses.replace(engine.config, max_num_seqs=n,
+                                 max_num_batched_tokens=EngineArgs(max_num_seqs=n).token_budget)
+    programs.update(dict.fromkeys(warmup_programs(config)))
+  keys = list(programs)
+  traced = engine.runner.trace_programs(engine.cache, keys)
+  assert list(traced) == keys
+  prompt = {key[1:3]: out for key, out in traced.items() if key[0] == "prompt_logprobs"}
+  assert {(24, 16), (40, 16), (56, 16)} <= set(prompt)
+  for (b, t), out in prompt.items():
+    assert out.token_lp.shape == (b, t) and out.top_ids_k.shape == (b, t, MAX_LOGPROBS)
+  for key, out in traced.items():
+    if key[0] == "sample":
+      assert out.shape == (key[1],)
 
 
 def prompts_of(count: int, seed: int) -> list[list[int]]:

@@ -35,7 +35,7 @@ samples its next token with the same key).
 import dataclasses
 import json
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import jax
 import numpy as np
@@ -46,7 +46,7 @@ from jaxtier.buckets import pow2_buckets_up_to, row_bucket
 from jaxtier.detokenize import RequestProgress
 from jaxtier.engine import batch as batching
 from jaxtier.engine import logprobs as lp
-from jaxtier.engine.runner import Runner
+from jaxtier.engine.runner import Runner, program_keys
 from jaxtier.generate import Completion
 from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.kvcache import PagedCacheConfig, PagedKVCache, device_pool_bytes, host_pool_bytes
@@ -93,6 +93,20 @@ class EngineConfig:
   swap_impl: str = "loop"
   attention_impl: str = "auto"
   async_scheduling: bool = True
+
+
+def warmup_programs(config: EngineConfig) -> list[tuple]:
+  """The programs (`Runner.variants` keys) `Engine.warmup` compiles for `config`: every one
+  such an engine can run. Its calls' shapes (`batch.step_shapes`), their sampling, the sampled
+  and prompt tokens' log-probabilities at MAX_LOGPROBS, and block swaps of every padded count
+  the smaller pool holds (`runner.program_keys`). Pure, so the list of a configuration can be
+  checked without building its engine (`Runner.trace_programs`)."""
+  c = config
+  shapes = batching.step_shapes(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
+                                batching.table_width(c.max_model_len, c.block_size))
+  most_swapped = min(c.num_device_blocks, c.num_host_blocks)
+  swap_sizes = pow2_buckets_up_to(most_swapped) if most_swapped else []
+  return program_keys(shapes, swap_sizes, MAX_LOGPROBS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,22 +260,17 @@ class Engine:
                             *wanted.completion_fields(), **cached)
     return RequestUpdate(request_id, new, completion, *wanted.update_fields(len(new)))
 
-  def warmup(self) -> dict:
-    """Compiles every program this engine's configuration can run (`batch.step_shapes`, their
-    sampling, the sampled and prompt tokens' log-probabilities, and block swaps of every padded
-    size), so no later step compiles.
+  def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> dict:
+    """Compiles every program this engine's configuration can run (`warmup_programs`), so no
+    later step compiles; after each, calls progress(programs done, programs in all, its key).
 
     Returns {"programs": count, "compile_seconds": time spent compiling now}; programs already
     compiled in this process (or found in JAX's persistent compilation cache) cost little.
     """
-    c = self.config
-    shapes = batching.step_shapes(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
-                                  self.table_width)
-    most_swapped = min(c.num_device_blocks, c.num_host_blocks)
-    swap_sizes = pow2_buckets_up_to(most_swapped) if most_swapped else []
+    keys = warmup_programs(self.config)
     before = self.runner.compile_seconds
-    programs = self.runner.precompile(self.cache, shapes, swap_sizes, MAX_LOGPROBS)
-    return {"programs": programs, "compile_seconds": self.runner.compile_seconds - before}
+    self.runner.compile_programs(self.cache, keys, progress)
+    return {"programs": len(keys), "compile_seconds": self.runner.compile_seconds - before}
 
   # Stepping.
 

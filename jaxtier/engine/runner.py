@@ -23,6 +23,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -216,6 +217,25 @@ def _prompt_fn(graphdef: nnx.GraphDef, state_def):
   return jax.jit(prompt, static_argnames="k")
 
 
+def program_keys(shapes, swap_sizes, logprob_k: int | None = None) -> list[tuple]:
+  """The programs (`Runner.variants` keys) an engine of these shapes can run, each once, every
+  program after those whose outputs it takes: for each (rows, tokens, width) in `shapes` its
+  model call and sampling, `follow` for a decode call (`step_after`), and with `logprob_k` the
+  sampled tokens' log-probabilities and a prefill call's prompt log-probabilities at that
+  top-k width; then swaps in both directions of every padded block count in `swap_sizes`."""
+  keys = []
+  for b, t, m in shapes:
+    keys += [("step", b, t, m), ("sample", b)]
+    if t == 1:
+      keys.append(("follow", b))
+    if logprob_k is not None:
+      keys.append(("logprobs", b, logprob_k))
+      if t > 1:
+        keys.append(("prompt_logprobs", b, t, logprob_k))
+  keys += [("swap", direction, x) for x, direction in itertools.product(swap_sizes, ("out", "in"))]
+  return list(dict.fromkeys(keys))
+
+
 def _layout(tree) -> tuple:
   """What a compiled program depends on in a pytree: structure, shapes, dtypes, placements."""
   return (jax.tree.structure(tree),
@@ -264,38 +284,80 @@ class Runner:
     """The arguments of the jitted model call, in its order (the state goes as its leaves)."""
     return (self._leaves, cache, tokens_bt, pos_bt, tables_bm, last_b)
 
-  def precompile(self, cache: PagedKVCache, shapes, swap_sizes, logprob_k: int | None = None
-                 ) -> int:
-    """Compiles the model call of every (rows, tokens, width) in `shapes`, sampling for every
-    row count, and swaps in both directions of every padded block count in `swap_sizes`,
-    without running them (the cache is not consumed); with `logprob_k`, also the sampled and
-    the prompt tokens' log-probabilities at that top-k width. Returns the number of programs."""
-    keys = set()
-    for b, t, m in shapes:
-      tokens, last = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
-      args = self.forward_args(cache, tokens, tokens, np.zeros((b, m), np.int32), last)
-      logits_info, h_info, _ = self._compiled(("step", b, t, m), self._forward, args).out_info
-      sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
-      sampled_info = self._compiled(("sample", b), _sample, (logits_info, sampling)).out_info
-      keys |= {("step", b, t, m), ("sample", b)}
-      if t == 1:  # a decode call may follow the previous one on the device (`step_after`)
-        self._compiled(("follow", b), _follow, (np.zeros(b, np.int32), tokens, last))
-        keys.add(("follow", b))
-      if logprob_k is None:
-        continue
-      self._compiled(("logprobs", b, logprob_k), _sample_logprobs, (logits_info, sampled_info),
-                     k=logprob_k)
-      keys.add(("logprobs", b, logprob_k))
-      if t > 1:
-        self._compiled(("prompt_logprobs", b, t, logprob_k), self._prompt,
-                       (self._leaves, h_info, tokens), k=logprob_k)
-        keys.add(("prompt_logprobs", b, t, logprob_k))
-    for x, direction in itertools.product(swap_sizes, ("out", "in")):
-      index = np.zeros(x, np.int32)
-      self._compiled(("swap", direction, x), _SWAPS[direction], (cache, index, index, np.int32(x)),
-                     impl=self.swap_impl)
-      keys.add(("swap", direction, x))
+  def precompile(self, cache: PagedKVCache, shapes, swap_sizes, logprob_k: int | None = None,
+                 progress: Callable[[int, int, tuple], None] | None = None) -> int:
+    """Compiles the programs of `program_keys(shapes, swap_sizes, logprob_k)` without running
+    them (see `compile_programs`). Returns the number of programs."""
+    keys = program_keys(shapes, swap_sizes, logprob_k)
+    self.compile_programs(cache, keys, progress)
     return len(keys)
+
+  def compile_programs(self, cache: PagedKVCache, keys: Sequence[tuple],
+                       progress: Callable[[int, int, tuple], None] | None = None) -> None:
+    """Compiles each program of `keys` (from `program_keys`) without running it (the cache is
+    not consumed); after each, calls progress(programs done, programs in all, its key)."""
+    done = itertools.count(1)
+
+    def build(key, jitted, args, static):
+      info = self._compiled(key, jitted, args, **static).out_info
+      if progress is not None:
+        progress(next(done), len(keys), key)
+      return info
+
+    self._build_each(cache, keys, build)
+
+  def trace_programs(self, cache: PagedKVCache, keys: Sequence[tuple]) -> dict[tuple, Any]:
+    """Each program of `keys` traced with `jax.eval_shape`, neither compiled nor run: its
+    output shapes by key. The programs and arguments are those `compile_programs` compiles, so
+    a program that cannot be built for some shape fails here too, in a fraction of the time."""
+    traced = {}
+
+    def build(key, jitted, args, static):
+      traced[key] = jax.eval_shape(functools.partial(jitted, **static), *args)
+      return traced[key]
+
+    self._build_each(cache, keys, build)
+    return traced
+
+  def _build_each(self, cache: PagedKVCache, keys: Sequence[tuple], build) -> None:
+    """Calls build(key, jitted, args, static) -> the program's output shapes, for each program
+    of `keys` in order. Arguments are zeros of the program's shapes, or the output shapes of
+    the programs it follows: a call's logits and hidden states, the sampled tokens."""
+    logits, hidden, sampled = {}, {}, {}  # by rows; hidden by (rows, tokens)
+    for key in keys:
+      kind, static = key[0], {}
+      if kind == "step":
+        _, b, t, m = key
+        tokens, last = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
+        jitted = self._forward
+        args = self.forward_args(cache, tokens, tokens, np.zeros((b, m), np.int32), last)
+      elif kind == "sample":
+        b = key[1]
+        sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
+        jitted, args = _sample, (logits[b], sampling)
+      elif kind == "follow":
+        b = key[1]
+        jitted = _follow
+        args = (np.zeros(b, np.int32), np.zeros((b, 1), np.int32), np.zeros(b, np.int32))
+      elif kind == "logprobs":
+        _, b, k = key
+        jitted, args, static = _sample_logprobs, (logits[b], sampled[b]), {"k": k}
+      elif kind == "prompt_logprobs":
+        _, b, t, k = key
+        jitted, static = self._prompt, {"k": k}
+        args = (self._leaves, hidden[b, t], np.zeros((b, t), np.int32))
+      elif kind == "swap":
+        _, direction, x = key
+        index = np.zeros(x, np.int32)
+        jitted, static = _SWAPS[direction], {"impl": self.swap_impl}
+        args = (cache, index, index, np.int32(x))
+      else:
+        raise ValueError(f"unknown program {key!r}")
+      out = build(key, jitted, args, static)
+      if kind == "step":
+        logits[key[1]], hidden[key[1], key[2]] = out[0], out[1]
+      elif kind == "sample":
+        sampled[key[1]] = out
 
   def step(self, cache: PagedKVCache, arrays: StepArrays) -> tuple[jax.Array, PagedKVCache]:
     """Dispatches one model call and its sampling; returns the sampled tokens [b] (not yet read)
