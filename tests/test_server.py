@@ -402,9 +402,9 @@ def test_health_is_503_until_warm():
   release = threading.Event()
   warmup = served.engine.warmup
 
-  def held_warmup():
+  def held_warmup(**kwargs):
     assert release.wait(timeout=60)
-    return warmup()
+    return warmup(**kwargs)
 
   served.engine.warmup = held_warmup
   warming = AsyncEngine(served)

@@ -5,7 +5,9 @@ engine's updates back into responses (`serving`). Every error is OpenAI-shaped J
 `{"error": {"message", "type", "param", "code"}}`: 400 for bad input, 404 for an unknown model or
 route, 429 (with Retry-After) when the request queue is full, 503 while shutting down, 500 only
 when a step fails inside the engine (the engine keeps serving). `/health` answers 503 until the
-engine's warm-up has compiled every program, then 200.
+engine's warm-up has compiled every program, then 200; after a failed warm-up it stays 503 with the
+reason (`{"status": "warm-up failed", "error": ...}`) while the server still answers requests,
+compiling programs when first needed.
 """
 
 import asyncio
@@ -174,6 +176,9 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
   @app.get("/health")
   async def health() -> JSONResponse:
     stats = engine.stats()
+    if engine.warmup_error is not None:
+      return JSONResponse({"status": "warm-up failed", "error": engine.warmup_error},
+                          status_code=503)
     if not stats.ready:
       return JSONResponse({"status": "warming up"}, status_code=503)
     if not engine.accepting:

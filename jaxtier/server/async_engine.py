@@ -1,16 +1,19 @@
 """An asyncio front over the engine: one thread steps it, HTTP handlers stream each request's tokens.
 
-The engine thread first compiles every program the engine can run (`Engine.warmup`; `ready` is set
-after it), then loops: it takes the requests and aborts that handlers queued since the last step,
-applies them to the engine (arrivals join the running batch at the next step: continuous
-batching), runs one `Engine.step()` and hands each update to the event loop of the request it
-belongs to, with one wake-up per event loop per step. It sleeps only while the engine has nothing
-to do.
+The engine thread first compiles every program the engine can run (`Engine.warmup`, its progress
+logged at each tenth of the programs; `ready` once it has finished), then loops: it takes the
+requests and aborts that handlers queued since the last step, applies them to the engine
+(arrivals join the running batch at the next step: continuous batching), runs one
+`Engine.step()` and hands each update to the event loop of the request it belongs to, with one
+wake-up per event loop per step. It sleeps only while the engine has nothing to do.
 
 Closing a request's stream (a client that disconnected) aborts it before the next step; its blocks
 are freed at once and nothing more is delivered. A step that fails ends the requests it held with
 `EngineError` (the engine aborts them and stays usable). `drain` stops new requests, waits for the
 running ones up to a timeout and ends the rest with finish_reason "abort"; `close` stops the thread.
+
+A warm-up that fails leaves the engine serving (programs compile when first needed) but never
+`ready`: `warmup_error` says why, and the HTTP layer's /health answers 503 with it.
 
 The server holds `llm.engine`: do not call the offline methods of the same `LLM` (`generate`,
 `chat`) while it serves, since the engine is stepped by this class's thread only.
@@ -44,7 +47,7 @@ class EngineStats:
   swapped: int  # preempted requests whose KV sits in the host pool
   steps: int  # engine steps run since start
   model_calls: int  # model programs run (a step: its prefill in a call or a few, its decode in one)
-  ready: bool  # warm-up has finished: no request will wait for a compile
+  ready: bool  # warm-up has finished and succeeded: no request will wait for a compile
   engine: dict  # `Engine.stats()` as of the last step (swap timings may lag a step)
 
 
@@ -112,6 +115,11 @@ class AsyncEngine:
       cap.
     warmup: compile every program before serving (see `Engine.warmup`); else `ready` at once and
       the first requests of each shape wait for its compile.
+
+  Attributes:
+    warmup_progress: (programs compiled, programs in all) of the warm-up so far.
+    warmup_report: {"programs", "compile_seconds", "seconds"} once warm-up has succeeded.
+    warmup_error: why warm-up failed ("TypeError: ..."), else None.
   """
 
   def __init__(self, llm, max_queued_requests: int | None = None, warmup: bool = True):
@@ -130,7 +138,10 @@ class AsyncEngine:
     self._accepting, self._closed, self._ending = True, False, False
     self._stats = self._snapshot(ready=False)
     self._ready = threading.Event()
+    self._warmed = threading.Event()  # warm-up is over, whether it succeeded or not
+    self.warmup_progress = (0, 0)
     self.warmup_report: dict | None = None
+    self.warmup_error: str | None = None
     self._warmup = warmup
     self._thread = threading.Thread(target=self._loop, name="jaxtier-engine", daemon=True)
     self._thread.start()
@@ -142,8 +153,10 @@ class AsyncEngine:
     return self._ready.is_set()
 
   def wait_ready(self, timeout_s: float | None = None) -> bool:
-    """Blocks until warm-up has finished (or `timeout_s` passed); returns `ready`."""
-    return self._ready.wait(timeout_s)
+    """Blocks until warm-up is over (or `timeout_s` passed); returns `ready` (False when warm-up
+    failed: see `warmup_error`)."""
+    self._warmed.wait(timeout_s)
+    return self.ready
 
   @property
   def accepting(self) -> bool:
@@ -227,21 +240,37 @@ class AsyncEngine:
                        swapped=figures["swapped"], steps=figures["steps"],
                        model_calls=figures["model_calls"], ready=ready, engine=figures)
 
+  def _warm_up(self) -> bool:
+    """Runs `Engine.warmup`, logging its progress; returns whether it succeeded."""
+    start = time.perf_counter()
+
+    def progress(done: int, total: int, key: tuple) -> None:
+      tenth = 10 * done // total  # logged at the first program and at each tenth of them
+      if done == 1 or tenth > 10 * self.warmup_progress[0] // total:
+        logging.info("warm-up: %d/%d programs (%d%%) in %.1f s, last %s", done, total,
+                     100 * done // total, time.perf_counter() - start, key)
+      self.warmup_progress = (done, total)
+
+    try:
+      report = self.engine.warmup(progress=progress)
+    except Exception as e:  # pylint: disable=broad-except  (serve anyway, compiling on demand)
+      self.warmup_error = f"{type(e).__name__}: {e}"
+      logging.exception("warm-up failed after %.1f s (/health answers 503 with this reason; "
+                        "programs will compile when first needed): %s",
+                        time.perf_counter() - start, self.warmup_error)
+      return False
+    self.warmup_report = {**report, "seconds": time.perf_counter() - start}
+    logging.info("warm-up: %d programs ready in %.1f s (%.1f s compiling)",
+                 report["programs"], self.warmup_report["seconds"], report["compile_seconds"])
+    return True
+
   def _loop(self) -> None:
-    if self._warmup:
-      start = time.perf_counter()
-      try:
-        report = self.engine.warmup()
-      except Exception:  # pylint: disable=broad-except  (serve anyway, compiling on demand)
-        logging.exception("warm-up failed; programs will compile when first needed")
-      else:
-        self.warmup_report = {**report, "seconds": time.perf_counter() - start}
-        logging.info("warm-up: %d programs ready in %.1f s (%.1f s compiling)",
-                     report["programs"], self.warmup_report["seconds"],
-                     report["compile_seconds"])
+    ready = self._warm_up() if self._warmup else True
     with self._cond:
-      self._stats = self._snapshot(ready=True)
-    self._ready.set()
+      self._stats = self._snapshot(ready=ready)
+    if ready:
+      self._ready.set()
+    self._warmed.set()
     while True:
       with self._cond:
         while not self._busy() and not self._closed:
@@ -259,7 +288,7 @@ class AsyncEngine:
         items += self._step()
       _deliver(items)  # one wake-up of each event loop per step
       with self._cond:
-        self._stats = self._snapshot(ready=True)
+        self._stats = self._snapshot(ready=ready)
         self._num_live, self._working, self._taken = len(self._live), False, 0
         self._cond.notify_all()  # for `drain`
 

@@ -65,6 +65,13 @@ class _EngineCollector:
                             value=figures["host_blocks_total"] - figures["host_blocks_free"])
     yield GaugeMetricFamily("jaxtier_ready", "1 once warm-up has compiled every program",
                             value=int(stats.ready))
+    done, total = self._engine.warmup_progress
+    yield GaugeMetricFamily("jaxtier_warmup_programs_compiled", "programs warm-up has compiled "
+                            "so far (of jaxtier_warmup_programs)", value=done)
+    yield GaugeMetricFamily("jaxtier_warmup_programs", "programs warm-up compiles in all (0 "
+                            "before it starts or without warm-up)", value=total)
+    yield GaugeMetricFamily("jaxtier_warmup_failed", "1 if warm-up failed (/health says why)",
+                            value=int(self._engine.warmup_error is not None))
     for name, text, key in _COUNTERS:
       yield CounterMetricFamily(name, text, value=figures[key])
     preemptions = CounterMetricFamily("jaxtier_preemptions", "requests preempted, by mode",
