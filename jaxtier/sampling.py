@@ -1,17 +1,49 @@
 """Sampling parameters (the vLLM names) and a jitted sampler over a batch of logits.
 
-Shape legend: b batch, v vocab.
+A row's logits go through these transforms, in this order:
+1. `logit_bias` (added), then the masks: tokens outside `allowed_token_ids`, the last token of
+   a `bad_words` sequence whose other tokens end the output so far, and EOS / `stop_token_ids`
+   while fewer than `min_tokens` were generated (set to -inf). Bias and masks commute (a masked
+   token stays -inf whatever its bias), so they are one scatter on the device.
+2. The penalties: `repetition_penalty` over every token of the prompt and the output (a positive
+   logit divided by it, any other multiplied, as Hugging Face's `RepetitionPenaltyLogitsProcessor`
+   and vLLM do), then `frequency_penalty` * count and `presence_penalty` * (count > 0) subtracted,
+   counting output tokens only (OpenAI's definition, vLLM's order). Hugging Face also applies its
+   sequence bias before the repetition penalty, so greedy tokens equal its
+   `generate(repetition_penalty=...)`. (A grammar's token mask would come here.)
+3. `temperature`, then top-k, top-p and `min_p` (tokens whose probability is below min_p times
+   the largest are dropped; the comparison does not change when top-k/top-p renormalize, so
+   min-p keeps the tokens both keep, as Hugging Face's warpers in this order do).
+Steps 1-2 need each request's token history: `LogitsArrays` carries it (ids padded to a power of
+two, a prompt/output split), and the counts and masks are built on the device by scatters, in
+a sampling program of its own (`sample_transformed`) that only batches with such a row run.
+The log-probabilities a request asks for are of the raw logits, before all of this.
+
+Shape legend: b batch, v vocab, n history tokens, k biased or masked ids, a allowed ids.
 """
 
 import dataclasses
-from typing import Sequence
+import math
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxtier import cpu_kernels
+from jaxtier.buckets import pow2_bucket
 from jaxtier.logprobs import MAX_LOGPROBS
+
+BIAS_LIMIT = 100.0  # OpenAI's logit_bias range, [-100, 100]; larger biases are clamped to it
+PENALTY_LIMIT = 2.0  # frequency_penalty and presence_penalty are in [-2, 2]
+
+
+class SamplingParamError(ValueError):
+  """A `SamplingParams` value that is out of range; `field` names the parameter."""
+
+  def __init__(self, field: str, message: str):
+    super().__init__(message)
+    self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +54,11 @@ class SamplingParams:
   those of the `logprobs` most likely tokens; `prompt_logprobs` does the same for every prompt
   token after the first (given the tokens before it). Both are log_softmax of the raw logits
   (before temperature, top-k, top-p) and never change which tokens are sampled.
+
+  The logit transforms (`repetition_penalty`, `frequency_penalty`, `presence_penalty`, `min_p`,
+  `logit_bias`, `allowed_token_ids`, `bad_words`, `min_tokens`) have vLLM's meanings; the module
+  docstring gives their order. `logit_bias` keys are token ids, each bias clamped to [-100, 100];
+  ids are checked against the vocabulary when a request is added to an engine.
   """
   max_tokens: int = 16
   temperature: float = 1.0
@@ -33,36 +70,163 @@ class SamplingParams:
   ignore_eos: bool = False
   logprobs: int | None = None
   prompt_logprobs: int | None = None
+  repetition_penalty: float = 1.0
+  frequency_penalty: float = 0.0
+  presence_penalty: float = 0.0
+  min_p: float = 0.0
+  logit_bias: Mapping[int, float] | None = None
+  allowed_token_ids: Sequence[int] | None = None
+  bad_words: Sequence[str] = ()
+  min_tokens: int = 0
 
   def __post_init__(self):
     if isinstance(self.stop, str):
       object.__setattr__(self, "stop", (self.stop,))
     object.__setattr__(self, "stop", tuple(self.stop or ()))
     object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-    if not isinstance(self.max_tokens, (int, np.integer)) or self.max_tokens < 1:
-      raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-    if not np.isfinite(self.temperature) or self.temperature < 0:
-      raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-    if not isinstance(self.top_k, (int, np.integer)):
-      raise ValueError(f"top_k must be an integer (<= 0 disables it), got {self.top_k!r}")
-    if self.seed is not None and not (isinstance(self.seed, (int, np.integer)) and 0 <= self.seed < 2**32):
-      raise ValueError(f"seed must be an integer in [0, 2**32) or None, got {self.seed!r}")
-    if any(not isinstance(s, str) or not s for s in self.stop):
-      raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-    if any(not isinstance(t, (int, np.integer)) or t < 0 for t in self.stop_token_ids):
-      raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+    if isinstance(self.bad_words, str):
+      object.__setattr__(self, "bad_words", (self.bad_words,))
+    object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+    _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+             "an integer >= 1", self.max_tokens)
+    _require(_is_number(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
+             "a finite number >= 0", self.temperature)
+    _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+    _require(_is_int(self.top_k), "top_k", "an integer (<= 0 disables it)", self.top_k)
+    _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32), "seed",
+             "an integer in [0, 2**32) or None", self.seed)
+    _require(all(isinstance(s, str) and s for s in self.stop), "stop",
+             "a list of non-empty strings", self.stop)
+    _require(all(_is_id(t) for t in self.stop_token_ids), "stop_token_ids",
+             "non-negative integers", self.stop_token_ids)
     for name in ("logprobs", "prompt_logprobs"):
       value = getattr(self, name)
-      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                or not 0 <= value <= MAX_LOGPROBS):
-        raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got "
-                         f"{value!r}")
+      _require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+               f"None or an integer in [0, {MAX_LOGPROBS}]", value)
+    self._check_transforms()
+
+  def _check_transforms(self) -> None:
+    _require(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+             "repetition_penalty", "a finite number > 0 (1 disables it)", self.repetition_penalty)
+    for name in ("frequency_penalty", "presence_penalty"):
+      value = getattr(self, name)
+      _require(_is_number(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT, name,
+               f"a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]", value)
+    _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]",
+             self.min_p)
+    if self.logit_bias is not None:
+      object.__setattr__(self, "logit_bias", _clamped_bias(self.logit_bias))
+    if self.allowed_token_ids is not None:
+      ids = tuple(self.allowed_token_ids)
+      _require(ids and all(_is_id(t) for t in ids), "allowed_token_ids",
+               "None or a non-empty list of token ids (integers >= 0)", self.allowed_token_ids)
+      object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in ids))
+    _require(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+             "a list of strings that are not blank", self.bad_words)
+    _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0
+
+  @property
+  def transforms_logits(self) -> bool:
+    """Whether a transform that needs the request's tokens or its own lists applies (all but
+    temperature, top-k, top-p and min-p): its batches run `sample_transformed`."""
+    return (self.repetition_penalty != 1 or self.frequency_penalty != 0
+            or self.presence_penalty != 0 or bool(self.logit_bias)
+            or self.allowed_token_ids is not None or bool(self.bad_words) or self.min_tokens > 0)
+
+  def check_vocab(self, vocab_size: int) -> None:
+    """ValueError naming the field when `logit_bias` or `allowed_token_ids` holds an id outside
+    [0, vocab_size)."""
+    for name, ids in (("logit_bias", self.logit_bias or ()),
+                      ("allowed_token_ids", self.allowed_token_ids or ())):
+      bad = sorted({t for t in ids if not 0 <= t < vocab_size})
+      if bad:
+        raise SamplingParamError(name, f"{name} has token ids outside the vocabulary "
+                                 f"[0, {vocab_size}): {bad[:5]}")
+
+
+def _require(ok, field: str, expected: str, value) -> None:
+  """SamplingParamError "<field> must be <expected>, got <value>" unless `ok`."""
+  if not ok:
+    raise SamplingParamError(field, f"{field} must be {expected}, got {value!r}")
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_id(value) -> bool:
+  return _is_int(value) and value >= 0
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _clamped_bias(logit_bias: Mapping[int, float]) -> dict[int, float]:
+  """`logit_bias` as {token id: bias}, each bias clamped to [-BIAS_LIMIT, BIAS_LIMIT]."""
+  _require(isinstance(logit_bias, Mapping), "logit_bias", "a mapping of token id to bias",
+           logit_bias)
+  out = {}
+  for token, bias in logit_bias.items():
+    _require(_is_id(token), "logit_bias", "keyed by token ids (integers >= 0)", token)
+    _require(_is_number(bias) and math.isfinite(bias), "logit_bias",
+             f"finite numbers (clamped to [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}])", bias)
+    out[int(token)] = min(BIAS_LIMIT, max(-BIAS_LIMIT, float(bias)))
+  return out
+
+
+def bad_words_token_ids(bad_words: Sequence[str], encode: Callable[[str], list[int]]
+                        ) -> tuple[tuple[int, ...], ...]:
+  """The token sequences `bad_words` bans, by vLLM's rule: each word (leading spaces stripped)
+  encoded as it is, and also with one leading space when that gives a different first token and
+  as many tokens (so a word is banned at the start of a text and after a space).
+  `encode` adds no special tokens."""
+  out: list[tuple[int, ...]] = []
+  for word in bad_words:
+    plain = tuple(encode(word.lstrip()))
+    if not plain:
+      continue
+    out.append(plain)
+    spaced = tuple(encode(" " + word.lstrip()))
+    if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+      out.append(spaced)
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitRules:
+  """One request's logit transforms with its tokenizer applied (host side; see `LogitsArrays`).
+
+  Attributes:
+    params: the request's sampling parameters (`transforms_logits` is true).
+    bad_words_ids: `bad_words_token_ids` of its `bad_words`.
+    stop_ids: EOS ids (unless `ignore_eos`) and `stop_token_ids`: masked until `min_tokens`.
+  """
+  params: SamplingParams
+  bad_words_ids: tuple[tuple[int, ...], ...] = ()
+  stop_ids: tuple[int, ...] = ()
+
+  @classmethod
+  def of(cls, params: SamplingParams, encode: Callable[[str], list[int]],
+         eos_ids: Sequence[int], vocab_size: int) -> "LogitRules":
+    """The rules of `params`; stop ids past the vocabulary (never sampled) are left out."""
+    stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(eos_ids))
+    return cls(params, bad_words_token_ids(params.bad_words, encode),
+               tuple(dict.fromkeys(t for t in stops if t < vocab_size)))
+
+  def masked(self, output_ids: Sequence[int]) -> list[int]:
+    """Ids masked for the next token after `output_ids`: the last token of each bad word whose
+    other tokens end the output (a one-token word always), and the stop ids before min_tokens."""
+    out = [ids[-1] for ids in self.bad_words_ids if len(ids) - 1 <= len(output_ids)
+           and tuple(output_ids[len(output_ids) - len(ids) + 1:]) == ids[:-1]]
+    if len(output_ids) < self.params.min_tokens:
+      out += self.stop_ids
+    return out
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +238,7 @@ class SamplingArrays:
   top_p_b: jax.Array  # [b] float32
   seed_b: jax.Array  # [b] uint32
   step_b: jax.Array  # [b] int32, tokens generated so far (folded into the key)
+  min_p_b: jax.Array  # [b] float32, 0 = off
 
   @classmethod
   def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int],
@@ -81,16 +246,109 @@ class SamplingArrays:
     return cls(np.array([p.temperature for p in params], np.float32),
                np.array([p.top_k for p in params], np.int32),
                np.array([p.top_p for p in params], np.float32),
-               np.array(seeds, np.uint32), np.array(steps, np.int32))
+               np.array(seeds, np.uint32), np.array(steps, np.int32),
+               np.array([p.min_p for p in params], np.float32))
 
 
-def _sample_row(logits_v, temperature, top_k, top_p, key):
+MIN_HISTORY = 64  # history rows pad to at least this many tokens (power-of-two buckets)
+MIN_IDS = 8  # biased/masked and allowed id lists pad to at least this many entries
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LogitsArrays:
+  """What the logit transforms of a batch need, as device arrays; rows without transforms (and
+  padding rows) hold neutral values. Ids of -1 are padding."""
+  history_bn: jax.Array  # [b, n] int32 prompt then output token ids
+  prompt_len_b: jax.Array  # [b] int32 history positions below it are prompt tokens
+  repetition_b: jax.Array  # [b] float32 repetition_penalty, 1 = off
+  frequency_b: jax.Array  # [b] float32
+  presence_b: jax.Array  # [b] float32
+  add_ids_bk: jax.Array  # [b, k] int32 token ids whose logit gets add_values_bk
+  add_values_bk: jax.Array  # [b, k] float32 a logit_bias, or -inf for a masked token
+  allowed_ids_ba: jax.Array  # [b, a] int32 allowed_token_ids
+  restrict_b: jax.Array  # [b] bool only allowed_ids_ba may be sampled
+
+  @property
+  def widths(self) -> tuple[int, int, int]:
+    """(n, k, a): with the row count, the compiled variant of `sample_transformed`."""
+    return self.history_bn.shape[1], self.add_ids_bk.shape[1], self.allowed_ids_ba.shape[1]
+
+  @classmethod
+  def from_rows(cls, rows: Sequence[tuple[LogitRules, Sequence[int], int] | None]
+                ) -> "LogitsArrays":
+    """The arrays of a batch: per row (rules, token ids so far, how many of them are output),
+    or None for a row without transforms."""
+    b = len(rows)
+    adds, allowed, histories = [[] for _ in rows], [[] for _ in rows], [[] for _ in rows]
+    prompt_len = np.zeros(b, np.int32)
+    penalties = np.zeros((3, b), np.float32)
+    penalties[0] = 1
+    restrict = np.zeros(b, bool)
+    for i, row in enumerate(rows):
+      if row is None:
+        continue
+      rules, ids, num_output = row
+      p = rules.params
+      penalties[:, i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+      if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty:
+        histories[i], prompt_len[i] = ids, len(ids) - num_output
+      adds[i] = list((p.logit_bias or {}).items()) + [
+          (t, -np.inf) for t in rules.masked(ids[len(ids) - num_output:])]
+      if p.allowed_token_ids is not None:
+        allowed[i], restrict[i] = p.allowed_token_ids, True
+    history = _padded(histories, MIN_HISTORY)
+    add = _padded([[t for t, _ in row] for row in adds], MIN_IDS)
+    values = np.zeros(add.shape, np.float32)
+    for i, row in enumerate(adds):
+      values[i, :len(row)] = [v for _, v in row]
+    return cls(history, prompt_len, *penalties, add, values, _padded(allowed, MIN_IDS), restrict)
+
+
+def _padded(rows: Sequence[Sequence[int]], minimum: int) -> np.ndarray:
+  """[len(rows), pow2_bucket(longest, minimum)] int32 of the rows, padded with -1."""
+  out = np.full((len(rows), pow2_bucket(max(map(len, rows), default=0), minimum)), -1, np.int32)
+  for i, row in enumerate(rows):
+    out[i, :len(row)] = row
+  return out
+
+
+def _scatter_bv(shape, ids_bn, values_bn, op: str):
+  """A [b, v] array of zeros with values_bn scattered into row i's columns ids_bn[i] by `op`
+  ("add" or "set"); ids of -1 are dropped."""
+  v = shape[1]
+  rows_bn = jnp.broadcast_to(jnp.arange(shape[0])[:, None], ids_bn.shape)
+  cols_bn = jnp.where(ids_bn >= 0, ids_bn, v)  # out of range: dropped
+  target = jnp.zeros(shape, jnp.asarray(values_bn).dtype).at[rows_bn, cols_bn]
+  return getattr(target, op)(values_bn, mode="drop")
+
+
+def transform_logits(logits_bv: jax.Array, t: LogitsArrays) -> jax.Array:
+  """Steps 1-2 of the module docstring: bias and masks, then the penalties; float32 [b, v]."""
+  logits_bv = logits_bv.astype(jnp.float32)
+  shape = logits_bv.shape
+  logits_bv = logits_bv + _scatter_bv(shape, t.add_ids_bk, t.add_values_bk, "add")
+  allowed_bv = _scatter_bv(shape, t.allowed_ids_ba, jnp.ones(t.allowed_ids_ba.shape, bool), "set")
+  logits_bv = jnp.where(t.restrict_b[:, None] & ~allowed_bv, -jnp.inf, logits_bv)
+  history_bn = t.history_bn
+  output_bn = jnp.arange(history_bn.shape[1])[None, :] >= t.prompt_len_b[:, None]
+  seen_bv = _scatter_bv(shape, history_bn, jnp.ones(history_bn.shape, bool), "set")
+  counts_bv = _scatter_bv(shape, history_bn, output_bn.astype(jnp.float32), "add")
+  penalty_b1 = t.repetition_b[:, None]
+  penalized_bv = jnp.where(logits_bv > 0, logits_bv / penalty_b1, logits_bv * penalty_b1)
+  logits_bv = jnp.where(seen_bv, penalized_bv, logits_bv)
+  return (logits_bv - t.frequency_b[:, None] * counts_bv
+          - t.presence_b[:, None] * (counts_bv > 0).astype(jnp.float32))
+
+
+def _sample_row(logits_v, temperature, top_k, top_p, min_p, key):
   scaled_v = logits_v.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
   sorted_v, order_v = jax.lax.top_k(scaled_v, scaled_v.shape[-1])
   rank_v = jnp.arange(scaled_v.shape[-1])
   keep_v = (top_k <= 0) | (rank_v < top_k)
   probs_v = jax.nn.softmax(jnp.where(keep_v, sorted_v, -jnp.inf))
   keep_v &= (jnp.cumsum(probs_v) - probs_v) < top_p  # the smallest prefix whose mass reaches top_p
+  keep_v &= (min_p <= 0) | (sorted_v >= sorted_v[0] + jnp.log(min_p))  # p >= min_p * max p
   choice = jax.random.categorical(key, jnp.where(keep_v, sorted_v, -jnp.inf))
   return order_v[choice]
 
@@ -135,7 +393,13 @@ def sample(logits_bv: jax.Array, s: SamplingArrays) -> jax.Array:
   def stochastic():
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(
         s.seed_b, s.step_b)
-    drawn_b = jax.vmap(_sample_row)(logits_bv, s.temperature_b, s.top_k_b, s.top_p_b, keys)
+    drawn_b = jax.vmap(_sample_row)(logits_bv, s.temperature_b, s.top_k_b, s.top_p_b, s.min_p_b,
+                                    keys)
     return jnp.where(s.temperature_b > 0, drawn_b.astype(jnp.int32), greedy_b)
 
   return jax.lax.cond(jnp.any(s.temperature_b > 0), stochastic, lambda: greedy_b)
+
+
+def sample_transformed(logits_bv: jax.Array, s: SamplingArrays, t: LogitsArrays) -> jax.Array:
+  """`sample` after `transform_logits`: the sampler of batches where a row transforms logits."""
+  return sample(transform_logits(logits_bv, t), s)

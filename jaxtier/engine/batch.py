@@ -27,7 +27,7 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 
 from jaxtier.buckets import pow2_bucket, row_bucket, row_buckets_up_to
-from jaxtier.sampling import SamplingArrays, SamplingParams
+from jaxtier.sampling import LogitRules, LogitsArrays, SamplingArrays, SamplingParams
 from jaxtier.scheduler import ComputeBatch
 from jaxtier.scheduler.allocator import blocks_for
 
@@ -43,6 +43,7 @@ class SamplingInfo:
   params: SamplingParams
   seed: int
   num_generated: int  # folded into the key with the seed: the same token whatever the batch
+  rules: LogitRules | None = None  # its logit transforms, when `params.transforms_logits`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,7 @@ class StepArrays:
   tables_bm: np.ndarray  # int32 [b, m] device block ids, -1 for unused entries
   last_b: np.ndarray  # int32 [b] index in t of each row's last real token (its logits sample)
   sampling: SamplingArrays  # [b] per-row sampling parameters
+  logits: LogitsArrays | None = None  # [b] logit transforms; None when no row has any
 
   @property
   def shape(self) -> tuple[int, int, int]:
@@ -211,6 +213,7 @@ def build(batch: ComputeBatch, token_ids: Callable[[Hashable], Sequence[int]],
   tables = np.full((b, m), -1, np.int32)
   last = np.zeros(b, np.int32)
   params, seeds, steps = [GREEDY] * b, [0] * b, [0] * b
+  transforms: list = [None] * b
   for i, (rid, start, end, table) in enumerate(zip(batch.request_ids, batch.starts, batch.ends,
                                                    batch.block_tables)):
     ids = token_ids(rid)
@@ -222,5 +225,8 @@ def build(batch: ComputeBatch, token_ids: Callable[[Hashable], Sequence[int]],
     last[i] = end - start - 1
     info = sampling(rid)
     params[i], seeds[i], steps[i] = info.params, info.seed, info.num_generated
+    if info.rules is not None and batch.samples[i]:  # the row's tokens so far: ids[:end]
+      transforms[i] = (info.rules, ids[:end], info.num_generated)
   return StepArrays(tuple(batch.request_ids), tuple(batch.samples), tokens, pos, tables, last,
-                    SamplingArrays.from_params(params, seeds, steps))
+                    SamplingArrays.from_params(params, seeds, steps),
+                    LogitsArrays.from_rows(transforms) if any(transforms) else None)

@@ -23,7 +23,9 @@ tokens (`Runner.step_after`). The device runs the two calls back to back while t
 step's tokens, runs the stop checks and returns; the next `step()` call starts with the successor
 in flight. A request that stopped on this step's token is ended with a `scheduler.Stop` event (its
 blocks freed at once) and its row of the successor is dropped. The tokens are the same as without
-it; only steps that are all decode (no prefill, swap, preemption, log-probabilities) plan ahead.
+it; only steps that are all decode (no prefill, swap, preemption, log-probabilities) plan ahead,
+and only when no row of the call has logit transforms (penalties, `logit_bias`, masks: their
+next step needs the token not yet read; `SamplingParams.transforms_logits`).
 
 Arrivals and aborts are applied to the scheduler state when they happen: an aborted request's
 blocks are free before `abort` returns. A request's sampling key is its seed folded with the number
@@ -51,7 +53,7 @@ from jaxtier.generate import Completion
 from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.kvcache import PagedCacheConfig, PagedKVCache, device_pool_bytes, host_pool_bytes
 from jaxtier.logprobs import MAX_LOGPROBS, LogprobDict
-from jaxtier.sampling import SamplingParams
+from jaxtier.sampling import LogitRules, SamplingParams
 from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.scheduler.metrics import prefix_figures
 from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED, FINISHED
@@ -180,6 +182,7 @@ class Engine:
     self._state = scheduler.initial_state(self.scheduler_config)
     self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
     self._logprobs: dict[Hashable, lp.RequestLogprobs] = {}  # live requests that ask for them
+    self._rules: dict[Hashable, LogitRules] = {}  # live requests with logit transforms
     self._hits: dict[Hashable, tuple[int, int]] = {}  # live id -> cached (device, host) tokens
     self._token_text = lp.TokenText(tokenizer)
     self._totals = _Totals()
@@ -196,8 +199,9 @@ class Engine:
                   seed: int, priority: int = 0) -> None:
     """Queues a request; it starts running when the scheduler admits it.
 
-    Raises ValueError for an id that is live, an empty prompt, ids outside the vocabulary or a
-    prompt that leaves no room to generate within max_model_len.
+    Raises ValueError for an id that is live, an empty prompt, ids outside the vocabulary (in
+    the prompt, `logit_bias`, `allowed_token_ids` or the tokens of `bad_words`) or a prompt that
+    leaves no room to generate within max_model_len.
     """
     prompt_ids = tuple(int(t) for t in prompt_ids)
     if request_id in self._live:
@@ -213,6 +217,7 @@ class Engine:
       raise ValueError(f"request {request_id!r} has {len(prompt_ids)} prompt tokens; the context "
                        f"window max_model_len is {self.config.max_model_len} and at least one "
                        "token must be generated")
+    rules = self._logit_rules(params)
     limit = min(params.max_tokens, room)
     request = scheduler.Request.of(request_id, prompt_ids, params, seed, max_tokens=limit,
                                    arrival_time=time.perf_counter() - self._started,
@@ -223,7 +228,23 @@ class Engine:
     wanted = lp.RequestLogprobs.of(params)
     if wanted is not None:
       self._logprobs[request_id] = wanted
+    if rules is not None:
+      self._rules[request_id] = rules
     self._totals.prompt_tokens += len(prompt_ids)
+
+  def _logit_rules(self, params: SamplingParams) -> LogitRules | None:
+    """The request's logit transforms with the tokenizer applied, ids checked against the
+    vocabulary; None when it has none."""
+    if not params.transforms_logits:
+      return None
+    params.check_vocab(self.vocab_size)
+    encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+    rules = LogitRules.of(params, encode, self.tokenizer.eos_token_ids, self.vocab_size)
+    bad = sorted({t for ids in rules.bad_words_ids for t in ids if not 0 <= t < self.vocab_size})
+    if bad:
+      raise ValueError(f"bad_words {list(params.bad_words)} encode to token ids outside the "
+                       f"vocabulary [0, {self.vocab_size}): {bad[:5]}")
+    return rules
 
   def abort(self, request_id: Hashable) -> RequestUpdate | None:
     """Ends a live request with finish_reason "abort" and frees its blocks at once.
@@ -251,6 +272,7 @@ class Engine:
     progress, _ = self._live.pop(request_id)
     progress.finish_reason = reason
     wanted = self._logprobs.pop(request_id, None)
+    self._rules.pop(request_id, None)
     device, host = self._hits.pop(request_id, (0, 0))
     cached = dict(num_cached_tokens=device + host, host_cached_tokens=host)
     if wanted is None:
@@ -366,6 +388,8 @@ class Engine:
         or len(plan.prefill) or not len(plan.decode)):
       return None
     arrays, tokens_b, _, _ = dispatched[0]
+    if any(request_id in self._rules for request_id in arrays.request_ids):
+      return None  # their transforms need the token this call samples, on the host
     state, following = scheduler.schedule(
         scheduler.apply_event(self._state, scheduler.StepFinished(())))
     rows = {request_id: i for i, request_id in enumerate(arrays.request_ids)}
@@ -439,7 +463,8 @@ class Engine:
 
   def _sampling(self, request_id: Hashable) -> batching.SamplingInfo:
     progress, seed = self._live[request_id]
-    return batching.SamplingInfo(progress.params, seed, len(progress.generated))
+    return batching.SamplingInfo(progress.params, seed, len(progress.generated),
+                                 self._rules.get(request_id))
 
   def _collect(self, dispatched) -> tuple[list[tuple[Hashable, str]], list[RequestUpdate]]:
     """Reads each call's sampled tokens and appends them; returns stops and updates. Rows of

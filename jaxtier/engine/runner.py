@@ -37,7 +37,7 @@ from jaxtier.engine.batch import GREEDY, StepArrays
 from jaxtier.kvcache import PagedKVCache, PagedMetadata
 from jaxtier.kvcache.swap import swap_in_padded, swap_out_padded
 from jaxtier.logprobs import TopLogprobs, top_logprobs
-from jaxtier.sampling import SamplingArrays, sample
+from jaxtier.sampling import SamplingArrays, sample, sample_transformed
 
 
 class EngineModel(Protocol):
@@ -103,6 +103,10 @@ def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, h_bth, targets_bt
 # Sampling is a program of its own: it compiles once per row count instead of once more inside
 # every (rows, tokens, width) variant of the model call; the logits stay on the device between.
 _sample = jax.jit(sample)
+# Batches where a row has logit transforms (penalties, logit_bias, masks) sample with this one
+# instead, one program per (rows, history width, id-list widths); warm-up does not compile it: a
+# configuration's first such batch of each shape compiles it.
+_sample_transformed = jax.jit(sample_transformed)
 # So are the sampled tokens' log-probabilities, run only for calls where a request asks for them.
 _sample_logprobs = jax.jit(top_logprobs, static_argnames="k")
 
@@ -263,8 +267,9 @@ class Runner:
 
   def variants(self) -> list[tuple]:
     """The programs this engine ran: ("step", rows, tokens, width), ("sample", rows),
-    ("follow", rows) (`step_after`), ("swap", direction, x), and for log-probabilities ("logprobs", rows, k) and
-    ("prompt_logprobs", rows, tokens, k)."""
+    ("follow", rows) (`step_after`), ("swap", direction, x), ("sample_transformed", rows,
+    history, biased, allowed) (`LogitsArrays.widths`), and for log-probabilities
+    ("logprobs", rows, k) and ("prompt_logprobs", rows, tokens, k)."""
     return sorted(self._used, key=str)
 
   def _program(self, key: tuple, jitted, args, **static):
@@ -365,8 +370,17 @@ class Runner:
     args = self.forward_args(cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm,
                              arrays.last_b)
     logits_bv, _, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
-    sample_args = (logits_bv, arrays.sampling)
-    return self._program(("sample", arrays.shape[0]), _sample, sample_args)(*sample_args), cache
+    return self._sample(logits_bv, arrays), cache
+
+  def _sample(self, logits_bv: jax.Array, arrays: StepArrays) -> jax.Array:
+    """Dispatches the sampling of a call's logits [b, v]: the plain sampler, or the one with
+    logit transforms when a row has them."""
+    if arrays.logits is None:
+      args = (logits_bv, arrays.sampling)
+      return self._program(("sample", arrays.shape[0]), _sample, args)(*args)
+    args = (logits_bv, arrays.sampling, arrays.logits)
+    key = ("sample_transformed", arrays.shape[0]) + arrays.logits.widths
+    return self._program(key, _sample_transformed, args)(*args)
 
   def step_after(self, cache: PagedKVCache, arrays: StepArrays, previous_b: jax.Array,
                  rows_b: np.ndarray) -> tuple[jax.Array, PagedKVCache]:
@@ -391,8 +405,7 @@ class Runner:
       prompt_args = (self._leaves, h_bth, prompt_targets_bt)
       key = ("prompt_logprobs",) + prompt_targets_bt.shape + (prompt_k,)
       prompt_top = self._program(key, self._prompt, prompt_args, k=prompt_k)(*prompt_args)
-    sample_args = (logits_bv, arrays.sampling)
-    tokens_b = self._program(("sample", arrays.shape[0]), _sample, sample_args)(*sample_args)
+    tokens_b = self._sample(logits_bv, arrays)
     sampled_top = None
     if sample_k is not None:
       lp_args = (logits_bv, tokens_b)
