@@ -2,7 +2,15 @@
 onto `SamplingParams`.
 
 Unknown fields are rejected, and so are known fields whose meaning the engine does not implement
-(penalties, tools, ...): a request is either served as asked or answered with 400.
+(tools, ...): a request is either served as asked or answered with 400. Every 400 about a field
+names it in the error's `param` (pydantic's location, or the `SamplingParams` field a value
+failed, under the request's name for it).
+
+Sampling fields: OpenAI's (`temperature`, `top_p`, `frequency_penalty`, `presence_penalty`,
+`logit_bias` with token ids as string keys, `seed`, `stop`, ...) and vLLM's extra ones, read at the
+top level of the body as vLLM reads them (the `openai` client sends them through `extra_body`):
+`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
+`allowed_token_ids`, `bad_words`.
 
 Accepted and ignored, because they do not change what a text-only completion generates:
 - both endpoints: `user` (an end-user id for abuse monitoring), `stream_options.include_obfuscation`
@@ -20,10 +28,11 @@ JSON can carry a lone surrogate (`"\\ud800"`), which is a 400 naming the field.
 from typing import Literal
 
 import pydantic
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxtier.logprobs import MAX_LOGPROBS
-from jaxtier.sampling import SamplingParams
+from jaxtier.sampling import SamplingParamError, SamplingParams
 
 TokenIds = list[int]
 
@@ -51,6 +60,12 @@ def _valid_texts(value: str | list[str], item: str = "item") -> None:
         raise ValueError(f"{item} {j} {e}") from None
 
 
+def _or(value, default):
+  """`value`, or `default` for None (vLLM's protocol sends null for a sampling field it leaves
+  at its default)."""
+  return default if value is None else value
+
+
 class StreamOptions(BaseModel):
   model_config = ConfigDict(extra="forbid")
   include_usage: bool = False
@@ -72,7 +87,7 @@ class _SamplingRequest(BaseModel):
   max_tokens: int | None = None
   temperature: float = 1.0
   top_p: float = 1.0
-  top_k: int = -1
+  top_k: int | None = -1  # None or <= 0: no top-k
   seed: int | None = None
   stop: str | list[str] | None = None
   stop_token_ids: list[int] | None = None
@@ -81,24 +96,46 @@ class _SamplingRequest(BaseModel):
   stream: bool = False
   stream_options: StreamOptions | None = None
   user: str | None = None
-  frequency_penalty: float = 0.0
-  presence_penalty: float = 0.0
+  frequency_penalty: float | None = 0.0
+  presence_penalty: float | None = 0.0
   logit_bias: dict[str, float] | None = None
+  repetition_penalty: float | None = None  # None: 1 (off)
+  min_p: float | None = None  # None: 0 (off)
+  min_tokens: int = 0
+  allowed_token_ids: list[int] | None = None
+  bad_words: list[str] | None = None
 
-  @pydantic.field_validator("stop")
+  @pydantic.field_validator("stop", "bad_words")
   @classmethod
   def _stop_text(cls, value: str | list[str] | None) -> str | list[str] | None:
     if value is not None:
       _valid_texts(value)
     return value
 
+  @pydantic.field_validator("logit_bias")
+  @classmethod
+  def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+    for key in value or ():
+      if not key.strip().isdigit():
+        raise ValueError(f"keys must be token ids (strings of integers >= 0), got {key!r}")
+    return value
+
   def _check_shared(self) -> None:
-    if self.frequency_penalty or self.presence_penalty:
-      raise ValueError("frequency_penalty and presence_penalty are not supported; send 0")
-    if self.logit_bias:
-      raise ValueError("logit_bias is not supported")
     if self.stream_options is not None and not self.stream:
-      raise ValueError("stream_options is only allowed together with stream=true")
+      raise field_error("stream_options", "stream_options is only allowed together with "
+                        "stream=true")
+
+  def _check_sampling(self, max_tokens: int | None) -> None:
+    """`sampling_params` for a limit of `max_tokens` (None: any), its `SamplingParamError`
+    raised as a validation error at the request field that holds the value."""
+    try:
+      self.sampling_params(max(1, self.min_tokens) if max_tokens is None else max_tokens)
+    except SamplingParamError as e:
+      raise field_error(self.request_field(e.field), str(e)) from None
+
+  def request_field(self, field: str) -> str:
+    """The request field that holds `SamplingParams` field `field`."""
+    return field
 
   @property
   def include_usage(self) -> bool:
@@ -110,12 +147,19 @@ class _SamplingRequest(BaseModel):
     Raises ValueError (from `SamplingParams`) for out-of-range values.
     """
     logprobs, prompt_logprobs = self.logprob_counts()
+    bias = None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
     return [SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                           top_k=self.top_k,
+                           top_k=-1 if self.top_k is None else self.top_k,
                            seed=None if self.seed is None else (self.seed + j) % 2**32,
                            stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
                            ignore_eos=self.ignore_eos, logprobs=logprobs,
-                           prompt_logprobs=prompt_logprobs)
+                           prompt_logprobs=prompt_logprobs,
+                           repetition_penalty=_or(self.repetition_penalty, 1.0),
+                           frequency_penalty=_or(self.frequency_penalty, 0.0),
+                           presence_penalty=_or(self.presence_penalty, 0.0),
+                           min_p=_or(self.min_p, 0.0), logit_bias=bias,
+                           allowed_token_ids=self.allowed_token_ids,
+                           bad_words=self.bad_words or (), min_tokens=self.min_tokens)
             for j in range(self.n)]
 
   def logprob_counts(self) -> tuple[int | None, int | None]:
@@ -147,16 +191,21 @@ class CompletionRequest(_SamplingRequest):
   def _supported(self) -> "CompletionRequest":
     self._check_shared()
     if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-      raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (OpenAI allows up to "
-                       f"5; this server, like vLLM, up to {MAX_LOGPROBS}), got {self.logprobs}")
+      raise field_error("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (OpenAI "
+                        f"allows up to 5; this server, like vLLM, up to {MAX_LOGPROBS}), got "
+                        f"{self.logprobs}")
     if self.suffix:
-      raise ValueError("suffix is not supported")
+      raise field_error("suffix", "suffix is not supported")
     if self.best_of is not None and self.best_of != self.n:
-      raise ValueError(f"best_of={self.best_of} is not supported; only best_of equal to n "
-                       f"(n={self.n}) is")
+      raise field_error("best_of", f"best_of={self.best_of} is not supported; only best_of equal "
+                        f"to n (n={self.n}) is")
     if isinstance(self.prompt, list) and not self.prompt:
-      raise ValueError("prompt is an empty list")
+      raise field_error("prompt", "prompt is an empty list")
+    self._check_sampling(1 if self.echo and self.max_tokens == 0 else self.max_tokens)
     return self
+
+  def request_field(self, field: str) -> str:
+    return "logprobs" if field == "prompt_logprobs" else field
 
   def logprob_counts(self) -> tuple[int | None, int | None]:
     """`logprobs` top tokens for each generated token and, when echoed, each prompt token."""
@@ -220,21 +269,30 @@ class ChatCompletionRequest(_SamplingRequest):
   def _supported(self) -> "ChatCompletionRequest":
     self._check_shared()
     if self.top_logprobs is not None and not self.logprobs:
-      raise ValueError("top_logprobs requires logprobs=true")
+      raise field_error("top_logprobs", "top_logprobs requires logprobs=true")
     if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-      raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
-                       f"{self.top_logprobs}")
+      raise field_error("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                        f"got {self.top_logprobs}")
     if self.tools or self.tool_choice not in (None, "none"):
-      raise ValueError("tools and tool_choice are not supported")
+      raise field_error("tools" if self.tools else "tool_choice",
+                        "tools and tool_choice are not supported")
     if self.modalities is not None and self.modalities != ["text"]:
-      raise ValueError(f"modalities {self.modalities} are not supported; only ['text'] is")
+      raise field_error("modalities", f"modalities {self.modalities} are not supported; only "
+                        "['text'] is")
     if self.response_format is not None and self.response_format.type != "text":
-      raise ValueError(f"response_format type {self.response_format.type!r} is not supported; "
-                       "only 'text' is")
+      raise field_error("response_format", f"response_format type {self.response_format.type!r} "
+                        "is not supported; only 'text' is")
     if (self.max_tokens is not None and self.max_completion_tokens is not None
         and self.max_tokens != self.max_completion_tokens):
-      raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+      raise field_error("max_completion_tokens", "max_tokens and max_completion_tokens disagree; "
+                        "send one of them")
+    self._check_sampling(self.token_limit())
     return self
+
+  def request_field(self, field: str) -> str:
+    if field == "max_tokens" and self.max_completion_tokens is not None:
+      return "max_completion_tokens"
+    return "top_logprobs" if field == "logprobs" else field
 
   def logprob_counts(self) -> tuple[int | None, int | None]:
     """With logprobs=true, `top_logprobs` (default 0) top tokens for each generated token."""
@@ -247,9 +305,18 @@ class ChatCompletionRequest(_SamplingRequest):
     return [m.as_dict() for m in self.messages]
 
 
+def field_error(field: str, message: str) -> pydantic.ValidationError:
+  """A validation error located at `field`, for a check across fields (a model validator's own
+  ValueError has no location, so its 400 could not name the field)."""
+  error = pydantic_core.PydanticCustomError("value_error", "{message}", {"message": message})
+  return pydantic.ValidationError.from_exception_data(
+      "request", [pydantic_core.InitErrorDetails(type=error, loc=(field,), input=None)])
+
+
 def error_messages(errors: list[dict], skip: tuple[str, ...] = ()) -> list[tuple[str, str | None]]:
   """(message, field) per distinct pydantic error, in the wording of the server's 400 responses:
-  'field: problem', or 'field is not a supported field'. Location parts in `skip` are dropped."""
+  'field: problem' (the problem alone when it starts with the field's name), or 'field is not a
+  supported field'. Location parts in `skip` are dropped."""
   out: list[tuple[str, str | None]] = []
   for error in errors:
     name = ".".join(str(part) for part in error["loc"] if part not in skip)
@@ -257,7 +324,7 @@ def error_messages(errors: list[dict], skip: tuple[str, ...] = ()) -> list[tuple
       message = f"{name} is not a supported field"
     else:
       text = str(error["msg"]).removeprefix("Value error, ")
-      message = f"{name}: {text}" if name else text
+      message = f"{name}: {text}" if name and not text.startswith(name + " ") else text
     if message not in (m for m, _ in out):
       out.append((message, name or None))
   return out
