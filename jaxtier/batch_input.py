@@ -16,6 +16,12 @@ shared out between JAX processes, and how far one process has got through its sh
   read before it is finished) and the ordinals finished after it. With the state alone a restart
   would redo those finished records and write them twice; with the finished set alone it would
   have to read the whole shard again and keep a set as large as the output.
+- A record the job rejects (`--on_bad_record=skip`) is passed by the iterator like a finished
+  one, so the low-water mark moves on; the checkpoint lists it in `rejected` instead, and the next
+  run checks it again (an earlier run's rejects behind the mark are read back by ordinal).
+- The checkpoint also records the settings its records were generated with (`settings`, compared
+  by the job on a rerun) and the longest prompt + generated tokens among them (`longest_context`:
+  a context window above it gives those records the same tokens).
 - `save_checkpoint` writes the file atomically (temporary file, fsync, `os.replace`), so a killed
   process leaves the previous checkpoint or the new one, never half of one.
 
@@ -75,6 +81,10 @@ class JsonlSource:
 
   def __len__(self) -> int:
     return len(self._starts)
+
+  def line_number(self, ordinal: int) -> int:
+    """The line number (from 1) of record `ordinal`, without reading the file."""
+    return self._numbers[ordinal]
 
   def __getitem__(self, ordinal: int) -> InputLine:
     start = self._starts[ordinal]
@@ -192,7 +202,10 @@ class Checkpoint:
   """One process's resume point: its shard, the input it was reading (size and SHA-256 then), the
   Grain iterator state at the low-water mark, the ordinals finished after it, the bytes of its
   output that hold those records (anything after them was written after the checkpoint and is
-  cut off on resume), and whether the shard was finished."""
+  cut off on resume), and whether the shard was finished. Besides: the ordinals rejected and not
+  written (counted as passed by the iterator state, checked again by the next run), the settings
+  the records were generated with (None in checkpoints from before they were recorded), and the
+  longest prompt + generated tokens of a record written."""
   shard_index: int
   shard_count: int
   input_bytes: int
@@ -201,12 +214,16 @@ class Checkpoint:
   finished_after: tuple[int, ...] = ()
   output_bytes: int = 0
   complete: bool = False
+  rejected: tuple[int, ...] = ()
+  settings: dict[str, Any] | None = None
+  longest_context: int = 0
 
 
-def start_checkpoint(source: JsonlSource, shard: grain.sharding.ShardOptions) -> Checkpoint:
-  """The checkpoint of a shard nothing has been generated of."""
+def start_checkpoint(source: JsonlSource, shard: grain.sharding.ShardOptions,
+                     settings: dict[str, Any] | None = None) -> Checkpoint:
+  """The checkpoint of a shard nothing has been generated of, with the run's settings."""
   return Checkpoint(shard.shard_index, shard.shard_count, source.size, source.sha256,
-                    shard_iterator(source, shard).get_state())
+                    shard_iterator(source, shard).get_state(), settings=settings)
 
 
 def checkpoint_mismatch(checkpoint: Checkpoint, source: JsonlSource,
@@ -243,4 +260,5 @@ def load_checkpoint(path: str) -> Checkpoint | None:
     checkpoint = Checkpoint(**fields)
   except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:
     raise ValueError(f"{path} is not a checkpoint of the batch job ({e})") from None
-  return dataclasses.replace(checkpoint, finished_after=tuple(checkpoint.finished_after))
+  return dataclasses.replace(checkpoint, finished_after=tuple(checkpoint.finished_after),
+                             rejected=tuple(checkpoint.rejected))

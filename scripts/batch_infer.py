@@ -7,7 +7,9 @@ process checks the whole file); token ids and prompt lengths are checked for eve
 generate once the tokenizer is loaded, before anything is generated (--on_bad_record says whether
 an invalid record stops the run or is skipped). Each output line is {"id", "text", "token_ids",
 "finish_reason"}, appended and synced to disk when its record finishes (records finish out of input
-order).
+order). Skipped records are listed in `<output>.rejects.jsonl` ({"id", "line", "reason"}) and
+checked again by the next run, which generates those that are valid then (e.g. under a larger
+--max_model_len); the file is rewritten to what is still rejected, removed when nothing is.
 
 Input: `jaxtier.batch_input`, a Grain data source over the file's non-blank lines. With
 --num_processes=N, process i takes records i, i + N, i + 2N, ... (a Grain iterator sharded by JAX
@@ -20,11 +22,14 @@ a filesystem they share).
 
 Resume: beside each output file is `<file>.checkpoint.json`, replaced atomically after every
 record written: the Grain iterator state at the low-water mark (every record read before it is
-written), the records finished after it, and the file's length then. Started again with the same
-flags, a process cuts its file back to that length, restores the iterator and skips the finished
-records, so a killed run neither redoes finished records nor writes duplicates. Records appended to
-the input since are generated too; any other change to the input, or another --num_processes, is
-an error (delete the output and its checkpoint to start over).
+written), the records finished after it, the records rejected, and the file's length then, with the
+settings the records were generated with (every `SamplingParams` field and the engine flags that
+change tokens, `OUTPUT_ENGINE_FLAGS`). Started again with the same flags, a process cuts its file
+back to that length, restores the iterator and skips the finished records, so a killed run neither
+redoes finished records nor writes duplicates. Records appended to the input since are generated
+too. A run refuses to start, with one line naming every file to delete, when the input changed in
+any other way, --num_processes or the settings differ (it names the settings, old -> new), or an
+output file has no checkpoint; --overwrite deletes those files and starts over.
 
 The last line on stderr is `summary: {...}` (JSON), one per process; with N processes, process 0
 then prints `totals: {...}` over all of them, and each process writes its own part of
@@ -36,10 +41,8 @@ then prints `totals: {...}` over all of them, and each process writes its own pa
 """
 
 import dataclasses
-import glob
 import json
 import os
-import re
 import sys
 import time
 from typing import Any, NoReturn
@@ -51,7 +54,7 @@ import numpy as np
 from tqdm import tqdm
 
 import jaxtier
-from jaxtier import batch_input, engine_flags
+from jaxtier import batch_input, batch_output, engine_flags
 from jaxtier.server.records import BatchRecord, parse_record
 
 FLAGS = flags.FLAGS
@@ -79,10 +82,17 @@ flags.DEFINE_integer("process_id", None, "this process's index in [0, num_proces
 flags.DEFINE_string("coordinator_address", None, "host:port where process 0 serves JAX's "
                     "coordination service (e.g. localhost:12345); required when "
                     "--num_processes > 1")
+flags.DEFINE_bool("overwrite", False, "delete --output and every file of an earlier run beside it "
+                  "(checkpoints, rejects, part files) and start over, instead of resuming")
 flags.adopt_module_key_flags(engine_flags)
 
 PROG = os.path.basename(sys.argv[0])
+# Flags named as the `SamplingParams` fields they set (--seed is per record: `record_sampling`).
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "stop")
+# Engine flags that change a record's tokens, recorded in the checkpoints and compared on a rerun.
+# The others size pools and batches, schedule, place and cache the same computation.
+OUTPUT_ENGINE_FLAGS = ("model", "dtype", "max_model_len", "kv_cache_dtype", "weight_format",
+                       "block_activations")
 SUMMARY_STATS = ("swap_out_count", "swap_in_count", "swap_out_bytes", "swap_in_bytes", "swap_seconds",
               "prefix_device_hit_rate", "prefix_host_hit_rate")
 SUMMED = ("requests", "prompt_tokens", "generated_tokens", "invalid_records", "swap_out_count",
@@ -113,7 +123,7 @@ def check_sampling_flags() -> None:
     except ValueError as e:
       engine_flags.usage_error(f"--{name}={FLAGS[name].value}: {e}")
   try:
-    sampling_params(0)
+    job_sampling()
   except ValueError as e:
     engine_flags.usage_error(str(e))
 
@@ -134,17 +144,39 @@ def check_process_flags() -> None:
                              "(host:port of process 0, e.g. localhost:12345)")
 
 
-def sampling_params(ordinal: int) -> jaxtier.SamplingParams:
-  seed = None if FLAGS.seed is None else (FLAGS.seed + ordinal) % 2**32
-  return jaxtier.SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
-                                top_p=FLAGS.top_p, top_k=FLAGS.top_k, seed=seed, stop=FLAGS.stop)
+def job_sampling() -> jaxtier.SamplingParams:
+  """The sampling flags as the job's `SamplingParams` (the one place flags map to fields); its seed
+  is --seed, which record i adds i to (`record_sampling`)."""
+  seed = None if FLAGS.seed is None else FLAGS.seed % 2**32
+  return jaxtier.SamplingParams(**{name: FLAGS[name].value for name in SAMPLING_FLAGS}, seed=seed)
+
+
+def record_sampling(job: jaxtier.SamplingParams, ordinal: int) -> jaxtier.SamplingParams:
+  """The parameters of the record with `ordinal`: the job's, seeded with --seed + ordinal."""
+  return job if job.seed is None else dataclasses.replace(job, seed=(job.seed + ordinal) % 2**32)
+
+
+def job_settings(sampling: jaxtier.SamplingParams) -> dict[str, Any]:
+  """What decides a record's output, as a checkpoint records it (JSON values): every field of the
+  job's `SamplingParams` and the engine flags in OUTPUT_ENGINE_FLAGS."""
+  engine = engine_flags.llm_kwargs()
+  settings = {"sampling": dataclasses.asdict(sampling),
+              "engine": {name: engine[name] for name in OUTPUT_ENGINE_FLAGS}}
+  return json.loads(json.dumps(settings, default=_json_number))
+
+
+def sampling_defaults() -> dict[str, Any]:
+  """Every `SamplingParams` field at its default (JSON values): the value of a field that a
+  checkpoint's settings lack because the field was added to `SamplingParams` since."""
+  return json.loads(json.dumps(dataclasses.asdict(jaxtier.SamplingParams()),
+                               default=_json_number))
 
 
 def check_records(source: batch_input.JsonlSource) -> tuple[dict[int, str], dict[int, str]]:
   """Reads every record of the input once, keeping only ids.
 
   Returns:
-    ({ordinal: id key} of the valid records, {line number: problem} of the invalid and duplicate
+    ({ordinal: id key} of the valid records, {ordinal: problem} of the invalid and duplicate
     ones).
   """
   valid, keys, errors = {}, set(), {}
@@ -153,28 +185,31 @@ def check_records(source: batch_input.JsonlSource) -> tuple[dict[int, str], dict
     try:
       record = parse_record(line.text)
     except ValueError as e:
-      errors[line.number] = str(e)
+      errors[ordinal] = str(e)
       continue
     if record.key in keys:
-      errors[line.number] = f"duplicate id {record.id!r}"
+      errors[ordinal] = f"duplicate id {record.id!r}"
       continue
     keys.add(record.key)
     valid[ordinal] = record.key
   return valid, errors
 
 
-def handle_bad_records(path: str, errors: dict[int, str], when: str) -> None:
-  """Exits listing `errors` under --on_bad_record=fail; lists them on stderr under skip."""
+def handle_bad_records(source: batch_input.JsonlSource, errors: dict[int, str],
+                       when: str) -> None:
+  """Exits listing `errors` ({ordinal: problem}) by line number under --on_bad_record=fail; lists
+  them on stderr under skip."""
   if not errors:
     return
-  shown = [f"line {number}: {problem}" for number, problem in sorted(errors.items())]
+  shown = [f"line {source.line_number(ordinal)}: {problem}"
+           for ordinal, problem in sorted(errors.items())]
   if len(shown) > MAX_REPORTED:
     shown[MAX_REPORTED:] = [f"... and {len(shown) - MAX_REPORTED} more"]
   listing = "".join(f"\n  {line}" for line in shown)
   if FLAGS.on_bad_record == "fail":
-    fail(f"{path}: {len(errors)} invalid record(s) {when}; nothing was generated "
+    fail(f"{source.path}: {len(errors)} invalid record(s) {when}; nothing was generated "
          f"(--on_bad_record=skip generates the others):{listing}")
-  print(f"{PROG}: skipping {len(errors)} invalid record(s) of {path} {when}:{listing}",
+  print(f"{PROG}: skipping {len(errors)} invalid record(s) of {source.path} {when}:{listing}",
         file=sys.stderr)
 
 
@@ -213,79 +248,107 @@ def process_label(shard: grain.sharding.ShardOptions) -> str:
   return "" if shard.shard_count == 1 else f"process {shard.shard_index} of {shard.shard_count}: "
 
 
-def part_path(path: str, process_id: int, num_processes: int) -> str:
-  """The file one process writes for a file named by a flag: that file itself with one process,
-  else `<path>.part-<i>-of-<n>`."""
-  return path if num_processes == 1 else f"{path}.part-{process_id}-of-{num_processes}"
-
-
-def output_paths(output: str, process_id: int, num_processes: int) -> tuple[str, str]:
-  """(output file, checkpoint file) of one process: its part of --output and
-  `<part>.checkpoint.json`."""
-  path = part_path(output, process_id, num_processes)
-  return path, f"{path}.checkpoint.json"
-
-
 def llm_kwargs(shard: grain.sharding.ShardOptions) -> dict[str, Any]:
   """The engine's arguments; with several processes each appends its own --trace_path part."""
   kwargs = engine_flags.llm_kwargs()
   if kwargs.get("trace_path"):
-    kwargs["trace_path"] = part_path(kwargs["trace_path"], shard.shard_index, shard.shard_count)
+    kwargs["trace_path"] = batch_output.part_path(kwargs["trace_path"], shard.shard_index,
+                                                  shard.shard_count)
   return kwargs
 
 
-def check_process_count(output: str, num_processes: int) -> None:
-  """Exits if --output has checkpoints of a run with another --num_processes: their records would
-  be generated again, and a merge would replace a one-process run's output."""
-  counts = {1} if os.path.exists(output_paths(output, 0, 1)[1]) else set()
-  for path in glob.glob(f"{glob.escape(output)}.part-*-of-*.checkpoint.json"):
-    match = re.fullmatch(r".*\.part-\d+-of-(\d+)\.checkpoint\.json", path)
-    if match:
-      counts.add(int(match.group(1)))
-  counts.discard(num_processes)
-  if counts:
-    fail(f"--output={output} has checkpoints of a run with --num_processes="
-         f"{' and '.join(map(str, sorted(counts)))}; rerun with that, or delete its files to start "
-         "over")
+def refuse(problem: str, advice: str = "") -> NoReturn:
+  """Exits with `problem`, then every file of --output to delete to start over (or --overwrite)."""
+  files = " ".join(batch_output.output_files(FLAGS.output))
+  fail(f"{problem}; {advice}to start over, delete {files} or pass --overwrite")
 
 
-def resume_point(paths: tuple[str, str], source: batch_input.JsonlSource,
-                 shard: grain.sharding.ShardOptions) -> batch_input.Checkpoint:
-  """Where this process continues: its checkpoint, checked against the input, the shard and its
-  output file; the start of the shard when there is neither. Changes no file."""
-  path, checkpoint_path = paths
-  try:
-    checkpoint = batch_input.load_checkpoint(checkpoint_path)
-  except ValueError as e:
-    fail(f"{e}; delete it and {path} to start over")
-  size = os.path.getsize(path) if os.path.exists(path) else 0
-  if checkpoint is None:
-    if size:
-      fail(f"{path} exists but has no checkpoint {checkpoint_path}, so which of its records are "
-           "complete is unknown; move it away to start over")
-    return batch_input.start_checkpoint(source, shard)
-  problem = batch_input.checkpoint_mismatch(checkpoint, source, shard)
-  if problem:
-    fail(f"{checkpoint_path} does not fit --input={source.path}: {problem}; delete it and {path} "
-         "to start over")
-  if size < checkpoint.output_bytes:
-    fail(f"{path} has {size} bytes, fewer than the {checkpoint.output_bytes} its checkpoint "
-         f"{checkpoint_path} counts: it was changed outside this job")
-  return checkpoint
+def check_earlier_runs(source: batch_input.JsonlSource,
+                       settings: dict[str, Any]) -> dict[int, batch_input.Checkpoint]:
+  """The checkpoints of every process's files under --output, by process; exits (`refuse`) when
+  this run cannot continue them: checkpoints of another --num_processes (their records would be
+  generated again, and a merge would replace a one-process run's output), an output file without
+  its checkpoint, a checkpoint of another input or changed outside this job, or other settings.
+  Every process checks every part before they join, so all of them refuse together."""
+  output, count = FLAGS.output, FLAGS.num_processes
+  others = batch_output.process_counts(output) - {count}
+  if others:
+    refuse(f"--output={output} has checkpoints of a run with --num_processes="
+           f"{' and '.join(map(str, sorted(others)))}, not {count}",
+           "rerun with that to resume it; ")
+  checkpoints = {}
+  for index in range(count):
+    paths = batch_output.output_paths(output, index, count)
+    try:
+      checkpoint = batch_input.load_checkpoint(paths.checkpoint)
+    except ValueError as e:
+      refuse(str(e))
+    size = os.path.getsize(paths.records) if os.path.exists(paths.records) else 0
+    if checkpoint is None:
+      if size:
+        refuse(f"{paths.records} exists but has no checkpoint {paths.checkpoint}, so which of its "
+               "records are complete is unknown")
+      continue
+    shard = grain.sharding.ShardOptions(shard_index=index, shard_count=count)
+    problem = batch_input.checkpoint_mismatch(checkpoint, source, shard)
+    if problem:
+      refuse(f"{paths.checkpoint} does not fit --input={source.path}: {problem}")
+    if size < checkpoint.output_bytes:
+      refuse(f"{paths.records} has {size} bytes, fewer than the {checkpoint.output_bytes} its "
+             f"checkpoint {paths.checkpoint} counts: it was changed outside this job")
+    if checkpoint.settings is None:
+      refuse(f"{paths.checkpoint} does not record the settings its records were generated with")
+    checkpoints[index] = checkpoint
+  check_settings(list(checkpoints.values()), settings)
+  return checkpoints
 
 
-def begin_output(paths: tuple[str, str], resume: batch_input.Checkpoint) -> None:
-  """Makes the output file agree with `resume`: the checkpoint saved first (a new run), or the file
-  cut back to the bytes the checkpoint counts (what a killed run wrote after it)."""
-  path, checkpoint_path = paths
-  if not os.path.exists(checkpoint_path):
-    batch_input.save_checkpoint(checkpoint_path, resume)
-  if os.path.exists(path) and os.path.getsize(path) > resume.output_bytes:
-    print(f"{PROG}: removing {os.path.getsize(path) - resume.output_bytes} bytes written to {path} "
-          "after its last checkpoint", file=sys.stderr)
-    with open(path, "rb+") as f:
+def check_settings(checkpoints: list[batch_input.Checkpoint], settings: dict[str, Any]) -> None:
+  """Exits (`refuse`) naming the settings, old -> new, that differ from those the checkpoints'
+  records were generated with. max_model_len may change while no record written came within the
+  smaller window: a record stops with "length" only when it fills it, so their tokens are the
+  same."""
+  changes = {}
+  for checkpoint in checkpoints:
+    changes.update(batch_output.settings_changes(checkpoint.settings, settings,
+                                                 sampling_defaults()))
+  old, new = changes.get("max_model_len", (None, None))
+  longest = max((checkpoint.longest_context for checkpoint in checkpoints), default=0)
+  if isinstance(old, int) and isinstance(new, int) and longest < min(old, new):
+    del changes["max_model_len"]
+  if changes:
+    refuse(f"--output={FLAGS.output} was generated with other settings: "
+           f"{batch_output.describe_changes(changes)}",
+           "rerun with the earlier settings to resume, or write to another --output; ")
+
+
+def start_over(shard: grain.sharding.ShardOptions) -> None:
+  """--overwrite: process 0 deletes every file of --output; every process waits for it."""
+  if shard.shard_index == 0:
+    for path in batch_output.output_files(FLAGS.output):
+      os.remove(path)
+      print(f"{PROG}: --overwrite: deleted {path}", file=sys.stderr)
+  all_gather_json(None)
+
+
+def begin_output(paths: batch_output.Paths, resume: batch_input.Checkpoint) -> None:
+  """Makes the output file agree with `resume`: the checkpoint saved first (with this run's
+  settings), then the file cut back to the bytes it counts (what a killed run wrote after it)."""
+  batch_input.save_checkpoint(paths.checkpoint, resume)
+  if os.path.exists(paths.records) and os.path.getsize(paths.records) > resume.output_bytes:
+    print(f"{PROG}: removing {os.path.getsize(paths.records) - resume.output_bytes} bytes written "
+          f"to {paths.records} after its last checkpoint", file=sys.stderr)
+    with open(paths.records, "rb+") as f:
       f.truncate(resume.output_bytes)
       os.fsync(f.fileno())
+
+
+def write_rejects(path: str, source: batch_input.JsonlSource, rejects: dict[int, str]) -> None:
+  """Writes this run's rejects ({ordinal: reason}) to `path` in input order, one
+  {"id", "line", "reason"} a line; removes the file when there are none."""
+  batch_output.write_lines(path, [
+      {"id": batch_output.record_id(source[ordinal].text), "line": source.line_number(ordinal),
+       "reason": reason} for ordinal, reason in sorted(rejects.items())])
 
 
 def parse_again(path: str, line: batch_input.InputLine) -> BatchRecord:
@@ -346,44 +409,64 @@ def _json_number(value: Any) -> Any:
   raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What one process does: `todo` ({ordinal: line number}) the records to generate, `behind` those
+  of them the shard's iterator does not read again (rejected by an earlier run behind its low-water
+  mark; read by ordinal, first), `rejects` ({ordinal: reason}) the records it skips."""
+  todo: dict[int, int]
+  behind: frozenset[int]
+  rejects: dict[int, str]
+
+
 def generate(llm: jaxtier.LLM | None, source: batch_input.JsonlSource,
-             shard: grain.sharding.ShardOptions, resume: batch_input.Checkpoint,
-             todo: dict[int, int], paths: tuple[str, str],
-             stop_after: int | None = None) -> dict[str, Any] | None:
-  """Reads the shard from `resume` on and generates its records in `todo` ({ordinal: line number};
-  the others are invalid or were finished before), appending each output line as its record
-  finishes and then saving the checkpoint. Returns the run's counts and seconds; None if it stopped
-  after `stop_after` records, as a killed run would (no final checkpoint). `llm` is None only when
-  `todo` is empty."""
-  path, checkpoint_path = paths
+             shard: grain.sharding.ShardOptions, resume: batch_input.Checkpoint, plan: Plan,
+             paths: batch_output.Paths, stop_after: int | None = None) -> dict[str, Any] | None:
+  """Generates the plan's records: those behind the mark first, then the shard from `resume` on
+  (records not in `plan.todo` are passed: invalid, or finished before), appending each output
+  line as its record finishes and then saving the checkpoint, whose `rejected` holds the records
+  skipped and those behind not written yet. Returns the run's counts and seconds; None if it
+  stopped after `stop_after` records, as a killed run would (no final checkpoint). `llm` is None
+  only when `plan.todo` is empty."""
   begin_output(paths, resume)
+  write_rejects(paths.rejects, source, plan.rejects)
   progress = batch_input.Progress(resume.iterator_state, resume.finished_after)
   lines = batch_input.read_tracked(batch_input.shard_iterator(source, shard, resume.iterator_state),
                                    progress)
+  rejected = set(plan.rejects) | plan.behind
   in_flight: dict[int, str | int] = {}
-  output_bytes = resume.output_bytes
+  output_bytes, longest = resume.output_bytes, resume.longest_context
+  sampling = job_sampling()
 
   def save(complete: bool = False) -> None:
     state, finished_after = progress.position()
-    batch_input.save_checkpoint(checkpoint_path, dataclasses.replace(
+    batch_input.save_checkpoint(paths.checkpoint, dataclasses.replace(
         resume, input_bytes=source.size, input_sha256=source.sha256, iterator_state=state,
-        finished_after=finished_after, output_bytes=output_bytes, complete=complete))
+        finished_after=finished_after, output_bytes=output_bytes, complete=complete,
+        rejected=tuple(sorted(rejected)), longest_context=longest))
+
+  def request(line: batch_input.InputLine):
+    record = parse_again(source.path, line)
+    in_flight[line.ordinal] = record.id
+    return line.ordinal, record.engine_input(), record_sampling(sampling, line.ordinal)
 
   def items():
+    for ordinal in plan.todo:
+      if ordinal in plan.behind:
+        yield request(source[ordinal])
     for line in lines:
-      if line.ordinal not in todo:
+      if line.ordinal in plan.todo:
+        yield request(line)
+      else:
         progress.finish(line.ordinal)
-        continue
-      record = parse_again(source.path, line)
-      in_flight[line.ordinal] = record.id
-      yield line.ordinal, record.engine_input(), sampling_params(line.ordinal)
 
   counts = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0}
   start = time.perf_counter()
   # Without an engine there is nothing to generate: iterating `items()` only reads the shard.
   results = llm.generate_stream(items(), use_tqdm=False) if llm is not None else items()
   desc = "batch" if shard.shard_count == 1 else f"batch {shard.shard_index}/{shard.shard_count}"
-  with open(path, "ab") as out, tqdm(total=len(todo), unit="record", desc=desc) as bar:
+  with open(paths.records, "ab") as out, tqdm(total=len(plan.todo), unit="record",
+                                              desc=desc) as bar:
     for ordinal, result in results:
       data = (json.dumps({"id": in_flight.pop(ordinal), "text": result.text,
                           "token_ids": list(result.token_ids),
@@ -392,7 +475,11 @@ def generate(llm: jaxtier.LLM | None, source: batch_input.JsonlSource,
       out.flush()
       os.fsync(out.fileno())
       output_bytes += len(data)
-      progress.finish(ordinal)
+      longest = max(longest, len(result.prompt_token_ids) + len(result.token_ids))
+      if ordinal in plan.behind:
+        rejected.discard(ordinal)
+      else:
+        progress.finish(ordinal)
       save()
       counts["requests"] += 1
       counts["prompt_tokens"] += len(result.prompt_token_ids)
@@ -406,23 +493,25 @@ def generate(llm: jaxtier.LLM | None, source: batch_input.JsonlSource,
 
 
 def merge_parts(output: str, num_processes: int, source: batch_input.JsonlSource,
-                valid: dict[int, str]) -> int:
+                valid: dict[int, str]) -> tuple[int, int]:
   """Process 0, once every process is done: the records of every part in input order, written to
-  `output` atomically. Returns how many there are."""
+  `output` atomically, and their rejects to `<output>.rejects.jsonl`. Returns how many of each
+  there are."""
   ordinals = {key: ordinal for ordinal, key in valid.items()}
   rows = []
   for process_id in range(num_processes):
-    path, checkpoint_path = output_paths(output, process_id, num_processes)
+    paths = batch_output.output_paths(output, process_id, num_processes)
     try:
-      checkpoint = batch_input.load_checkpoint(checkpoint_path)
+      checkpoint = batch_input.load_checkpoint(paths.checkpoint)
     except ValueError as e:
       fail(str(e))
-    if checkpoint is None or not os.path.exists(path):
-      fail(f"{path} of process {process_id} is not here to merge: with processes on several "
-           "hosts, --output must be on a filesystem they share")
+    if checkpoint is None or not os.path.exists(paths.records):
+      fail(f"{paths.records} of process {process_id} is not here to merge: with processes on "
+           "several hosts, --output must be on a filesystem they share")
     if not checkpoint.complete or checkpoint.input_sha256 != source.sha256:
-      fail(f"{path} of process {process_id} is not a finished part of --input={source.path}")
-    with open(path, "rb") as f:
+      fail(f"{paths.records} of process {process_id} is not a finished part of "
+           f"--input={source.path}")
+    with open(paths.records, "rb") as f:
       data = f.read(checkpoint.output_bytes)
     rows += [(ordinals[str(json.loads(line)["id"])], line) for line in data.splitlines()]
   rows.sort()
@@ -432,7 +521,10 @@ def merge_parts(output: str, num_processes: int, source: batch_input.JsonlSource
     f.flush()
     os.fsync(f.fileno())
   os.replace(temporary, output)
-  return len(rows)
+  rejects = batch_output.merge_rejects(
+      [batch_output.output_paths(output, i, num_processes).rejects for i in range(num_processes)],
+      output + batch_output.REJECTS_SUFFIX)
+  return len(rows), rejects
 
 
 def summarize(run: dict[str, Any], invalid: int, stats: dict[str, Any]) -> dict[str, Any]:
@@ -469,51 +561,71 @@ def main(argv, stop_after: int | None = None):
     run_job(source, fingerprint, stop_after)
 
 
-def records_to_do(source: batch_input.JsonlSource, shard: grain.sharding.ShardOptions,
-                  resume: batch_input.Checkpoint, valid: dict[int, str]) -> dict[int, int]:
-  """{ordinal: line number} of the valid records the shard's iterator still reads from `resume`,
-  less those finished after its low-water mark."""
+def plan_records(source: batch_input.JsonlSource, shard: grain.sharding.ShardOptions,
+                 resume: batch_input.Checkpoint, valid: dict[int, str],
+                 invalid: dict[int, str]) -> Plan:
+  """The records to generate: the valid ones the shard's iterator still reads from `resume`, less
+  those finished after its low-water mark, and the valid ones `resume` lists as rejected behind it
+  (first). Rejects: the shard's invalid records (`invalid`: {ordinal: problem})."""
   finished = set(resume.finished_after)
-  return {line.ordinal: line.number
-          for line in batch_input.shard_iterator(source, shard, resume.iterator_state)
-          if line.ordinal in valid and line.ordinal not in finished}
+  ahead = {line.ordinal: line.number
+           for line in batch_input.shard_iterator(source, shard, resume.iterator_state)
+           if line.ordinal in valid and line.ordinal not in finished}
+  behind = {ordinal: source.line_number(ordinal) for ordinal in resume.rejected
+            if ordinal in valid and ordinal not in ahead}
+  mine = batch_input.shard_ordinals(len(source), shard)
+  return Plan({**behind, **ahead}, frozenset(behind),
+              {ordinal: problem for ordinal, problem in invalid.items() if ordinal in mine})
 
 
 def drop_token_id_errors(llm: jaxtier.LLM | None, source: batch_input.JsonlSource,
-                         todo: dict[int, int]) -> int:
-  """Removes from `todo` the records the tokenizer rejects and returns how many. Every process
-  checks its own records; under --on_bad_record=fail all of them exit if any found one."""
-  errors = token_id_errors(llm, source, todo) if llm is not None else {}
+                         plan: Plan) -> Plan:
+  """`plan` less the records the tokenizer rejects, which join its rejects. Every process checks
+  its own records; under --on_bad_record=fail all of them exit if any found one."""
+  errors = token_id_errors(llm, source, plan.todo) if llm is not None else {}
   found = sum(all_gather_json(len(errors)))
   if found and not errors and FLAGS.on_bad_record == "fail":
     fail(f"{FLAGS.input}: {found} invalid record(s) found by the tokenizer in other processes' "
          "shards; nothing was generated (--on_bad_record=skip generates the others)")
-  handle_bad_records(FLAGS.input, {todo[o]: problem for o, problem in errors.items()},
-                     "found by the tokenizer")
-  for ordinal in errors:
-    del todo[ordinal]
-  return len(errors)
+  handle_bad_records(source, errors, "found by the tokenizer")
+  return Plan({o: n for o, n in plan.todo.items() if o not in errors}, plan.behind - set(errors),
+              {**plan.rejects, **errors})
+
+
+def resume_point(source: batch_input.JsonlSource, shard: grain.sharding.ShardOptions,
+                 earlier: dict[int, batch_input.Checkpoint],
+                 settings: dict[str, Any]) -> batch_input.Checkpoint:
+  """Where this process continues: its checkpoint (checked by `check_earlier_runs`), or the start
+  of its shard; with this run's settings either way."""
+  checkpoint = earlier.get(shard.shard_index) or batch_input.start_checkpoint(source, shard)
+  return dataclasses.replace(checkpoint, settings=settings)
 
 
 def run_job(source: batch_input.JsonlSource, fingerprint: tuple[int, int],
             stop_after: int | None) -> None:
-  """Checks the records, joins the other processes, generates this process's shard from its
-  checkpoint on and prints its summary; process 0 of several then merges the parts."""
-  valid, errors = check_records(source)
-  handle_bad_records(FLAGS.input, errors, "found before loading the model")
-  check_process_count(FLAGS.output, FLAGS.num_processes)
+  """Checks the records and the files of earlier runs, joins the other processes, generates this
+  process's shard from its checkpoint on and prints its summary; process 0 of several then merges
+  the parts."""
+  valid, invalid = check_records(source)
+  handle_bad_records(source, invalid, "found before loading the model")
+  settings = job_settings(job_sampling())
+  earlier = {} if FLAGS.overwrite else check_earlier_runs(source, settings)
   shard = start_processes()
+  if FLAGS.overwrite:
+    start_over(shard)
   label = process_label(shard)
-  paths = output_paths(FLAGS.output, shard.shard_index, shard.shard_count)
-  resume = resume_point(paths, source, shard)
-  todo = records_to_do(source, shard, resume, valid)
-  mine = batch_input.shard_ordinals(len(source), shard)
-  records = sum(1 for ordinal in mine if ordinal in valid)
-  print(f"{label}{records} records, {records - len(todo)} already in {paths[0]}, {len(todo)} to "
-        "generate", file=sys.stderr)
+  paths = batch_output.output_paths(FLAGS.output, shard.shard_index, shard.shard_count)
+  resume = resume_point(source, shard, earlier, settings)
+  plan = plan_records(source, shard, resume, valid, invalid)
+  records = sum(1 for ordinal in batch_input.shard_ordinals(len(source), shard)
+                if ordinal in valid)
+  retried = len(set(resume.rejected) & set(plan.todo))
+  again = f" ({retried} of them rejected by an earlier run)" if retried else ""
+  print(f"{label}{records} records, {records - len(plan.todo)} already in {paths.records}, "
+        f"{len(plan.todo)} to generate{again}", file=sys.stderr)
 
   llm = None
-  if todo:
+  if plan.todo:
     try:
       llm = jaxtier.LLM(**llm_kwargs(shard))
     except ValueError as e:
@@ -521,23 +633,27 @@ def run_job(source: batch_input.JsonlSource, fingerprint: tuple[int, int],
     if llm.offload.offload_tail_layers:
       print(f"{label}memory: {json.dumps(llm.memory_report())}", file=sys.stderr)
     check_unchanged(FLAGS.input, fingerprint)
-  invalid = len(mine) - records + drop_token_id_errors(llm, source, todo)
+  plan = drop_token_id_errors(llm, source, plan)
   check_unchanged(FLAGS.input, fingerprint)
-  run = generate(llm, source, shard, resume, todo, paths, stop_after)
+  if plan.rejects:
+    print(f"{label}{len(plan.rejects)} rejected record(s) listed in {paths.rejects}; a rerun "
+          "checks them again", file=sys.stderr)
+  run = generate(llm, source, shard, resume, plan, paths, stop_after)
   if run is None:
     return
 
-  stats_json = FLAGS.stats_json and part_path(FLAGS.stats_json, shard.shard_index,
-                                              shard.shard_count)
-  summary = summarize(run, invalid, write_stats(llm, stats_json))
+  stats_json = FLAGS.stats_json and batch_output.part_path(FLAGS.stats_json, shard.shard_index,
+                                                           shard.shard_count)
+  summary = summarize(run, len(plan.rejects), write_stats(llm, stats_json))
   if shard.shard_count > 1:
     summary["process_id"] = shard.shard_index
   print(f"summary: {json.dumps(summary, default=_json_number)}", file=sys.stderr)
   summaries = all_gather_json(summary)  # also waits until every part is finished
   if shard.shard_count > 1 and shard.shard_index == 0:
-    merged = merge_parts(FLAGS.output, shard.shard_count, source, valid)
-    print(f"{label}merged {merged} records of {shard.shard_count} parts into {FLAGS.output}",
-          file=sys.stderr)
+    merged, rejects = merge_parts(FLAGS.output, shard.shard_count, source, valid)
+    print(f"{label}merged {merged} records of {shard.shard_count} parts into {FLAGS.output}"
+          + (f", {rejects} rejects into {FLAGS.output}{batch_output.REJECTS_SUFFIX}"
+             if rejects else ""), file=sys.stderr)
     print(f"totals: {json.dumps(totals(summaries))}", file=sys.stderr)
 
 

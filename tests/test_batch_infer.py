@@ -1,7 +1,8 @@
 """scripts/batch_infer.py end to end on the tiny Llama: outputs against the offline API, resuming
 (records appended to the input, a line cut short after the last checkpoint), bad records (before
-the model loads and once the tokenizer is loaded), flag errors, --help; and the record rules of
-`jaxtier.server.records` in process."""
+the model loads and once the tokenizer is loaded), skipped records in the rejects file and retried
+by a rerun, reruns with other settings refused (naming them and the files) or started over with
+--overwrite, flag errors, --help; and the record rules of `jaxtier.server.records` in process."""
 
 import json
 import os
@@ -26,6 +27,18 @@ def run(tmp_path, lines, *flags):
                          "--max_tokens=4", *flags], capture_output=True, text=True, timeout=300)
   rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
   return proc, rows
+
+
+def read_rows(path) -> list[dict]:
+  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def one_line(proc) -> str:
+  """The stderr of a refused run, checked to be one error line."""
+  assert proc.returncode == 1, proc.stderr
+  assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+  assert proc.stderr.startswith("batch_infer.py: error: "), proc.stderr
+  return proc.stderr
 
 
 def summary(stderr: str) -> dict:
@@ -133,6 +146,84 @@ def test_outputs_match_the_offline_api_skipping_bad_and_finished_records(tmp_pat
     row = by_id[record["id"]]
     assert (row["text"], row["token_ids"], row["finish_reason"]) == (
         reference.text, list(reference.token_ids), reference.finish_reason), record
+
+
+def test_skipped_records_go_to_the_rejects_file_and_a_rerun_retries_them(tmp_path):
+  lines = [json.dumps({"id": "a", "prompt": "Hello"}),
+           json.dumps({"id": "long", "prompt": [5] * 40}), json.dumps({"id": "empty", "prompt": ""})]
+  rejects = tmp_path / "out.jsonl.rejects.jsonl"
+  proc, rows = run(tmp_path, lines, "--on_bad_record=skip", "--max_model_len=32")
+  assert proc.returncode == 0, proc.stderr
+  assert [r["id"] for r in rows] == ["a"]
+  assert read_rows(rejects) == [
+      {"id": "long", "line": 2, "reason": "prompt has 40 tokens; the context window max_model_len "
+       "is 32 and at least one token must be generated"},
+      {"id": "empty", "line": 3, "reason": "prompt: is an empty string"}]
+  assert summary(proc.stderr)["invalid_records"] == 2
+
+  # A larger window: the record rejected for its length is generated, the other reported again.
+  proc, rows = run(tmp_path, lines, "--on_bad_record=skip", "--max_model_len=64")
+  assert proc.returncode == 0, proc.stderr
+  assert "2 records, 1 already in" in proc.stderr and "1 to generate (1 of them rejected" in (
+      proc.stderr)
+  assert [r["id"] for r in rows] == ["a", "long"] and rows[1]["token_ids"]
+  assert read_rows(rejects) == [{"id": "empty", "line": 3, "reason": "prompt: is an empty string"}]
+  assert summary(proc.stderr)["requests"] == 1
+
+  proc, rows = run(tmp_path, lines, "--on_bad_record=skip", "--max_model_len=64")
+  assert proc.returncode == 0, proc.stderr
+  assert "2 records, 2 already in" in proc.stderr and "0 to generate" in proc.stderr
+  assert [r["id"] for r in rows] == ["a", "long"]
+  assert len(read_rows(rejects)) == 1
+
+
+def test_a_rerun_with_other_settings_is_refused_or_started_over(tmp_path):
+  lines = [json.dumps({"id": "a", "prompt": "Hello"})]
+  proc, first = run(tmp_path, lines)
+  assert proc.returncode == 0, proc.stderr
+  proc, rows = run(tmp_path, lines, "--temperature=0.5", "--max_tokens=3",
+                   "--model=/nonexistent/model")  # refused before the model loads
+  message = one_line(proc)
+  assert rows == first
+  for expected in ('model "', ' -> "/nonexistent/model"', "temperature 0.0 -> 0.5",
+                   "max_tokens 4 -> 3", f"delete {tmp_path / 'out.jsonl'} "
+                   f"{tmp_path / 'out.jsonl.checkpoint.json'} or pass --overwrite",
+                   "write to another --output"):
+    assert expected in message, message
+
+  proc, rows = run(tmp_path, lines, "--temperature=0.5", "--seed=3", "--overwrite")
+  assert proc.returncode == 0, proc.stderr
+  assert f"deleted {tmp_path / 'out.jsonl'}" in proc.stderr and "0 already in" in proc.stderr
+  assert [r["id"] for r in rows] == ["a"]
+  with open(tmp_path / "out.jsonl.checkpoint.json") as f:
+    sampling = json.load(f)["settings"]["sampling"]
+  assert (sampling["temperature"], sampling["seed"], sampling["max_tokens"]) == (0.5, 3, 4)
+  proc, _ = run(tmp_path, lines, "--temperature=0.5", "--seed=4")
+  assert "seed 3 -> 4" in one_line(proc)
+
+
+def test_a_two_process_run_after_a_one_process_run_names_the_files_to_delete(tmp_path):
+  from jaxtier import batch_input  # pylint: disable=g-import-not-at-top
+  src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  src.write_text(json.dumps({"id": 1, "prompt": "x"}) + "\n")
+  out.write_text("")  # as the README's main job leaves --output, with its checkpoint
+  with batch_input.JsonlSource(str(src)) as source:
+    batch_input.save_checkpoint(f"{out}.checkpoint.json",
+                                batch_input.start_checkpoint(source, shard(0, 1), {}))
+  stray = tmp_path / "out.jsonl.part-1-of-2.rejects.jsonl"
+  stray.write_text("")
+  proc = subprocess.run([sys.executable, SCRIPT, "--model=/nonexistent/model", f"--input={src}",
+                         f"--output={out}", "--num_processes=2", "--process_id=0",
+                         "--coordinator_address=localhost:1"],
+                        capture_output=True, text=True, timeout=300)
+  message = one_line(proc)
+  assert "has checkpoints of a run with --num_processes=1, not 2" in message, message
+  assert (f"delete {out} {out}.checkpoint.json {stray} or pass --overwrite") in message, message
+
+
+def shard(index: int, count: int):
+  import grain  # pylint: disable=g-import-not-at-top
+  return grain.sharding.ShardOptions(shard_index=index, shard_count=count)
 
 
 def test_invalid_records_are_reported_before_the_model_loads(tmp_path):
