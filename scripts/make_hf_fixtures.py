@@ -11,7 +11,10 @@ Writes:
                                (`--only_chat_template` writes this one alone)
   tests/fixtures/smollm2_hf.json  for the default model: prompt token ids, HF's top-k last-position
                                logits, 24-token greedy continuations, chat template renderings and
-                               tokenizations, computed by transformers from the same GGUF file.
+                               tokenizations, computed by transformers from the same GGUF file;
+                               and under "repetition_penalty", `generate(repetition_penalty=1.3,
+                               do_sample=False)` continuations (`--only_repetition_penalty` adds
+                               this key alone, leaving the rest of the file as it is)
 
 The test suite reads only these files; it never imports torch or transformers.
 """
@@ -35,6 +38,10 @@ flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "..", "tests"
 flags.DEFINE_integer("top_k", 20, "how many last-position logits to keep per prompt")
 flags.DEFINE_integer("continuation", 24, "greedy continuation length")
 flags.DEFINE_bool("only_chat_template", False, "write tests/fixtures/tiny_llama_chat alone")
+flags.DEFINE_bool("only_repetition_penalty", False,
+                  "add the repetition-penalty continuations to smollm2_hf.json alone")
+REPETITION_PENALTY = 1.3
+PENALTY_CONTINUATION = 32
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -138,7 +145,34 @@ def smollm_fixture(path: str) -> None:
   with open(path, "w") as f:
     json.dump({"transformers": transformers.__version__, "torch": torch.__version__,
                "model": manifest.name, "sha256": manifest.sha256, "cases": cases,
-               "tokenized": tokenized}, f, indent=1)
+               "tokenized": tokenized,
+               "repetition_penalty": repetition_penalty_cases(model, tokenizer)}, f, indent=1)
+
+
+def repetition_penalty_cases(model, tokenizer) -> dict:
+  """Hugging Face's `generate(repetition_penalty=REPETITION_PENALTY, do_sample=False)` on three
+  raw prompts, PENALTY_CONTINUATION new tokens each (EOS does not stop it)."""
+  config = transformers.GenerationConfig(do_sample=False, repetition_penalty=REPETITION_PENALTY,
+                                         max_new_tokens=PENALTY_CONTINUATION, eos_token_id=None,
+                                         pad_token_id=0)
+  cases = []
+  for prompt in RAW_PROMPTS[:3]:
+    ids = tokenizer(prompt).input_ids
+    with torch.no_grad():
+      out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=int),
+                           generation_config=config)
+    cases.append({"prompt": prompt, "ids": ids, "greedy": out[0, len(ids):].tolist()})
+  return {"penalty": REPETITION_PENALTY, "cases": cases}
+
+
+def add_repetition_penalty(path: str) -> None:
+  """Adds (or replaces) the "repetition_penalty" key of the fixture at `path`."""
+  model, tokenizer = hf_smollm(registry.fetch(registry.find_manifest("smollm2-135m-instruct")))
+  with open(path) as f:
+    fixture = json.load(f)
+  fixture["repetition_penalty"] = repetition_penalty_cases(model, tokenizer)
+  with open(path, "w") as f:
+    json.dump(fixture, f, indent=1)
 
 
 # A template that exercises what the loader must get right: trim_blocks / lstrip_blocks
@@ -207,6 +241,10 @@ def main(argv):
   if FLAGS.only_chat_template:
     tiny_llama_chat(os.path.join(out, "tiny_llama_chat"))
     print(f"fixture written to {out}/tiny_llama_chat", file=sys.stderr)
+    return
+  if FLAGS.only_repetition_penalty:
+    add_repetition_penalty(os.path.join(out, "smollm2_hf.json"))
+    print(f"repetition_penalty added to {out}/smollm2_hf.json", file=sys.stderr)
     return
   llama = transformers.LlamaConfig(
       vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=3,

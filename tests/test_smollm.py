@@ -84,6 +84,23 @@ def test_greedy_continuations_match_hugging_face(smollm_llm):
   check_greedy_continuations(smollm_llm)
 
 
+def test_repetition_penalty_greedy_tokens_match_hugging_face(smollm_llm):
+  """`generate(repetition_penalty=1.3, do_sample=False)` of transformers: the penalty over the
+  prompt and the output, in one batch with a request without it (whose tokens stay HF's plain
+  greedy ones)."""
+  penalized = REF["repetition_penalty"]
+  prompts = [c["ids"] for c in penalized["cases"]] + [REF["cases"][0]["ids"]]
+  params = [jaxtier.SamplingParams(max_tokens=len(c["greedy"]), temperature=0, ignore_eos=True,
+                                   repetition_penalty=penalized["penalty"])
+            for c in penalized["cases"]]
+  params.append(jaxtier.SamplingParams(max_tokens=len(REF["cases"][0]["greedy"]), temperature=0,
+                                       ignore_eos=True))
+  outputs = smollm_llm.generate(prompts, params)
+  for case, out in zip(penalized["cases"], outputs):
+    assert list(out.token_ids) == case["greedy"], case["prompt"]
+  assert list(outputs[-1].token_ids) == REF["cases"][0]["greedy"]
+
+
 def test_last_position_logits_match_hugging_face(smollm_llm):
   # int16 activations (the default on x86) move the logits by up to ~3e-3
   check_last_position_logits(smollm_llm,
