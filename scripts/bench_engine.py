@@ -47,6 +47,11 @@ Every figure comes from the same run, so ratios compare like with like on a nois
                 `--decode_other_activations` (and blocks kept), the same again with the other
                 one (`decode_steps_float32` or `decode_steps_int16`; batch 1 against the same
                 Hugging Face figure).
+  penalties:    (not run by default) one batch of `--penalty_prompts` greedy raw prompts of
+                64-128 tokens generating `--penalty_tokens` each, without and with
+                repetition_penalty=1.1 and frequency_penalty=0.5, alternating passes: tokens/s of
+                each and their ratio (the cost of the transformed sampler and of not planning
+                ahead), on the mixed section's engine.
   compile:      compiled variants and compile seconds of every engine this run built.
   targets:      engine >= 3x HF and faster than the padded driver (mixed); under pressure >= 0.7x
                 unconstrained with identical outputs; step <= 1.5x its bound; batch 1 >= 2.5x HF.
@@ -62,6 +67,7 @@ Timings on shared machines are noisy (torch threads contending with other proces
 Hugging Face side badly; set `--threads` to the idle cores): compare ratios from one quiet run.
 """
 
+import dataclasses
 import gc
 import json
 import math
@@ -114,11 +120,15 @@ flags.DEFINE_integer("hf_decode_tokens", 64, "tokens of the batch-1 decode compa
                      lower_bound=2)
 flags.DEFINE_integer("decode_repeats", 3, "runs of the batch-1 decode comparison (median)",
                      lower_bound=1)
+flags.DEFINE_integer("penalty_prompts", 16, "prompts of the penalties section (one batch)",
+                     lower_bound=1)
+flags.DEFINE_integer("penalty_tokens", 64, "tokens each request of the penalties section generates",
+                     lower_bound=1)
 flags.DEFINE_integer("threads", os.cpu_count(), "torch CPU threads")
 flags.DEFINE_bool("skip_hf", False, "measure jaxtier only")
 flags.DEFINE_string("out", None, "also write the JSON object to this file")
 
-SECTIONS = ("mixed", "pressure", "decode_steps")
+SECTIONS = ("mixed", "pressure", "decode_steps", "penalties")
 TARGETS = {"mixed_engine_vs_hf": 3.0, "pressure_ratio": 0.7, "decode_step_over_bound": 1.5,
            "batch1_vs_hf": 2.5}
 
@@ -379,6 +389,35 @@ class HuggingFace:
 
 
 # Sections.
+
+
+def penalties_section(llm, tokenizer) -> dict:
+  """Tokens/s of one batch of greedy requests without and with repetition_penalty=1.1 and
+  frequency_penalty=0.5 (the transformed sampler, and no planning ahead for their steps), in
+  alternating passes after one untimed pass each way (their compiles); best of the rest."""
+  workload = build_workload(tokenizer, FLAGS.penalty_prompts, 64, 128, FLAGS.seed + 2)
+  plain = sampling(FLAGS.penalty_tokens)
+  ways = {"plain": plain, "penalized": dataclasses.replace(plain, repetition_penalty=1.1,
+                                                             frequency_penalty=0.5)}
+  runs = {name: [] for name in ways}
+  for _ in range(1 + max(FLAGS.repeats, 2)):
+    for name, params in ways.items():
+      llm.reset_prefix_cache()
+      before = llm.stats()
+      start = time.perf_counter()
+      outputs = llm.generate([r["ids"] for r in workload], params)
+      wall = time.perf_counter() - start
+      after = llm.stats()
+      tokens = sum(len(o.token_ids) for o in outputs)
+      runs[name].append({"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+                         "steps_planned_ahead": (after["steps_planned_ahead"]
+                                                 - before["steps_planned_ahead"])})
+  report = {name: {**best(passes[1:]), "all_tokens_per_s": [r["tokens_per_s"] for r in passes]}
+            for name, passes in runs.items()}
+  report["penalized_over_plain"] = (report["penalized"]["tokens_per_s"]
+                                    / report["plain"]["tokens_per_s"])
+  report["targets"] = {}
+  return report
 
 
 def mixed_section(llm, workload: list[dict], hf) -> dict:
@@ -692,6 +731,8 @@ def main(argv):
     workload = build_workload(tokenizer, FLAGS.num_prompts, FLAGS.min_prompt, FLAGS.max_prompt,
                               FLAGS.seed)
     report["mixed"] = mixed_section(llm, workload, hf)
+  if "penalties" in sections:
+    report["penalties"] = penalties_section(llm, tokenizer)
   record_compiles("mixed", llm)
   release(llm)
   if "pressure" in sections:
