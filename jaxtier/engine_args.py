@@ -5,16 +5,20 @@ before any model loads.
 Sizing the KV pools (vLLM's names and meaning):
 - device pool: `num_device_blocks`, or `kv_cache_memory_gb`; default: the device memory left after
   weights and an activation reserve (times `gpu_memory_utilization`), or on CPU, where the backend
-  reports no memory, the KV of `max_num_seqs` full-length sequences capped at
-  `CPU_DEFAULT_KV_GB` GB.
+  reports no memory, `cpu_default_pool_blocks`: room for `max_num_seqs` requests of
+  min(max_model_len, 2048) tokens, at most `CPU_DEFAULT_KV_GB` GB, and at least one
+  max_model_len sequence.
 - host pool (pinned host memory, for swapped-out blocks): `num_host_blocks`, or `swap_space_gb`;
-  default: as many blocks as the device pool, so every running request can be swapped out once.
+  default: as many blocks as the device pool, so every running request can be swapped out once;
+  on CPU with the default device pool, `CPU_DEFAULT_HOST_FRACTION` of it (there both pools are
+  the same RAM).
 """
 
 import dataclasses
 from typing import Any
 
 from jaxtier.kv_bytes import ELEMENT_BYTES
+from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.scheduler.config import PREEMPTION_MODES
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 
@@ -26,8 +30,26 @@ WEIGHT_FORMATS = ("auto", "float")
 BLOCK_ACTIVATIONS = ("auto", "float32", "int16")  # "auto" or one of jaxtier.matmul.ACTIVATIONS
 MAX_PREFETCH_DEPTH = 4
 MAX_BLOCK_SIZE = 1024
-CPU_DEFAULT_KV_GB = 1.0
+CPU_DEFAULT_KV_GB = 0.256
+CPU_DEFAULT_REQUEST_TOKENS = 2048
+CPU_DEFAULT_HOST_FRACTION = 0.25
 GB = 1e9
+
+
+def cpu_default_pool_blocks(max_num_seqs: int, max_model_len: int, block_size: int,
+                            block_bytes: int) -> tuple[int, int]:
+  """The (device, host) KV pools in blocks where the backend reports no memory (CPU).
+
+  The device pool holds `max_num_seqs` requests of min(max_model_len,
+  `CPU_DEFAULT_REQUEST_TOKENS`) tokens, capped at `CPU_DEFAULT_KV_GB` GB, but never less than one
+  max_model_len sequence (the engine's minimum); the host pool is `CPU_DEFAULT_HOST_FRACTION` of
+  it. Sized for the short requests a CPU serves: room for max_num_seqs full-length sequences of
+  an 8192-token window would take gigabytes per tier, more than a small model's weights.
+  """
+  request = blocks_for(min(max_model_len, CPU_DEFAULT_REQUEST_TOKENS), block_size)
+  cap = int(CPU_DEFAULT_KV_GB * GB // block_bytes)
+  device = max(min(max_num_seqs * request, cap), blocks_for(max_model_len, block_size))
+  return device, int(device * CPU_DEFAULT_HOST_FRACTION)
 
 
 def _is_int(value) -> bool:

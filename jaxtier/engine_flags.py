@@ -29,10 +29,13 @@ flags.DEFINE_integer("block_size", 16, "tokens per KV block")
 flags.DEFINE_integer("num_device_blocks", None, "device KV pool in blocks (or "
                      "--kv_cache_memory_gb)")
 flags.DEFINE_float("kv_cache_memory_gb", None, "device KV pool in GB; default: device memory left "
-                   "after weights, or on CPU the KV of max_num_seqs full sequences, at most "
-                   f"{engine_args.CPU_DEFAULT_KV_GB} GB")
+                   "after weights, or on CPU room for max_num_seqs requests of min(max_model_len, "
+                   f"{engine_args.CPU_DEFAULT_REQUEST_TOKENS}) tokens, at most "
+                   f"{engine_args.CPU_DEFAULT_KV_GB * 1000:g} MB and at least one max_model_len "
+                   "sequence")
 flags.DEFINE_integer("num_host_blocks", None, "pinned-host KV pool in blocks (or --swap_space_gb); "
-                     "default: as many as the device pool")
+                     "default: as many as the device pool (on CPU with the default device pool: "
+                     f"{engine_args.CPU_DEFAULT_HOST_FRACTION:g} of it)")
 flags.DEFINE_float("swap_space_gb", None, "pinned-host KV pool in GB")
 flags.DEFINE_float("gpu_memory_utilization", 0.9, "share of device memory the default KV pool "
                    "sizing may fill")

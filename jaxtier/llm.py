@@ -15,7 +15,8 @@ from jaxtier.checkpoint import placed
 from jaxtier.buckets import pow2_bucket
 from jaxtier.engine import doctor
 from jaxtier.engine.engine import Engine, EngineConfig
-from jaxtier.engine_args import CPU_DEFAULT_KV_GB, GB, LAYER_EXECUTIONS, EngineArgs, check_offload
+from jaxtier.engine_args import (GB, LAYER_EXECUTIONS, EngineArgs, check_offload,
+                                 cpu_default_pool_blocks)
 from jaxtier.generate import Completion, StepUpdate, generate_batch
 from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.logprobs import LogprobDict
@@ -253,6 +254,7 @@ class LLM:
     args, block_bytes = self.args, self.block_bytes
     explicit = self._explicit_pool_bytes()
     memory = self._device_memory_bytes()
+    host = None  # the host pool's default: the device pool's size, unless the CPU rule sets it
     if explicit is not None:
       device = explicit // block_bytes
     elif memory is not None:
@@ -261,8 +263,8 @@ class LLM:
       free = memory * args.gpu_memory_utilization - weights - self._activation_reserve_bytes()
       device = int(free // (block_bytes // self.tensor_parallel_size))
     else:
-      full = self.max_num_seqs * blocks_for(self.max_model_len, args.block_size)
-      device = min(full, int(CPU_DEFAULT_KV_GB * GB // block_bytes))
+      device, host = cpu_default_pool_blocks(self.max_num_seqs, self.max_model_len,
+                                             args.block_size, block_bytes)
     needed = blocks_for(self.max_model_len, args.block_size)
     if device < needed:
       raise ValueError(
@@ -274,7 +276,7 @@ class LLM:
       host = args.num_host_blocks
     elif args.swap_space_gb is not None:
       host = int(args.swap_space_gb * GB // block_bytes)
-    else:
+    elif host is None:
       host = device
     return device, host
 

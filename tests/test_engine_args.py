@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import jaxtier
+from jaxtier import engine_args
 from jaxtier.engine_args import EngineArgs
 
 
@@ -58,3 +59,14 @@ def test_scripts_keep_compiled_programs_in_the_model_cache(tmp_path):
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        check=True).stdout.strip()
   assert out == os.path.join(str(tmp_path), "xla")
+
+
+def test_cpu_default_pools_fit_short_requests_and_one_full_sequence():
+  block = 737_280  # the default model's float32 block of 16 tokens
+  cap = int(engine_args.CPU_DEFAULT_KV_GB * engine_args.GB // block)
+  # 64 requests of 2048 tokens pass the cap, and one 8192-token sequence needs more than it.
+  assert engine_args.cpu_default_pool_blocks(64, 8192, 16, block) == (512, 128)
+  assert engine_args.cpu_default_pool_blocks(64, 2048, 16, block) == (cap, cap // 4)
+  # Few short requests: room for each, within the cap.
+  assert engine_args.cpu_default_pool_blocks(4, 256, 16, block) == (64, 16)
+  assert engine_args.cpu_default_pool_blocks(1, 100, 16, 4608) == (7, 1)
