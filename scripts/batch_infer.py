@@ -75,6 +75,22 @@ flags.DEFINE_integer("top_k", -1, "top-k sampling; <= 0 disables it")
 flags.DEFINE_integer("seed", None, "sampling seed; the record on the i-th non-blank input line "
                      "(from 0) uses seed + i")
 flags.DEFINE_multi_string("stop", [], "stop string (repeat the flag for several)")
+flags.DEFINE_float("repetition_penalty", 1.0, "divides positive (multiplies negative) logits of "
+                   "tokens in the prompt or the output so far (Hugging Face's and vLLM's); 1 is off")
+flags.DEFINE_float("frequency_penalty", 0.0, "subtracted from a token's logit once per time it was "
+                   "generated (OpenAI's), in [-2, 2]")
+flags.DEFINE_float("presence_penalty", 0.0, "subtracted from the logit of every token generated at "
+                   "least once (OpenAI's), in [-2, 2]")
+flags.DEFINE_float("min_p", 0.0, "drops tokens less likely than min_p times the most likely one, in "
+                   "[0, 1]; 0 is off")
+flags.DEFINE_integer("min_tokens", 0, "end-of-sequence and stop token ids are masked until this "
+                     "many tokens were generated")
+flags.DEFINE_multi_string("logit_bias", [], "TOKEN_ID=BIAS added to that token's logit, clamped to "
+                          "[-100, 100] (repeat the flag for several)")
+flags.DEFINE_list("allowed_token_ids", None, "comma-separated token ids: only these may be "
+                  "generated")
+flags.DEFINE_multi_string("bad_words", [], "a word never generated (vLLM's bad_words; repeat the "
+                          "flag for several)")
 flags.DEFINE_integer("num_processes", 1, "JAX processes sharing the input, data parallel: process "
                      "i generates records i, i + num_processes, ... on its local devices")
 flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes); required "
@@ -88,7 +104,9 @@ flags.adopt_module_key_flags(engine_flags)
 
 PROG = os.path.basename(sys.argv[0])
 # Flags named as the `SamplingParams` fields they set (--seed is per record: `record_sampling`).
-SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "stop")
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "stop", "repetition_penalty",
+                  "frequency_penalty", "presence_penalty", "min_p", "min_tokens", "logit_bias",
+                  "allowed_token_ids", "bad_words")
 # Engine flags that change a record's tokens, recorded in the checkpoints and compared on a rerun.
 # The others size pools and batches, schedule, place and cache the same computation.
 OUTPUT_ENGINE_FLAGS = ("model", "dtype", "max_model_len", "kv_cache_dtype", "weight_format",
@@ -119,7 +137,9 @@ def check_sampling_flags() -> None:
   line or by --config)."""
   for name in SAMPLING_FLAGS:
     try:
-      jaxtier.SamplingParams(**{name: FLAGS[name].value})
+      # min_tokens is bounded by max_tokens, whose own check comes first.
+      paired = {"max_tokens": max(FLAGS.max_tokens, 1)} if name == "min_tokens" else {}
+      jaxtier.SamplingParams(**{name: sampling_flag(name)}, **paired)
     except ValueError as e:
       engine_flags.usage_error(f"--{name}={FLAGS[name].value}: {e}")
   try:
@@ -144,11 +164,36 @@ def check_process_flags() -> None:
                              "(host:port of process 0, e.g. localhost:12345)")
 
 
+def _logit_bias(values: list[str]) -> dict[int, float] | None:
+  """--logit_bias values (`TOKEN_ID=BIAS`) as a dict, or ValueError naming the bad one."""
+  bias = {}
+  for value in values:
+    token, _, amount = value.partition("=")
+    try:
+      bias[int(token)] = float(amount)
+    except ValueError:
+      raise ValueError(f"expected TOKEN_ID=BIAS (e.g. 504=-100), got {value!r}") from None
+  return bias or None
+
+
+def sampling_flag(name: str) -> Any:
+  """The value of sampling flag `name` as its `SamplingParams` field takes it."""
+  value = FLAGS[name].value
+  if name == "logit_bias":
+    return _logit_bias(value)
+  if name == "allowed_token_ids" and value is not None:
+    try:
+      return [int(v) for v in value]
+    except ValueError:
+      raise ValueError(f"expected comma-separated token ids, got {','.join(value)!r}") from None
+  return value
+
+
 def job_sampling() -> jaxtier.SamplingParams:
   """The sampling flags as the job's `SamplingParams` (the one place flags map to fields); its seed
   is --seed, which record i adds i to (`record_sampling`)."""
   seed = None if FLAGS.seed is None else FLAGS.seed % 2**32
-  return jaxtier.SamplingParams(**{name: FLAGS[name].value for name in SAMPLING_FLAGS}, seed=seed)
+  return jaxtier.SamplingParams(**{name: sampling_flag(name) for name in SAMPLING_FLAGS}, seed=seed)
 
 
 def record_sampling(job: jaxtier.SamplingParams, ordinal: int) -> jaxtier.SamplingParams:

@@ -273,3 +273,38 @@ def test_help_lists_the_engine_flags():
   for flag in ("--model", "--max_num_seqs", "--on_bad_record", "--max_tokens"):
     assert flag in proc.stdout, proc.stdout
   assert "--chunk_size" not in proc.stdout
+
+
+def test_logit_flags_reach_the_sampling_params(tmp_path):
+  import jaxtier
+  lines = [json.dumps({"id": "a", "prompt": [5, 17, 17, 42, 9]}),
+           json.dumps({"id": "b", "prompt": "Hello"})]
+  flags = ("--max_tokens=6", "--repetition_penalty=1.3", "--frequency_penalty=0.5",
+           "--presence_penalty=0.25", "--min_p=0.05", "--min_tokens=2", "--logit_bias=7=-100",
+           "--logit_bias=11=4.5", "--bad_words=Hello")
+  proc, rows = run(tmp_path, lines, *flags)
+  assert proc.returncode == 0, proc.stderr
+  llm = jaxtier.LLM(fixture_path("tiny_llama"), max_model_len=64)
+  params = jaxtier.SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.3,
+                                  frequency_penalty=0.5, presence_penalty=0.25, min_p=0.05,
+                                  min_tokens=2, logit_bias={7: -100.0, 11: 4.5},
+                                  bad_words=["Hello"])
+  plain = jaxtier.SamplingParams(max_tokens=6, temperature=0)
+  prompts = {json.loads(line)["id"]: json.loads(line)["prompt"] for line in lines}
+  assert sorted(row["id"] for row in rows) == sorted(prompts)
+  for row in rows:
+    assert row["token_ids"] == list(llm.generate(prompts[row["id"]], params)[0].token_ids)
+  assert any(row["token_ids"] != list(llm.generate(prompts[row["id"]], plain)[0].token_ids)
+             for row in rows)
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--logit_bias=7", "expected TOKEN_ID=BIAS"),
+    ("--allowed_token_ids=3,x", "expected comma-separated token ids"),
+    ("--repetition_penalty=0", "repetition_penalty"),
+    ("--min_tokens=9", "min_tokens"),
+])
+def test_bad_logit_flags_are_refused(tmp_path, flag, message):
+  proc, _ = run(tmp_path, [json.dumps({"id": "a", "prompt": "Hello"})], flag)
+  assert proc.returncode == 2, proc.stderr
+  assert message in proc.stderr
