@@ -7,7 +7,9 @@ stream=true), /v1/models, /health and Prometheus /metrics.
 
 One engine thread steps continuously: a request joins the running batch at the next step. At
 start-up every program the engine can run is compiled (kept in JAX's persistent compilation cache,
-so a restart is fast); /health answers 503 until then, 200 after. SIGTERM (or Ctrl-C) stops
+so a restart is fast), its progress logged; /health answers 503 until then, 200 after (a warm-up
+that fails leaves /health at 503 with the reason, while requests are still served). The server
+logs at INFO unless --verbosity is given. SIGTERM (or Ctrl-C) stops
 accepting requests, lets running ones finish for up to --shutdown_timeout_s, ends the rest with
 finish_reason "abort" and exits 0; a second signal exits at once. Flag values are checked before
 the model is loaded.
@@ -84,11 +86,16 @@ def _report_ready(engine) -> None:
   if report is not None:
     print(f"ready: {report['programs']} programs compiled or loaded in {report['seconds']:.1f} s",
           file=sys.stderr, flush=True)
+  elif engine.warmup_error is not None:
+    print(f"warm-up failed: {engine.warmup_error} (/health answers 503)", file=sys.stderr,
+          flush=True)
 
 
 def main(argv):
   del argv
   engine_flags.prepare()
+  if not FLAGS["verbosity"].present:  # the warm-up's progress and failures, a failed step
+    logging.set_verbosity(logging.INFO)
   # Imported here so that a bad flag is reported without waiting for JAX to import.
   import uvicorn
 
