@@ -139,3 +139,19 @@ def test_logit_bias_is_clamped_and_null_vllm_fields_are_defaults(client, llm):
   huge = client.post("/v1/completions", json={**body, "logit_bias": {str(first): -1e9}}).json()
   clamped = llm.generate(PROMPT, greedy(max_tokens=6, logit_bias={first: -100}))[0].text
   assert huge["choices"][0]["text"] == clamped != plain
+
+
+@pytest.mark.parametrize("path, fields, param", [
+    ("/v1/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
+    ("/v1/completions", {"allowed_token_ids": [3, 100000]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"logit_bias": {"-1": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": [5, 100000]}, "prompt"),
+    ("/v1/completions", {"prompt": [[5, 6], [7] * 100]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 400}]}, "messages"),
+])
+def test_vocabulary_and_prompt_errors_are_400s_that_name_the_field(client, path, fields, param):
+  body = ({"prompt": PROMPT, "max_tokens": 4} if path == "/v1/completions"
+          else {"messages": CHAT, "max_tokens": 4})
+  response = client.post(path, json={**body, **fields})
+  assert response.status_code == 400, response.text
+  assert response.json()["error"]["param"] == param, response.json()

@@ -45,12 +45,13 @@ class OpenAIError(Exception):
     self.headers = headers
 
 
-def _checked(fn: Callable[..., T], *args) -> T:
-  """fn(*args), with bad input (ValueError, TypeError, a chat template's error) turned into 400."""
+def _checked(fn: Callable[..., T], *args, param: str | None = None) -> T:
+  """fn(*args), with bad input (ValueError, TypeError, a chat template's error) turned into a 400
+  naming `param` (or the sampling parameter a `SamplingParamError` names)."""
   try:
     return fn(*args)
   except (ValueError, TypeError, jinja2.TemplateError) as e:
-    raise OpenAIError(400, str(e)) from None
+    raise OpenAIError(400, str(e), param=getattr(e, "field", None) or param) from None
 
 
 _BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
@@ -140,6 +141,8 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
                           param="max_tokens")
     params = _checked(body.sampling_params, llm.max_model_len if max_tokens is None
                       else 1 if scored else max_tokens)
+    for p in params:  # token ids in logit_bias / allowed_token_ids, before the engine sees them
+      _checked(p.check_vocab, llm.config.vocab_size)
     echoes = None
     if echo:
       texts = [p if isinstance(p, str) else llm.tokenizer.decode(ids)
@@ -198,13 +201,14 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
   @app.post("/v1/completions")
   async def completions(body: CompletionRequest, request: fastapi.Request):
     check_model(body.model)
-    prompt_ids = [_checked(llm.prompt_token_ids, p, i) for i, p in enumerate(body.prompts())]
+    prompt_ids = [_checked(llm.prompt_token_ids, p, i, param="prompt")
+                  for i, p in enumerate(body.prompts())]
     return await serve(body, prompt_ids, request, chat=False, max_tokens=body.max_tokens)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request):
     check_model(body.model)
-    prompt_ids = [_checked(llm.chat_token_ids, body.conversation())]
+    prompt_ids = [_checked(llm.chat_token_ids, body.conversation(), param="messages")]
     return await serve(body, prompt_ids, request, chat=True, max_tokens=body.token_limit())
 
   return app
