@@ -11,6 +11,9 @@ machine that has JAX but not jaxtier's other dependencies):
 - `engine_tiny`: `jaxtier.LLM` on the tiny Llama fixture: greedy tokens of the contiguous-cache
   reference driver, the resident engine, the engine with offloaded tail layers, and the engine
   under a device pool small enough to swap, which must all be identical; swap bytes and seconds.
+- `sampling`: prompt log-probabilities of 24 and 40 prompts in one call against each alone, and the
+  logit controls (penalties, min_p, logit_bias) identical under swapping and without planning
+  ahead.
 - `decode`: a random-weight model of TinyLlama-1.1B's shape in bfloat16 (smaller with
   `--allow_cpu`): decode tokens/s at batch 1, 8 and 32 against the bound weight bytes / device copy
   rate, and with offloaded tail layers against max(resident step, offloaded bytes / host-to-device
@@ -24,6 +27,7 @@ so a run cut short still leaves what it measured.
   python scripts/validate_gpu.py --out=/tmp/v.json --allow_cpu       # a dry run on a CPU
 """
 
+import dataclasses
 import gc
 import json
 import os
@@ -38,7 +42,8 @@ from absl import app, flags
 _OUT = flags.DEFINE_string("out", "validate_gpu.json", "where the JSON goes")
 _ALLOW_CPU = flags.DEFINE_bool("allow_cpu", False, "run on a CPU (small shapes; a dry run)")
 _BUDGET = flags.DEFINE_float("budget_s", 420.0, "no section starts after this many seconds")
-_SECTIONS = flags.DEFINE_list("sections", ["env", "link", "hf_tiny", "engine_tiny", "decode"],
+_SECTIONS = flags.DEFINE_list("sections", ["env", "link", "hf_tiny", "engine_tiny", "sampling",
+                                           "decode"],
                               "sections to run, in order")
 _DECODE_BATCHES = flags.DEFINE_list("decode_batches", ["1", "8", "32"], "decode batch sizes")
 _DECODE_OFFLOAD = flags.DEFINE_list("decode_offload", ["8", "16"],
@@ -205,6 +210,67 @@ def section_engine_tiny() -> dict:
       gc.collect()
   out["all_identical"] = all(v["identical_to_reference"] for v in out.values())
   return out
+
+
+def section_sampling() -> dict:
+  """Prompt log-probabilities at row buckets that are not powers of two (24 and 40 prompts against
+  each prompt alone), and the logit controls: a penalized greedy run equal under a swapping pool
+  and with planning ahead off, and a logit_bias of -100 on the greedy token changing it."""
+  import jax
+  import numpy as np
+  import jaxtier
+  directory = os.path.join(FIXTURES, "tiny_llama")
+  rng = np.random.default_rng(2)
+  out = {}
+  with jax.default_matmul_precision("highest"):
+    llm = jaxtier.LLM(directory, max_model_len=64, max_num_seqs=40, block_size=4,
+                      num_device_blocks=512, num_host_blocks=64, dtype="float32")
+    scored = jaxtier.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    for n in (24, 40):
+      prompts = [rng.integers(3, 300, size=int(rng.integers(4, 20))).tolist() for _ in range(n)]
+      together = llm.generate(prompts, scored)
+      worst = 0.0
+      for prompt, out_together in zip(prompts[:6], together[:6]):
+        alone = llm.generate([prompt], scored)[0]
+        for a, b in zip(alone.prompt_logprobs[1:], out_together.prompt_logprobs[1:]):
+          worst = max(worst, max(abs(a[t].logprob - b[t].logprob) for t in a))
+      out[f"prompt_logprobs_{n}_rows_max_diff"] = worst
+    prompts = [rng.integers(3, 300, size=n).tolist() for n in (5, 11, 23, 3, 17, 30)]
+    penalized = jaxtier.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                       repetition_penalty=1.3, frequency_penalty=0.5,
+                                       presence_penalty=0.25, min_p=0.05)
+    base = _greedy_with(llm, prompts, penalized)
+    plain = _greedy_with(llm, prompts, dataclasses.replace(
+        penalized, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0))
+    out["penalties_change_tokens"] = base != plain
+    del llm
+    gc.collect()
+    for label, extra in (("swap", dict(num_device_blocks=24, num_host_blocks=96,
+                                       enable_prefix_caching=False)),
+                         ("no_async", dict(num_device_blocks=512, num_host_blocks=64,
+                                           async_scheduling=False))):
+      other = jaxtier.LLM(directory, max_model_len=64, max_num_seqs=8, block_size=4,
+                          dtype="float32", **extra)
+      out[f"penalties_identical_{label}"] = _greedy_with(other, prompts, penalized) == base
+      if label == "swap":
+        out["swap_out_count"] = other.stats().get("swap_out_count")
+      del other
+      gc.collect()
+    llm = jaxtier.LLM(directory, max_model_len=64, max_num_seqs=8, block_size=4,
+                      num_device_blocks=128, num_host_blocks=32, dtype="float32")
+    greedy = jaxtier.SamplingParams(max_tokens=1, temperature=0)
+    first = llm.generate([prompts[0]], greedy)[0].token_ids[0]
+    biased = llm.generate([prompts[0]], dataclasses.replace(greedy, logit_bias={first: -100.0}))
+    out["logit_bias_changes_greedy"] = biased[0].token_ids[0] != first
+  out["ok"] = (out["prompt_logprobs_24_rows_max_diff"] < 1e-4
+               and out["prompt_logprobs_40_rows_max_diff"] < 1e-4
+               and out["penalties_identical_swap"] and out["penalties_identical_no_async"]
+               and out["penalties_change_tokens"] and out["logit_bias_changes_greedy"])
+  return out
+
+
+def _greedy_with(llm, prompts, params):
+  return [list(o.token_ids) for o in llm.generate(prompts, params)]
 
 
 def _random_llama_dir(directory: str, small: bool) -> dict:
