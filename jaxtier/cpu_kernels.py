@@ -35,6 +35,8 @@ import jax
 import jaxlib
 from absl import logging
 
+from jaxtier import cache_dirs
+
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "kvcache" / "paged_attention_cpu.cc", _HERE / "matmul_cpu.cc",
            _HERE / "argmax_cpu.cc")
@@ -74,15 +76,13 @@ def _cpu_signature() -> str:
 
 
 def _library_path(compiler: str) -> Path:
-  # Imported here: jaxtier.checkpoint imports the model, whose layers use these kernels.
-  from jaxtier.checkpoint import registry  # pylint: disable=import-outside-toplevel
   key = hashlib.sha256()
   sources = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
   for part in (*sources, compiler.encode(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
                platform.machine().encode(), _cpu_signature().encode()):
     key.update(part)
     key.update(b"\0")
-  return Path(registry.cache_dir()) / "kernels" / f"jaxtier_cpu-{key.hexdigest()[:16]}.so"
+  return Path(cache_dirs.cache_dir()) / "kernels" / f"jaxtier_cpu-{key.hexdigest()[:16]}.so"
 
 
 def _build(compiler: str, path: Path) -> None:
