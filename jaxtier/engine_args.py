@@ -15,8 +15,9 @@ Sizing the KV pools (vLLM's names and meaning):
 """
 
 import dataclasses
-from typing import Any
 
+from jaxtier.checks import (MAX_PREFETCH_DEPTH, check_choice, check_int, check_offload,
+                            check_positive, int_or_auto, is_number)
 from jaxtier.kv_bytes import ELEMENT_BYTES
 from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.scheduler.config import PREEMPTION_MODES
@@ -28,7 +29,6 @@ LAYER_EXECUTIONS = ("auto", "scan", "unrolled")
 ATTENTION_IMPLS = ("auto", "xla", "cpu", "pallas")
 WEIGHT_FORMATS = ("auto", "float")
 BLOCK_ACTIVATIONS = ("auto", "float32", "int16")  # "auto" or one of jaxtier.matmul.ACTIVATIONS
-MAX_PREFETCH_DEPTH = 4
 MAX_BLOCK_SIZE = 1024
 CPU_DEFAULT_KV_GB = 0.256
 CPU_DEFAULT_REQUEST_TOKENS = 2048
@@ -50,63 +50,6 @@ def cpu_default_pool_blocks(max_num_seqs: int, max_model_len: int, block_size: i
   cap = int(CPU_DEFAULT_KV_GB * GB // block_bytes)
   device = max(min(max_num_seqs * request, cap), blocks_for(max_model_len, block_size))
   return device, int(device * CPU_DEFAULT_HOST_FRACTION)
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-
-
-def check_int(name: str, value, low: int, high: int | None = None, optional: bool = False) -> None:
-  """Raises ValueError naming `name` unless `value` is an int in [low, high] (None if optional)."""
-  if optional and value is None:
-    return
-  if not _is_int(value) or value < low or (high is not None and value > high):
-    expected = f">= {low}" if high is None else f"in [{low}, {high}]"
-    raise ValueError(f"{name}={value!r}: expected an int {expected}"
-                     + (" or None" if optional else ""))
-
-
-def check_positive(name: str, value, optional: bool = True, zero: bool = False) -> None:
-  """Raises ValueError unless `value` is a number > 0 (>= 0 with `zero`), or None if optional."""
-  if optional and value is None:
-    return
-  if not _is_number(value) or value < 0 or (value == 0 and not zero):
-    raise ValueError(f"{name}={value!r}: expected a number {'>= 0' if zero else '> 0'}"
-                     + (" or None" if optional else ""))
-
-
-def check_choice(name: str, value, choices) -> None:
-  if value not in choices:
-    raise ValueError(f"{name}={value!r}: expected one of {tuple(choices)}")
-
-
-def int_or_auto(name: str, value: Any, low: int, high: int | None = None) -> int | str:
-  """`value` (an int, "auto", or digits as flags give them) as an int in range, or "auto"."""
-  if value == "auto":
-    return value
-  if isinstance(value, str):
-    try:
-      value = int(value)
-    except ValueError:
-      pass
-  if not _is_int(value) or value < low or (high is not None and value > high):
-    expected = f">= {low}" if high is None else f"in [{low}, {high}]"
-    raise ValueError(f"{name}={value!r}: expected 'auto' or an int {expected}")
-  return value
-
-
-def check_offload(offload_tail_layers, prefetch_depth, num_layers: int | None = None) -> None:
-  """The one validation of the offload arguments; with `num_layers`, also their upper bounds."""
-  int_or_auto("offload_tail_layers", offload_tail_layers, 0, num_layers)
-  int_or_auto("prefetch_depth", prefetch_depth, 1, MAX_PREFETCH_DEPTH)
-  if num_layers is not None and _is_int(offload_tail_layers) and _is_int(prefetch_depth) \
-      and offload_tail_layers and prefetch_depth > offload_tail_layers:
-    raise ValueError(f"prefetch_depth={prefetch_depth} is more than the {offload_tail_layers} "
-                     f"offloaded layer(s); expected prefetch_depth <= {offload_tail_layers}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,12 +161,12 @@ class EngineArgs:
       if getattr(self, a) is not None and getattr(self, b) is not None:
         raise ValueError(f"{a}={getattr(self, a)!r} and {b}={getattr(self, b)!r}: expected at "
                          "most one of the two")
-    if not _is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
+    if not is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
       raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: expected a "
                        "number in (0, 1]")
     check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
     check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-    if not _is_number(self.watermark) or not 0 <= self.watermark < 1:
+    if not is_number(self.watermark) or not 0 <= self.watermark < 1:
       raise ValueError(f"watermark={self.watermark!r}: expected a number in [0, 1)")
     check_choice("victim_policy", self.victim_policy, tuple(VICTIM_POLICIES))
     for name in ("enable_prefix_caching", "host_prefix_caching", "async_scheduling"):

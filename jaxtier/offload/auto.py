@@ -14,10 +14,10 @@ import dataclasses
 
 import jax
 
+from jaxtier.checks import check_offload
 from jaxtier.config import ModelConfig
 from jaxtier.offload import measure
 from jaxtier.offload.planner import ModelBytes, OffloadPlan, plan
-from jaxtier.engine_args import check_offload
 from jaxtier.offload.prefetch import check_depth
 
 

@@ -18,6 +18,7 @@ import dataclasses
 import math
 
 from jaxtier import kv_bytes
+from jaxtier.checks import check_int
 from jaxtier.config import ModelConfig
 from jaxtier.offload.prefetch import MAX_DEPTH
 
@@ -50,16 +51,16 @@ class ModelBytes:
   resident_layer_bytes: tuple[int, ...] = ()
 
   def __post_init__(self):
-    _check_int("num_layers", self.num_layers, 1)
-    _check_int("layer_bytes", self.layer_bytes, 1)
+    check_int("num_layers", self.num_layers, 1)
+    check_int("layer_bytes", self.layer_bytes, 1)
     for name in ("other_bytes", "kv_bytes_per_token", "layer_flops_per_token", "attention_width"):
-      _check_int(name, getattr(self, name), 0)
+      check_int(name, getattr(self, name), 0)
     if self.resident_layer_bytes:
       if len(self.resident_layer_bytes) != self.num_layers:
         raise ValueError(f"resident_layer_bytes: {len(self.resident_layer_bytes)} entries, "
                          f"expected num_layers={self.num_layers}")
       for value in self.resident_layer_bytes:
-        _check_int("resident_layer_bytes", value, 1)
+        check_int("resident_layer_bytes", value, 1)
 
   def resident_bytes(self, layers: range) -> int:
     """Device bytes of `layers` held resident (R(stop) - R(start) in the module docstring)."""
@@ -90,7 +91,7 @@ class ModelBytes:
     if kv_cache_dtype is None:
       kv_cache_dtype = "bfloat16" if dtype == "float16" else dtype
     c, tp = config, tensor_parallel_size
-    _check_int("tensor_parallel_size", tp, 1)
+    check_int("tensor_parallel_size", tp, 1)
     tables = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     norms = 2 * c.hidden_size
     layer_params = (c.layer_param_count - norms) // tp + norms
@@ -138,7 +139,7 @@ class OffloadPlan:
   max_hidden_layers: int  # most tail layers whose transfers the compute still hides
 
   def __post_init__(self):
-    _check_int("offload_tail_layers", self.offload_tail_layers, 0)
+    check_int("offload_tail_layers", self.offload_tail_layers, 0)
     if self.offload_tail_layers > self.model.num_layers:
       raise ValueError(f"offload_tail_layers={self.offload_tail_layers}: expected at most "
                        f"num_layers={self.model.num_layers}")
@@ -258,8 +259,8 @@ def depth_for(transfer_s: float, compute_s: float, offloaded: int) -> int:
 
 def kv_reservation(model: ModelBytes, concurrency: int, context_len: int) -> int:
   """K for `concurrency` sequences of `context_len` tokens each."""
-  _check_int("concurrency", concurrency, 1)
-  _check_int("context_len", context_len, 1)
+  check_int("concurrency", concurrency, 1)
+  check_int("context_len", context_len, 1)
   return concurrency * context_len * model.kv_bytes_per_token
 
 
@@ -277,12 +278,12 @@ def plan(model: ModelBytes, *, device_memory_bytes: int, link_bytes_per_s: float
                       ("kv_reserve_bytes", kv_reserve_bytes),
                       ("activation_reserve_bytes", activation_reserve_bytes),
                       ("kv_swap_bytes_per_step", kv_swap_bytes_per_step)):
-    _check_int(name, value, 1 if name == "device_memory_bytes" else 0)
+    check_int(name, value, 1 if name == "device_memory_bytes" else 0)
   for name, value in (("link_bytes_per_s", link_bytes_per_s), ("layer_compute_s", layer_compute_s)):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
       raise ValueError(f"{name}={value!r}: expected a positive number")
   if prefetch_depth is not None:
-    _check_int("prefetch_depth", prefetch_depth, 1)
+    check_int("prefetch_depth", prefetch_depth, 1)
   t_x, t_c, total = model.layer_bytes / link_bytes_per_s, layer_compute_s, model.num_layers
 
   def depth_of(n: int) -> int:
@@ -293,7 +294,7 @@ def plan(model: ModelBytes, *, device_memory_bytes: int, link_bytes_per_s: float
     needed = _fewest_offloaded(model, budget, depth_of(total))
     offload_tail_layers, fits = min(needed, total), needed <= total
   else:
-    _check_int("offload_tail_layers", offload_tail_layers, 0)
+    check_int("offload_tail_layers", offload_tail_layers, 0)
     fits = _resident(model, offload_tail_layers, depth_of(offload_tail_layers)) <= budget
   depth = depth_of(offload_tail_layers)
   kv_s = kv_swap_bytes_per_step / link_bytes_per_s
@@ -340,8 +341,3 @@ def _itemsize(dtype: str, name: str) -> int:
   if dtype not in sizes:
     raise ValueError(f"{name}={dtype!r}: expected one of {sorted(sizes)}")
   return sizes[dtype]
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise ValueError(f"{name}={value!r}: expected an int >= {minimum}")

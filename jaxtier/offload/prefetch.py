@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtier.engine_args import MAX_PREFETCH_DEPTH, check_int
+from jaxtier.checks import MAX_PREFETCH_DEPTH, check_int
 from jaxtier.model import DecoderLayer, GroupedTransformer, Transformer
 from jaxtier.offload import placement
 

@@ -7,6 +7,7 @@ into `block_bytes`, the bytes of one block, so that byte budgets and simulators 
 import dataclasses
 import math
 
+from jaxtier.checks import check_choice, check_int
 from jaxtier.scheduler import policies
 
 PREEMPTION_MODES = ("swap", "recompute")
@@ -67,12 +68,12 @@ class SchedulerConfig:
   host_prefix_caching: bool = True
 
   def __post_init__(self):
-    _check_int("num_device_blocks", self.num_device_blocks, 1)
-    _check_int("num_host_blocks", self.num_host_blocks, 0)
-    _check_int("block_size", self.block_size, 1)
-    _check_int("max_running", self.max_running, 1)
-    _check_int("max_tokens_per_step", self.max_tokens_per_step, self.max_running)
-    _check_int("watermark_blocks", self.watermark_blocks, 0)
+    check_int("num_device_blocks", self.num_device_blocks, 1)
+    check_int("num_host_blocks", self.num_host_blocks, 0)
+    check_int("block_size", self.block_size, 1)
+    check_int("max_running", self.max_running, 1)
+    check_int("max_tokens_per_step", self.max_tokens_per_step, self.max_running)
+    check_int("watermark_blocks", self.watermark_blocks, 0)
     if not 0.0 <= self.watermark_fraction < 1.0:
       raise ValueError(f"watermark_fraction={self.watermark_fraction!r}: expected 0 <= x < 1")
     if self.watermark_blocks and self.watermark_fraction:
@@ -82,9 +83,9 @@ class SchedulerConfig:
       raise ValueError(f"watermark={self.watermark} blocks: expected fewer than num_device_blocks="
                        f"{self.num_device_blocks}")
     if self.max_blocks_per_request is not None:
-      _check_int("max_blocks_per_request", self.max_blocks_per_request, 1)
-    _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-    _check_choice("host_full", self.host_full, HOST_FULL_FALLBACKS)
+      check_int("max_blocks_per_request", self.max_blocks_per_request, 1)
+    check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+    check_choice("host_full", self.host_full, HOST_FULL_FALLBACKS)
     policies.resolve_victim_policy(self.victim_policy)
     for name in ("prefetch_swap_in", "enable_prefix_caching", "host_prefix_caching"):
       if not isinstance(getattr(self, name), bool):
@@ -92,12 +93,12 @@ class SchedulerConfig:
     self._check_link()
 
   def _check_link(self):
-    _check_int("block_bytes", self.block_bytes, 0)
-    _check_int("weight_prefetch_bytes_per_step", self.weight_prefetch_bytes_per_step, 0)
+    check_int("block_bytes", self.block_bytes, 0)
+    check_int("weight_prefetch_bytes_per_step", self.weight_prefetch_bytes_per_step, 0)
     if not 0.0 <= self.kv_link_share <= 1.0:
       raise ValueError(f"kv_link_share={self.kv_link_share!r}: expected 0 <= x <= 1")
     if self.link_bytes_per_step is not None:
-      _check_int("link_bytes_per_step", self.link_bytes_per_step, 1)
+      check_int("link_bytes_per_step", self.link_bytes_per_step, 1)
       if self.block_bytes == 0:
         raise ValueError(f"link_bytes_per_step={self.link_bytes_per_step!r} with block_bytes=0: "
                          "expected block_bytes > 0 so that swaps can be counted in bytes")
@@ -118,13 +119,3 @@ class SchedulerConfig:
     if self.max_blocks_per_request is None:
       return self.num_device_blocks
     return min(self.max_blocks_per_request, self.num_device_blocks)
-
-
-def _check_int(name: str, value, minimum: int):
-  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-    raise ValueError(f"{name}={value!r}: expected an int >= {minimum}")
-
-
-def _check_choice(name: str, value, choices: tuple[str, ...]):
-  if value not in choices:
-    raise ValueError(f"{name}={value!r}: expected one of {choices}")

@@ -13,6 +13,8 @@ import typing
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from jaxtier.checks import check_int
+
 RequestId = Hashable
 
 FINISHED = "finished"
@@ -67,11 +69,11 @@ class Request:
   def __post_init__(self):
     if self.request_id is None or not isinstance(self.request_id, Hashable):
       raise ValueError(f"request_id={self.request_id!r}: expected a hashable id, not None")
-    _check_int("prompt_len", self.prompt_len, 1)
-    _check_int("max_tokens", self.max_tokens, 1)
-    _check_int("priority", self.priority, None)
+    check_int("prompt_len", self.prompt_len, 1)
+    check_int("max_tokens", self.max_tokens, 1)
+    check_int("priority", self.priority)
     if self.predicted_output_len is not None:
-      _check_int("predicted_output_len", self.predicted_output_len, 0)
+      check_int("predicted_output_len", self.predicted_output_len, 0)
     if not isinstance(self.arrival_time, (int, float)) or self.arrival_time != self.arrival_time:
       raise ValueError(f"arrival_time={self.arrival_time!r}: expected a number")
     if self.prompt_token_ids and len(self.prompt_token_ids) != self.prompt_len:
@@ -135,10 +137,3 @@ class Ended:
   status: str
   reason: str
   detail: str = ""
-
-
-def _check_int(name: str, value, minimum: int | None):
-  if not isinstance(value, int) or isinstance(value, bool):
-    raise ValueError(f"{name}={value!r}: expected an int")
-  if minimum is not None and value < minimum:
-    raise ValueError(f"{name}={value!r}: expected an int >= {minimum}")
