@@ -52,97 +52,125 @@ def cpu_default_pool_blocks(max_num_seqs: int, max_model_len: int, block_size: i
   return device, int(device * CPU_DEFAULT_HOST_FRACTION)
 
 
+def _arg(default, help_text: str, choices: tuple[str, ...] | None = None):
+  """A field of `EngineArgs`: its default, its help (the flag's help text) and fixed choices."""
+  metadata = {"help": help_text}
+  if choices is not None:
+    metadata["choices"] = tuple(choices)
+  return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineArgs:
   """Every engine argument of `jaxtier.LLM` (and flag of the scripts), validated on creation.
 
-  Attributes:
-    model: a registry name, a Hugging Face directory, a .gguf file or a jaxtier Orbax directory.
-    dtype: parameter and activation dtype.
-    max_model_len: context window (prompt plus generated tokens); None: the model's.
-    max_num_seqs: most requests running (holding device KV) at once. Default 64: on CPU a
-      decode step of 64 rows reads the weights once for 64 tokens, and past that each row's
-      attention over its own KV, not the weights, is most of the step.
-    max_num_batched_tokens: token budget of one step (decodes plus prefill chunks); None: 2048 or
-      max_num_seqs, whichever is larger. Longer prompts are prefilled in chunks.
-    block_size: tokens per KV block.
-    num_device_blocks, kv_cache_memory_gb: the device KV pool in blocks or GB (at most one).
-    num_host_blocks, swap_space_gb: the pinned-host KV pool in blocks or GB (at most one).
-    gpu_memory_utilization: the share of device memory the default device pool sizing may fill.
-    kv_cache_dtype: "auto" (the model dtype), "float32", "bfloat16" or "int8" (per-token scales).
-    preemption_mode: "swap" (KV moves to the host pool) or "recompute" (prefilled again).
-    watermark: share of device blocks kept free for running requests to grow into, in [0, 1).
-    victim_policy: which running request is preempted first (scheduler.VICTIM_POLICIES).
-    enable_prefix_caching: reuse the KV of full prompt blocks that earlier requests computed
-      (a shared system prompt, earlier turns of a chat); on by default, as in vLLM.
-    host_prefix_caching: blocks the device prefix cache evicts are kept in the host pool and loaded
-      back on a hit (needs a host pool; swapped-out requests take its blocks first).
-    async_scheduling: plan and dispatch the next decode step before this one's tokens are read
-      (vLLM's async scheduling), so the host's work overlaps the device's; the same tokens.
-    seed: seeds the per-request seeds of requests that do not set one.
-    layer_execution: "scan", "unrolled" (separate per-layer buffers, faster on CPU) or "auto".
-    offload_tail_layers: last layers kept in pinned host memory, an int or "auto" (the planner).
-    prefetch_depth: layers the offloaded tail is fetched ahead, 1 to 4 or "auto".
-    device_memory_gb: device memory for the planner and the default pool sizing; None: reported.
-    tensor_parallel_size: devices the model, both KV pools and the offloaded tail are sharded over
-      (a `tp` mesh of this process's first devices; see `jaxtier.sharding`).
-    trace_path: where to append a per-step JSONL trace (None: no trace).
-    attention_impl: paged attention: "cpu" (C++ kernels for decode and prefill rows reading the
-      paged pool in place, built on first use; see `jaxtier.cpu_kernels`), "xla", "pallas" (the
-      GPU kernel for decode steps), or
-      "auto": "cpu" for a pool on one CPU device when a C++ compiler is found, else "xla".
-    weight_format: "auto": where a GGUF file stores weights in blocks and the CPU kernels
-      multiply the layers, those weights stay in blocks (with float32 activations the kernel
-      dequantizes them in cache, and its products are bit for bit those of the dequantized
-      float32 weights; see block_activations), per layer and
-      fused kernel (q/k/v, gate/up, o, down) in the smallest format that holds all its weights
-      exactly: Q4_1 (0.75 bytes a weight instead of 4) for Q4_1, as the default model stores
-      them, Q4_0 or Q4_K; Q8_0 (1.125) for Q8_0 or Q5_0; else 8-bit values with a scale and
-      minimum per 16 weights (1.5) for those and Q6_K, Q5_K, Q5_1, Q3_K, Q2_K (a Q4_K_M file's
-      mixed q/k/v, its Q6_K projections and LM head); the LM head likewise. Other types (F16,
-      the IQ types) are dequantized. "float": every weight dequantized to `dtype` on load.
-    block_activations: how the blocks weight_format="auto" keeps multiply. "int16": each
-      matmul quantizes its input per block of 32 values to int16 and sums every block's
-      products exactly in integers, as llama.cpp multiplies its blocks (with int8 inputs);
-      a decode step's weight matmuls run 1.3-2x faster, and logits move by up to ~3e-3 on the
-      default model (int8 inputs moved them by up to 0.66 and changed greedy output). A row's
-      result still does not depend on the other rows of its batch. "float32": bit for bit
-      the dequantized model. "auto" (the default): "int16" where the kernels multiply int16 in
-      vector instructions (x86 with AVX2 or AVX-512), else "float32".
-    chat_template: the chat template `chat` and chat requests render with, instead of the
-      model's: a path to a .jinja file, or the template itself (a value holding a brace or a
-      newline), as vLLM's --chat-template; None: the model's (see
-      `jaxtier.tokenizer.read_chat_template`).
+  Each field is documented once, by its `help` (`dataclasses.field` metadata, read by
+  `field_help`), with its fixed values, if any, as `choices`: `jaxtier.engine_flags` generates the
+  scripts' flags (same names, defaults and help) from these fields, and the Attributes section of
+  this docstring is built from them below.
   """
-  model: str = "smollm2-135m-instruct"
-  dtype: str = "float32"
-  max_model_len: int | None = None
-  max_num_seqs: int = 64
-  max_num_batched_tokens: int | None = None
-  block_size: int = 16
-  num_device_blocks: int | None = None
-  kv_cache_memory_gb: float | None = None
-  num_host_blocks: int | None = None
-  swap_space_gb: float | None = None
-  gpu_memory_utilization: float = 0.9
-  kv_cache_dtype: str = "auto"
-  preemption_mode: str = "swap"
-  watermark: float = 0.01
-  victim_policy: str = "longest_waiting"
-  enable_prefix_caching: bool = True
-  host_prefix_caching: bool = True
-  async_scheduling: bool = True
-  seed: int = 0
-  layer_execution: str = "auto"
-  offload_tail_layers: int | str = 0
-  prefetch_depth: int | str = "auto"
-  device_memory_gb: float | None = None
-  tensor_parallel_size: int = 1
-  trace_path: str | None = None
-  attention_impl: str = "auto"
-  weight_format: str = "auto"
-  block_activations: str = "auto"
-  chat_template: str | None = None
+  model: str = _arg(
+      "smollm2-135m-instruct",
+      "a registry name, a Hugging Face directory, a .gguf file or a jaxtier Orbax directory")
+  dtype: str = _arg("float32", "parameter and activation dtype", DTYPES)
+  max_model_len: int | None = _arg(
+      None, "context window (prompt plus generated tokens); default: the model's")
+  max_num_seqs: int = _arg(
+      64, "most requests running (holding device KV) at once. Default 64: on CPU a decode step "
+      "of 64 rows reads the weights once for 64 tokens, and past that each row's attention over "
+      "its own KV, not the weights, is most of the step")
+  max_num_batched_tokens: int | None = _arg(
+      None, "token budget of one step (decodes plus prefill chunks; longer prompts are prefilled "
+      "in chunks); default: max(2048, max_num_seqs)")
+  block_size: int = _arg(16, f"tokens per KV block, 1 to {MAX_BLOCK_SIZE}")
+  num_device_blocks: int | None = _arg(
+      None, "the device KV pool in blocks (or kv_cache_memory_gb, not both); default: see "
+      "kv_cache_memory_gb")
+  kv_cache_memory_gb: float | None = _arg(
+      None, "the device KV pool in GB (or num_device_blocks, not both); default: the device "
+      "memory left after weights and an activation reserve, times gpu_memory_utilization, or on "
+      "CPU, where the backend reports no memory, room for max_num_seqs requests of "
+      f"min(max_model_len, {CPU_DEFAULT_REQUEST_TOKENS}) tokens, at most "
+      f"{CPU_DEFAULT_KV_GB * 1000:g} MB and at least one max_model_len sequence")
+  num_host_blocks: int | None = _arg(
+      None, "the pinned-host KV pool (for swapped-out blocks) in blocks (or swap_space_gb, not "
+      "both); default: as many as the device pool, so every running request can be swapped out "
+      f"once (on CPU with the default device pool: {CPU_DEFAULT_HOST_FRACTION:g} of it, as both "
+      "pools are the same RAM)")
+  swap_space_gb: float | None = _arg(
+      None, "the pinned-host KV pool in GB (or num_host_blocks, not both); default: see "
+      "num_host_blocks")
+  gpu_memory_utilization: float = _arg(
+      0.9, "the share of device memory the default device KV pool sizing may fill, in (0, 1]")
+  kv_cache_dtype: str = _arg(
+      "auto", "KV cache dtype; auto: the model dtype; int8 keeps a float32 scale per token",
+      KV_CACHE_DTYPES)
+  preemption_mode: str = _arg(
+      "swap", "what happens to a preempted request's KV: swap (moved to the host pool) or "
+      "recompute (dropped and prefilled again)", PREEMPTION_MODES)
+  watermark: float = _arg(
+      0.01, "share of device KV blocks kept free for running requests to grow into, in [0, 1)")
+  victim_policy: str = _arg(
+      "longest_waiting", "which running request is preempted first (see "
+      "jaxtier.scheduler.policies)", tuple(VICTIM_POLICIES))
+  enable_prefix_caching: bool = _arg(
+      True, "reuse the KV of full prompt blocks that earlier requests computed (a shared system "
+      "prompt, earlier turns of a chat); on by default, as in vLLM")
+  host_prefix_caching: bool = _arg(
+      True, "keep the prefix blocks the device cache evicts in the host pool and load them back "
+      "on a hit (needs a host pool; swapped-out requests take its blocks first)")
+  async_scheduling: bool = _arg(
+      True, "plan and dispatch the next decode step before this one's tokens are read (vLLM's "
+      "async scheduling), so the host's work overlaps the device's; the same tokens")
+  seed: int = _arg(0, "seeds the per-request seeds of requests that do not set one")
+  layer_execution: str = _arg(
+      "auto", "how resident layers run: scan (one lax.scan over stacked layers), unrolled "
+      "(separate per-layer buffers, faster on CPU), or auto: unrolled on CPU, scan elsewhere",
+      LAYER_EXECUTIONS)
+  offload_tail_layers: int | str = _arg(
+      0, "last layers kept in pinned host memory and streamed to the device every step: an int "
+      ">= 0 or 'auto' (the offload planner)")
+  prefetch_depth: int | str = _arg(
+      "auto", f"layers the offloaded tail is fetched ahead: 1 to {MAX_PREFETCH_DEPTH} or 'auto'")
+  device_memory_gb: float | None = _arg(
+      None, "device memory in GB for offload_tail_layers='auto' (the planner) and the default KV "
+      "pool sizing; default: what the device reports (nothing on CPU)")
+  tensor_parallel_size: int = _arg(
+      1, "devices the model, both KV pools and the offloaded tail are sharded over (a tp mesh of "
+      "this process's first devices, split by heads: must divide the model's KV heads; see "
+      "jaxtier.sharding)")
+  trace_path: str | None = _arg(
+      None, "append a per-step JSONL trace of the engine to this file (read by "
+      "scripts/doctor.py); default: no trace")
+  attention_impl: str = _arg(
+      "auto", "paged attention: cpu (C++ kernels for decode and prefill rows reading the paged "
+      "pool in place, built on first use; see jaxtier.cpu_kernels), xla, pallas (the GPU kernel "
+      "for decode steps), or auto: cpu for a pool on one CPU device when a C++ compiler is "
+      "found, else xla", ATTENTION_IMPLS)
+  weight_format: str = _arg(
+      "auto", "auto: where a GGUF file stores weights in blocks and the CPU kernels multiply the "
+      "layers, those weights stay in blocks (with float32 activations the kernel dequantizes "
+      "them in cache, and its products are bit for bit those of the dequantized float32 "
+      "weights; see block_activations), per layer and fused kernel (q/k/v, gate/up, o, down) in "
+      "the smallest format that holds all its weights exactly: Q4_1 (0.75 bytes a weight "
+      "instead of 4) for Q4_1, as the default model stores them, Q4_0 or Q4_K; Q8_0 (1.125) for "
+      "Q8_0 or Q5_0; else 8-bit values with a scale and minimum per 16 weights (1.5) for those "
+      "and Q6_K, Q5_K, Q5_1, Q3_K, Q2_K (a Q4_K_M file's mixed q/k/v, its Q6_K projections and "
+      "LM head); the LM head likewise. Other types (F16, the IQ types) are dequantized. float: "
+      "every weight dequantized to dtype on load", WEIGHT_FORMATS)
+  block_activations: str = _arg(
+      "auto", "how the blocks weight_format=auto keeps multiply. int16: each matmul quantizes "
+      "its input per block of 32 values to int16 and sums every block's products exactly in "
+      "integers, as llama.cpp multiplies its blocks (with int8 inputs); a decode step's weight "
+      "matmuls run 1.3-2x faster, and logits move by up to ~3e-3 on the default model (int8 "
+      "inputs moved them by up to 0.66 and changed greedy output). A row's result still does "
+      "not depend on the other rows of its batch. float32: bit for bit the dequantized model. "
+      "auto: int16 where the kernels multiply int16 in vector instructions (x86 with AVX2 or "
+      "AVX-512), else float32", BLOCK_ACTIVATIONS)
+  chat_template: str | None = _arg(
+      None, "the chat template chat requests render with, instead of the model's: a path to a "
+      ".jinja file, or the template itself (a value holding a brace or a newline), as vLLM's "
+      "--chat-template; default: the model's (see jaxtier.tokenizer.read_chat_template)")
 
   def __post_init__(self):
     if not isinstance(self.model, str) or not self.model:
@@ -212,3 +240,19 @@ class EngineArgs:
 
 
 ARG_NAMES = tuple(f.name for f in dataclasses.fields(EngineArgs))
+
+
+def field_help(name: str) -> str:
+  """The help text of engine argument `name`: its documentation and its flag's help."""
+  return _FIELDS[name].metadata["help"]
+
+
+def field_choices(name: str) -> tuple[str, ...] | None:
+  """The fixed values engine argument `name` may take (its flag is an enum), or None."""
+  return _FIELDS[name].metadata.get("choices")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
+if EngineArgs.__doc__:  # None under python -OO
+  EngineArgs.__doc__ += "\n  Attributes:\n" + "".join(
+      f"    {f.name}: {f.metadata['help']}.\n" for f in dataclasses.fields(EngineArgs))

@@ -44,14 +44,14 @@ flags.register_validator(
     "api_key", lambda value: (key := _api_key(value)) is None or (
         key != "" and all(33 <= ord(c) <= 126 for c in key)),
     message="the API key (--api_key or $JAXTIER_API_KEY) must be printable ASCII without spaces")
-flags.DEFINE_integer("seed", 0, "seeds the sampling seeds of requests that send none",
-                     lower_bound=0)
+engine_flags.define_flag("seed")  # LLM's seed: requests that send none get seeds from it
 flags.DEFINE_integer("max_queued_requests", 1024, "most requests waiting for admission; more "
                      "get 429 with a Retry-After header", lower_bound=1)
 flags.DEFINE_float("shutdown_timeout_s", 30.0, "on SIGTERM, how long running requests may still "
                    "run before they end with finish_reason 'abort'", lower_bound=0)
 flags.DEFINE_boolean("warmup", True, "compile every program before /health says ok (else the "
                      "first request of each shape waits for its compile)")
+flags.adopt_module_key_flags(engine_flags)  # --help lists the engine flags (and --seed)
 
 def _draining_server(config, engine, timeout_s: float):
   """A uvicorn server whose first SIGTERM/SIGINT drains the engine (`AsyncEngine.drain`) before
