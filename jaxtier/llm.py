@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from jaxtier import checkpoint, matmul, offload, sharding
 from jaxtier.checkpoint import placed
 from jaxtier.buckets import pow2_bucket
-from jaxtier.engine import doctor
+from jaxtier.tools import doctor
 from jaxtier.engine.engine import Engine, EngineConfig
 from jaxtier.engine_args import (GB, LAYER_EXECUTIONS, EngineArgs, check_offload,
                                  cpu_default_pool_blocks)
@@ -335,7 +335,7 @@ class LLM:
     self.engine.reset_prefix_cache()
 
   def doctor(self) -> str:
-    """The symptom -> remedy rows that this run's figures show (see `jaxtier.engine.doctor`)."""
+    """The symptom -> remedy rows that this run's figures show (see `jaxtier.tools.doctor`)."""
     stats = self.stats()
     return doctor.report(doctor.diagnose(stats), stats)
 

@@ -35,8 +35,9 @@ from jaxtier.config import ModelConfig
 from jaxtier.generate import model_step, step_fn
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.model import GroupedTransformer, Transformer
-from jaxtier.offload import hlo, measure
+from jaxtier.offload import measure
 from jaxtier.sampling import SamplingArrays, SamplingParams
+from jaxtier.tools import hlo
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("mode", "cpu", ["cpu", "device"], "see the module docstring")

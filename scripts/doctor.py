@@ -1,7 +1,7 @@
 """Run doctor: reads a run's stats (and optionally its per-step trace), prints what to change.
 
 Matches the stats (what `LLM.stats()` returns, saved as JSON) against the symptom -> remedy table of
-jaxtier/engine/doctor.py and prints every row that applies with the figures that triggered it, then
+jaxtier/tools/doctor.py and prints every row that applies with the figures that triggered it, then
 the three numbers to watch on every run: swap count, swap bytes and swap time.
 
   python scripts/doctor.py --stats=run_stats.json
@@ -15,7 +15,7 @@ import sys
 
 from absl import app, flags
 
-from jaxtier.engine import doctor
+from jaxtier.tools import doctor
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("stats", None, "the run's stats, a JSON object (LLM.stats())", required=True)

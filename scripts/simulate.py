@@ -14,7 +14,7 @@ Pool sizes come from memory sizes and the model's shape unless --num_device_bloc
 --num_host_blocks give them: device KV = device_gb - weights_gb - reserve_gb; GB here are 1e9 bytes.
 The report holds throughput, TTFT and per-token latency percentiles, swap count, bytes and seconds,
 preemptions, peak pool usage and the prefix cache's hits, write-backs and loads (see
-jaxtier/scheduler/simulator.py for the cost model). The chat workload (--workload=chat) gives each
+jaxtier/tools/simulator.py for the cost model). The chat workload (--workload=chat) gives each
 request its prompt token ids, which prefix caching needs; the synthetic one and traces give only
 lengths, so caching finds nothing to share there.
 """
@@ -26,8 +26,8 @@ from absl import app, flags
 
 from jaxtier.kv_bytes import ELEMENT_BYTES, kv_block_bytes
 from jaxtier.scheduler import SchedulerConfig
-from jaxtier.scheduler import simulator
 from jaxtier.scheduler.policies import VICTIM_POLICIES
+from jaxtier.tools import simulator
 
 _GB = 1e9
 WORKLOADS = ("synthetic", "chat")

@@ -24,7 +24,7 @@ from flax import nnx  # pylint: disable=wrong-import-position
 
 import jaxtier  # pylint: disable=wrong-import-position
 from jaxtier import offload  # pylint: disable=wrong-import-position
-from jaxtier.offload import hlo  # pylint: disable=wrong-import-position
+from jaxtier.tools import hlo  # pylint: disable=wrong-import-position
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.\n",
            "1, 2, 3, 4, 5,", "def fibonacci(n):"]

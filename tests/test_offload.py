@@ -22,7 +22,7 @@ from jaxtier.generate import model_step
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.model import Transformer, scan_layers
 from jaxtier.rotary import rotary_tables
-from jaxtier.offload import hlo
+from jaxtier.tools import hlo
 from jaxtier.sampling import SamplingArrays, SamplingParams
 from conftest import fixture_path
 

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from jaxtier.scheduler import ComputeBatch, Plan, Request, SchedulerConfig, simulator
+from jaxtier.scheduler import ComputeBatch, Plan, Request, SchedulerConfig
 from jaxtier.scheduler.state import EMPTY_BATCH
+from jaxtier.tools import simulator
 
 _ROOT = pathlib.Path(__file__).parent.parent
 _COST = simulator.CostModel(step_base_s=0.01, per_token_s=1e-4, link_bytes_per_s=1e6,

@@ -9,7 +9,7 @@ The plan is the whole contract with the device: block ids to copy and the block 
 sequence that computes. See `transitions` for the engine loop and `planning` for the policy.
 """
 
-from jaxtier.scheduler import allocator, policies, prefix, simulator
+from jaxtier.scheduler import allocator, policies, prefix
 from jaxtier.scheduler.allocator import BlockPool, blocks_for
 from jaxtier.scheduler.config import SchedulerConfig
 from jaxtier.scheduler.metrics import Metrics, metrics
