@@ -11,6 +11,7 @@ the three numbers to watch on every run: swap count, swap bytes and swap time.
 --trace. A missing or invalid file is a one-line error and exit status 1.
 """
 
+import importlib.util
 import sys
 
 from absl import app, flags
@@ -35,6 +36,9 @@ def main(argv):
     _fail(f"unexpected arguments: {' '.join(argv[1:])}")
   if FLAGS.plot and not FLAGS.trace:
     _fail("--plot needs --trace")
+  if FLAGS.plot and importlib.util.find_spec("matplotlib") is None:
+    _fail('--plot needs matplotlib, the [plot] extra: pip install -e ".[plot]" (or pip install '
+          '"jaxtier[plot]")')
   try:
     stats = doctor.load_stats(FLAGS.stats)
     rows = doctor.read_trace(FLAGS.trace) if FLAGS.trace else None

@@ -15,6 +15,7 @@ finish_reason "abort" and exits 0; a second signal exits at once. Flag values ar
 the model is loaded.
 """
 
+import importlib.util
 import json
 import os
 import sys
@@ -91,8 +92,24 @@ def _report_ready(engine) -> None:
           flush=True)
 
 
+# The [server] extra: `pip install -e ".[server]"` (or `pip install "jaxtier[server]"`).
+SERVER_EXTRA = ("fastapi", "uvicorn", "prometheus_client")
+
+
+def _require_server_extra() -> None:
+  """Ends the script with one line naming the [server] extra when a module of it is missing
+  (--help works without it; the base install runs the batch job only)."""
+  missing = [name for name in SERVER_EXTRA if importlib.util.find_spec(name) is None]
+  if missing:
+    print(f"serve.py: error: {', '.join(missing)} not installed; the server needs the [server] "
+          "extra: pip install -e \".[server]\" (or pip install \"jaxtier[server]\")",
+          file=sys.stderr)
+    sys.exit(1)
+
+
 def main(argv):
   del argv
+  _require_server_extra()
   engine_flags.prepare()
   if not FLAGS["verbosity"].present:  # the warm-up's progress and failures, a failed step
     logging.set_verbosity(logging.INFO)

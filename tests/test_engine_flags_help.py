@@ -1,5 +1,6 @@
 """The engine flags come from one place: every `EngineArgs` field is a flag of both scripts, listed
-by --help with the field's default and help text, and the --config files still set them."""
+by --help with the field's default and help text, and the --config files still set them; a script
+whose extra is missing says which extra to install."""
 
 import dataclasses
 import glob
@@ -92,3 +93,19 @@ def test_config_files_give_valid_engine_arguments(config):
   proc = subprocess.run([sys.executable, "-c", code, config], capture_output=True, text=True,
                         timeout=120, cwd=ROOT, env=_env())
   assert proc.stdout.strip() == "ok", proc.stderr
+
+
+@pytest.mark.parametrize("script, args, module, extra", [
+    ("serve.py", [], "fastapi", "server"),
+    ("doctor.py", ["--stats=s.json", "--trace=t.jsonl", "--plot=p.png"], "matplotlib", "plot")])
+def test_a_missing_extra_is_one_line_naming_it(script, args, module, extra):
+  """Without its extra a script ends with one line naming it (the module hidden as if absent)."""
+  code = ("import runpy, sys\n"
+          f"sys.modules[{module!r}] = None\n"
+          f"sys.argv = [{script!r}] + {args!r}\n"
+          f"runpy.run_path({os.path.join(ROOT, 'scripts', script)!r}, run_name='__main__')\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                        cwd=ROOT, env=_env())
+  assert proc.returncode == 1, proc.stderr
+  assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+  assert f'pip install -e ".[{extra}]"' in proc.stderr, proc.stderr
