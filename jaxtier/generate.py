@@ -23,26 +23,10 @@ from flax import nnx
 from jaxtier.buckets import pow2_bucket
 from jaxtier.detokenize import RequestProgress
 from jaxtier.kvcache import ContiguousKVCache
-from jaxtier.logprobs import LogprobDict
+from jaxtier.outputs import Completion
 from jaxtier.sampling import SamplingArrays, SamplingParams, sample
 from jaxtier.scheduler import Request
 from jaxtier.tokenizer import Tokenizer
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-  """A request's result. The log-probabilities are the engine's (this driver leaves them None):
-  `logprobs` one dict per generated token when `SamplingParams.logprobs` is set,
-  `prompt_logprobs` one entry per prompt token (the first None) when `prompt_logprobs` is set.
-  `num_cached_tokens`: prompt tokens whose KV came from the engine's prefix cache instead of being
-  computed (`host_cached_tokens` of them loaded from its host tier), when the request first ran."""
-  token_ids: tuple[int, ...]
-  text: str
-  finish_reason: str  # "stop", "length" or "abort"
-  logprobs: tuple[LogprobDict, ...] | None = None
-  prompt_logprobs: tuple[LogprobDict | None, ...] | None = None
-  num_cached_tokens: int = 0
-  host_cached_tokens: int = 0
 
 
 def completion(progress: RequestProgress) -> Completion:

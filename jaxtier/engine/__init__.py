@@ -8,7 +8,7 @@ imports no JAX, so that scripts check them when flags are parsed.
 from importlib import import_module as _import_module
 
 _EXPORTS = {"Engine": "jaxtier.engine.engine", "EngineArgs": "jaxtier.engine_args",
-            "RequestUpdate": "jaxtier.engine.engine", "EngineModel": "jaxtier.engine.runner"}
+            "RequestUpdate": "jaxtier.outputs", "EngineModel": "jaxtier.engine.runner"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -32,10 +32,12 @@ blocks are free before `abort` returns. A request's sampling key is its seed fol
 of tokens it has generated, so its tokens do not depend on what else shares the batch, or on
 whether it was preempted (a recomputed request prefills its prompt and generated tokens again and
 samples its next token with the same key).
+
+The engine's figures (`stats()`) and per-step trace are `jaxtier.engine.stats`; the updates and
+completions it returns are `jaxtier.outputs`.
 """
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -49,13 +51,13 @@ from jaxtier.detokenize import RequestProgress
 from jaxtier.engine import batch as batching
 from jaxtier.engine import logprobs as lp
 from jaxtier.engine.runner import Runner, program_keys
-from jaxtier.generate import Completion
+from jaxtier.engine.stats import Totals, Trace, figures, trace_line
 from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.kvcache import PagedCacheConfig, PagedKVCache, device_pool_bytes, host_pool_bytes
-from jaxtier.logprobs import MAX_LOGPROBS, LogprobDict
+from jaxtier.logprobs import MAX_LOGPROBS
+from jaxtier.outputs import Completion, RequestUpdate
 from jaxtier.sampling import LogitRules, SamplingParams
 from jaxtier.scheduler.allocator import blocks_for
-from jaxtier.scheduler.metrics import prefix_figures
 from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED, FINISHED
 from jaxtier.tokenizer import Tokenizer
 
@@ -111,39 +113,6 @@ def warmup_programs(config: EngineConfig) -> list[tuple]:
   return program_keys(shapes, swap_sizes, MAX_LOGPROBS)
 
 
-@dataclasses.dataclass(frozen=True)
-class RequestUpdate:
-  """What one step added to one request; `completion` is set on the step the request ends.
-
-  Log-probabilities (None unless the request's `SamplingParams` ask for them): `new_logprobs`
-  holds one dict per token of `new_token_ids` (`logprobs`); `prompt_logprobs` holds one entry per
-  prompt token, the first None (`prompt_logprobs`), on the request's first update only (the one
-  with its first token, or its final one if it ends before any) and None on later updates. The
-  completion carries both lists whole.
-  """
-  request_id: Hashable
-  new_token_ids: tuple[int, ...]
-  completion: Completion | None
-  new_logprobs: tuple[LogprobDict, ...] | None = None
-  prompt_logprobs: tuple[LogprobDict | None, ...] | None = None
-
-
-@dataclasses.dataclass
-class _Totals:
-  """Running totals the engine adds to the scheduler's counters."""
-  prompt_tokens: int = 0
-  generated_tokens: int = 0
-  computed_tokens: int = 0
-  decode_steps: int = 0
-  model_calls: int = 0
-  decode_seconds: float = 0.0
-  run_seconds: float = 0.0
-  max_swap_bytes_per_step: int = 0
-  prefill_tokens: int = 0  # tokens computed by steps that prefilled, and their seconds
-  prefill_seconds: float = 0.0
-  planned_ahead: int = 0  # steps dispatched before the previous step's tokens were read
-
-
 class Engine:
   """Continuous batching on a paged KV cache; see the module docstring.
 
@@ -185,10 +154,9 @@ class Engine:
     self._rules: dict[Hashable, LogitRules] = {}  # live requests with logit transforms
     self._hits: dict[Hashable, tuple[int, int]] = {}  # live id -> cached (device, host) tokens
     self._token_text = lp.TokenText(tokenizer)
-    self._totals = _Totals()
-    self._peak = {"device": 0, "host": 0}
+    self._totals = Totals()
     self._started = time.perf_counter()
-    self._trace = open(config.trace_path, "a") if config.trace_path else None
+    self._trace = Trace(config.trace_path) if config.trace_path else None
     # A plan dispatched before its predecessor's tokens were read: (plan, calls, dispatched).
     self._ahead: tuple | None = None
     self._held: list[RequestUpdate] = []  # updates of a plan finished outside `step()`
@@ -307,29 +275,43 @@ class Engine:
     start = time.perf_counter()
     held, self._held = self._held, []
     try:
-      if self._ahead is None:
-        self._state, plan = scheduler.schedule(self._state)
-        updates, calls, dispatched = self._dispatch(plan)
-      else:  # planned and dispatched by the previous call
-        (plan, calls, dispatched), self._ahead, updates = self._ahead, None, []
+      plan, updates, calls, dispatched = self._schedule_and_dispatch()
       ahead = self._plan_ahead(plan, dispatched)
       finished, new_updates = self._collect(dispatched)
-      if ahead is None:
-        self._state = scheduler.apply_event(self._state,
-                                            scheduler.StepFinished(tuple(finished)))
-      else:
-        for request_id, reason in finished:
-          self._state = scheduler.apply_event(self._state, scheduler.Stop(request_id, reason))
-        self._ahead = ahead
-        self._totals.planned_ahead += 1
+      self._report_stops(finished, ahead)
     except Exception:
       self._abandon()
       raise
     self._account(plan, calls, time.perf_counter() - start)
+    self._update_rates()
+    return held + updates + new_updates
+
+  def _schedule_and_dispatch(self):
+    """The step's plan, dispatched: the one the previous step dispatched ahead, if any, else a
+    new one from the scheduler. Returns (plan, updates of requests it ended, calls, dispatched)."""
+    if self._ahead is None:
+      self._state, plan = scheduler.schedule(self._state)
+      updates, calls, dispatched = self._dispatch(plan)
+      return plan, updates, calls, dispatched
+    (plan, calls, dispatched), self._ahead = self._ahead, None
+    return plan, [], calls, dispatched
+
+  def _report_stops(self, finished: list[tuple[Hashable, str]], ahead) -> None:
+    """Tells the scheduler the step ended and which requests stopped; with a plan dispatched
+    ahead (`_plan_ahead`), the stops end their requests and that plan is kept in flight."""
+    if ahead is None:
+      self._state = scheduler.apply_event(self._state, scheduler.StepFinished(tuple(finished)))
+      return
+    for request_id, reason in finished:
+      self._state = scheduler.apply_event(self._state, scheduler.Stop(request_id, reason))
+    self._ahead = ahead
+    self._totals.planned_ahead += 1
+
+  def _update_rates(self) -> None:
+    """Passes the rates measured so far (`_rates`) to the scheduler when they changed."""
     rates = self._rates()
     if rates is not None and rates != self._state.rates:
       self._state = scheduler.apply_event(self._state, rates)
-    return held + updates + new_updates
 
   def _rates(self) -> scheduler.Rates | None:
     """The link and prefill rates measured so far, for the scheduler's load-or-recompute choice
@@ -499,79 +481,23 @@ class Engine:
   # Observability.
 
   def _account(self, plan: scheduler.Plan, calls, seconds: float) -> None:
-    totals = self._totals
-    totals.run_seconds += seconds
-    totals.computed_tokens += sum(a.num_tokens for a in calls)
-    totals.model_calls += len(calls)
-    if len(plan.decode) and not len(plan.prefill) and not plan.swap_out and not plan.swap_in:
-      totals.decode_steps += 1
-      totals.decode_seconds += seconds
-    if len(plan.prefill):
-      totals.prefill_tokens += plan.num_tokens
-      totals.prefill_seconds += seconds
-    swap_blocks = (len(plan.swap_out) + len(plan.swap_in) + len(plan.prefetch)
-                   + len(plan.writeback))
-    totals.max_swap_bytes_per_step = max(totals.max_swap_bytes_per_step,
-                                         swap_blocks * self.block_bytes)
+    """Counts a finished step and writes its trace line."""
     m = scheduler.metrics(self._state)
-    # Peaks count blocks requests hold: cached blocks give way on demand.
-    self._peak["device"] = max(self._peak["device"],
-                               m.device_blocks_used - m.device_blocks_evictable)
-    self._peak["host"] = max(self._peak["host"], m.host_blocks_used - m.host_blocks_cached)
+    self._totals.add_step(plan, calls, seconds, m, self.block_bytes)
     if self._trace is not None:
-      self._trace.write(json.dumps({
-          "step": plan.step, "time": round(time.perf_counter() - self._started, 6),
-          "step_seconds": round(seconds, 6), "running": m.num_running, "waiting": m.num_waiting,
-          "swapped": m.num_swapped,
-          "device_blocks_used": m.device_blocks_used - m.device_blocks_evictable,
-          "host_blocks_used": m.host_blocks_used - m.host_blocks_cached, "swap_out_blocks": len(plan.swap_out),
-          "swap_in_blocks": len(plan.swap_in) + len(plan.prefetch),
-          "swap_out_bytes": len(plan.swap_out) * self.block_bytes,
-          "swap_in_bytes": (len(plan.swap_in) + len(plan.prefetch)) * self.block_bytes,
-          "prefill_tokens": plan.prefill.num_tokens, "decode_tokens": plan.decode.num_tokens,
-          "preempted": len(plan.preempted), "writeback_blocks": len(plan.writeback),
-          "cache_load_blocks": plan.cache_loads,
-          "device_blocks_cached": m.device_blocks_cached, "host_blocks_cached": m.host_blocks_cached,
-          "finished": sum(1 for e in plan.ended)}) + "\n")
-      self._trace.flush()
+      self._trace.write(trace_line(plan, m, seconds, time.perf_counter() - self._started,
+                                   self.block_bytes))
 
   def stats(self, wait_for_swaps: bool = True) -> dict:
-    """The run's figures (JSON-serializable). Waits for outstanding swap timings first unless
-    `wait_for_swaps` is False (then the swaps of the last step may not be timed yet)."""
+    """The run's figures (JSON-serializable; `jaxtier.engine.stats.figures` and this engine's
+    settings). Waits for outstanding swap timings first unless `wait_for_swaps` is False (then
+    the swaps of the last step may not be timed yet)."""
     if wait_for_swaps:
       self.runner.timer.drain()
-    m = scheduler.metrics(self._state)
-    totals = self._totals
-    seconds = self.runner.timer.seconds
-    steps = max(m.steps, 1)
     return {
-        "steps": m.steps, "model_calls": totals.model_calls, "run_seconds": totals.run_seconds,
-        "swap_out_count": m.swap_outs, "swap_in_count": m.swap_ins,
-        "swap_out_blocks": m.swap_out_blocks, "swap_in_blocks": m.swap_in_blocks,
-        "swap_out_bytes": m.swap_out_blocks * self.block_bytes,
-        "swap_in_bytes": m.swap_in_blocks * self.block_bytes,
-        "swap_seconds": seconds["out"] + seconds["in"],
-        "swap_out_seconds": seconds["out"], "swap_in_seconds": seconds["in"],
-        "kv_swap_bytes_per_step": (m.swap_out_blocks + m.swap_in_blocks) * self.block_bytes / steps,
-        "kv_swap_bytes_max_step": totals.max_swap_bytes_per_step,
-        "preemptions": {"swap": 0, "recompute": 0, **dict(m.preemptions)},
-        "running": m.num_running, "waiting": m.num_waiting, "swapped": m.num_swapped,
-        "device_blocks_total": m.device_blocks_total,
-        "device_blocks_free": m.device_blocks_total - m.device_blocks_used
-        + m.device_blocks_evictable,
-        "device_blocks_peak_used": self._peak["device"],
-        "host_blocks_total": m.host_blocks_total,
-        "host_blocks_free": m.host_blocks_total - m.host_blocks_used + m.host_blocks_cached,
-        "host_blocks_peak_used": self._peak["host"],
-        **self._prefix_stats(m),
-        "requests_finished": sum(n for _, n in m.finished),
-        "finished_by_reason": dict(m.finished),
-        "requests_aborted": dict(m.aborted),
-        "prompt_tokens": totals.prompt_tokens, "generated_tokens": totals.generated_tokens,
-        "computed_tokens": totals.computed_tokens,
-        "decode_step_seconds_mean": (totals.decode_seconds / totals.decode_steps
-                                     if totals.decode_steps else None),
-        "steps_planned_ahead": totals.planned_ahead,
+        **figures(scheduler.metrics(self._state), self._totals, self.block_bytes,
+                  self.runner.timer.seconds, self.config.enable_prefix_caching,
+                  self.scheduler_config.host_tier),
         "compiled_variants": self.runner.compiled_variants,
         "compile_seconds": self.runner.compile_seconds,
         "block_size": self.config.block_size, "block_bytes": self.block_bytes,
@@ -580,20 +506,6 @@ class Engine:
         "watermark_blocks": self.scheduler_config.watermark,
         "device_kv_bytes": device_pool_bytes(self.cache),
         "host_kv_bytes": host_pool_bytes(self.cache),
-    }
-
-  def _prefix_stats(self, m: scheduler.Metrics) -> dict:
-    """The prefix cache's figures (`scheduler.metrics.prefix_figures`) and how the pools' blocks
-    split between cache and requests. Free block counts above include cached blocks no request
-    uses (they are evicted on demand)."""
-    return {
-        "prefix_caching": self.config.enable_prefix_caching,
-        "host_prefix_caching": self.scheduler_config.host_tier,
-        **prefix_figures(m, self.block_bytes),
-        "device_blocks_cached": m.device_blocks_cached,
-        "device_blocks_cached_in_use": m.device_blocks_cached - m.device_blocks_evictable,
-        "host_blocks_cached": m.host_blocks_cached,
-        "host_blocks_swapped": m.host_blocks_used - m.host_blocks_cached,
     }
 
   def close(self) -> None:
