@@ -15,7 +15,7 @@ from jaxtier.kvcache import ContiguousKVCache, PagedKVCache
 from conftest import fixture_path
 
 PACKAGES = ("jaxtier", "jaxtier.checkpoint", "jaxtier.kvcache", "jaxtier.offload", "jaxtier.engine",
-            "jaxtier.scheduler", "jaxtier.server")
+            "jaxtier.scheduler", "jaxtier.server", "jaxtier.tools")
 
 
 @pytest.mark.parametrize("name", PACKAGES)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import models, normalizers, pre_tokenizers, trainers
 
 from conftest import DEFAULT_MODEL, fixture_path
-from jaxtier.checkpoint import registry
+from jaxtier.checkpoint import gguf_file, registry
 from jaxtier.tokenizer import Tokenizer, byte_level_symbols, load_tokenizer_dir, token_bound
 
 EXAMPLES = 1500 if os.environ.get("JAXTIER_HYPOTHESIS_PROFILE") == "ci" else 150
@@ -44,11 +44,10 @@ def sentencepiece_like() -> Tokenizer:
   return Tokenizer(backend, ())
 
 
-def default_model() -> Tokenizer | None:
-  """The default model's tokenizer, if its Orbax copy is in the cache (no download here)."""
-  manifest = registry.find_manifest(DEFAULT_MODEL)
-  path = os.path.join(registry.model_dir(manifest), "orbax") if manifest else ""
-  return load_tokenizer_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+def default_model() -> Tokenizer:
+  """The default model's tokenizer, read from its GGUF file (fetched into the cache once)."""
+  path = registry.fetch(registry.find_manifest(DEFAULT_MODEL))
+  return gguf_file.read_tokenizer(gguf_file.open_gguf(path), path)
 
 
 TOKENIZERS = {
@@ -81,11 +80,10 @@ def texts(tokenizer: Tokenizer) -> st.SearchStrategy[str]:
   return st.lists(piece, max_size=30).map("".join)
 
 
-@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "default_model"
+                                  else n for n in sorted(TOKENIZERS)])
 def test_min_token_count_never_exceeds_the_count(name):
   tokenizer = TOKENIZERS[name]()
-  if tokenizer is None:
-    pytest.skip(f"{DEFAULT_MODEL} is not in the cache")
   assert token_bound(tokenizer.backend) is not None
   for piece in longest_pieces(tokenizer):
     assert tokenizer.min_token_count(piece) <= len(tokenizer.encode(piece)), piece
