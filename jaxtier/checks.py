@@ -8,6 +8,7 @@ without JAX, and `jaxtier.offload`, a lower layer than the engine arguments, tak
 arguments' bounds from here rather than from `engine_args`.
 """
 
+import numbers
 from typing import Any
 
 # The deepest prefetch queue of the offloaded layers (`jaxtier.offload.prefetch.MAX_DEPTH`).
@@ -15,13 +16,13 @@ MAX_PREFETCH_DEPTH = 4
 
 
 def is_int(value) -> bool:
-  """True for an int that is not a bool."""
-  return isinstance(value, int) and not isinstance(value, bool)
+  """True for an integer (Python's or numpy's) that is not a bool."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_number(value) -> bool:
-  """True for an int or float that is not a bool and not NaN."""
-  return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+  """True for a real number (Python's or numpy's) that is not a bool and not NaN."""
+  return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == value
 
 
 def check_int(name: str, value, low: int | None = None, high: int | None = None,

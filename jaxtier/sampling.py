@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxtier import cpu_kernels
 from jaxtier.buckets import pow2_bucket
+from jaxtier.checks import is_int, is_number
 from jaxtier.logprobs import MAX_LOGPROBS
 
 BIAS_LIMIT = 100.0  # OpenAI's logit_bias range, [-100, 100]; larger biases are clamped to it
@@ -87,13 +88,13 @@ class SamplingParams:
     if isinstance(self.bad_words, str):
       object.__setattr__(self, "bad_words", (self.bad_words,))
     object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
-    _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+    _require(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
              "an integer >= 1", self.max_tokens)
-    _require(_is_number(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
+    _require(is_number(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
              "a finite number >= 0", self.temperature)
-    _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-    _require(_is_int(self.top_k), "top_k", "an integer (<= 0 disables it)", self.top_k)
-    _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32), "seed",
+    _require(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+    _require(is_int(self.top_k), "top_k", "an integer (<= 0 disables it)", self.top_k)
+    _require(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**32), "seed",
              "an integer in [0, 2**32) or None", self.seed)
     _require(all(isinstance(s, str) and s for s in self.stop), "stop",
              "a list of non-empty strings", self.stop)
@@ -101,18 +102,18 @@ class SamplingParams:
              "non-negative integers", self.stop_token_ids)
     for name in ("logprobs", "prompt_logprobs"):
       value = getattr(self, name)
-      _require(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+      _require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
                f"None or an integer in [0, {MAX_LOGPROBS}]", value)
     self._check_transforms()
 
   def _check_transforms(self) -> None:
-    _require(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+    _require(is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
              "repetition_penalty", "a finite number > 0 (1 disables it)", self.repetition_penalty)
     for name in ("frequency_penalty", "presence_penalty"):
       value = getattr(self, name)
-      _require(_is_number(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT, name,
+      _require(is_number(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT, name,
                f"a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]", value)
-    _require(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]",
+    _require(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]",
              self.min_p)
     if self.logit_bias is not None:
       object.__setattr__(self, "logit_bias", _clamped_bias(self.logit_bias))
@@ -123,7 +124,7 @@ class SamplingParams:
       object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in ids))
     _require(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
              "a list of strings that are not blank", self.bad_words)
-    _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+    _require(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
 
   @property
@@ -155,16 +156,8 @@ def _require(ok, field: str, expected: str, value) -> None:
     raise SamplingParamError(field, f"{field} must be {expected}, got {value!r}")
 
 
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _is_id(value) -> bool:
-  return _is_int(value) and value >= 0
-
-
-def _is_number(value) -> bool:
-  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+  return is_int(value) and value >= 0
 
 
 def _clamped_bias(logit_bias: Mapping[int, float]) -> dict[int, float]:
@@ -174,7 +167,7 @@ def _clamped_bias(logit_bias: Mapping[int, float]) -> dict[int, float]:
   out = {}
   for token, bias in logit_bias.items():
     _require(_is_id(token), "logit_bias", "keyed by token ids (integers >= 0)", token)
-    _require(_is_number(bias) and math.isfinite(bias), "logit_bias",
+    _require(is_number(bias) and math.isfinite(bias), "logit_bias",
              f"finite numbers (clamped to [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}])", bias)
     out[int(token)] = min(BIAS_LIMIT, max(-BIAS_LIMIT, float(bias)))
   return out
