@@ -289,14 +289,6 @@ class Runner:
     """The arguments of the jitted model call, in its order (the state goes as its leaves)."""
     return (self._leaves, cache, tokens_bt, pos_bt, tables_bm, last_b)
 
-  def precompile(self, cache: PagedKVCache, shapes, swap_sizes, logprob_k: int | None = None,
-                 progress: Callable[[int, int, tuple], None] | None = None) -> int:
-    """Compiles the programs of `program_keys(shapes, swap_sizes, logprob_k)` without running
-    them (see `compile_programs`). Returns the number of programs."""
-    keys = program_keys(shapes, swap_sizes, logprob_k)
-    self.compile_programs(cache, keys, progress)
-    return len(keys)
-
   def compile_programs(self, cache: PagedKVCache, keys: Sequence[tuple],
                        progress: Callable[[int, int, tuple], None] | None = None) -> None:
     """Compiles each program of `keys` (from `program_keys`) without running it (the cache is
