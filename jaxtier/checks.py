@@ -81,6 +81,31 @@ def check_offload(offload_tail_layers, prefetch_depth, num_layers: int | None = 
   int_or_auto("offload_tail_layers", offload_tail_layers, 0, num_layers)
   int_or_auto("prefetch_depth", prefetch_depth, 1, MAX_PREFETCH_DEPTH)
   if num_layers is not None and is_int(offload_tail_layers) and is_int(prefetch_depth) \
-      and offload_tail_layers and prefetch_depth > offload_tail_layers:
-    raise ValueError(f"prefetch_depth={prefetch_depth} is more than the {offload_tail_layers} "
-                     f"offloaded layer(s); expected prefetch_depth <= {offload_tail_layers}")
+      and offload_tail_layers:
+    check_prefetch_depth(prefetch_depth, offload_tail_layers)
+
+
+def check_prefetch_depth(depth, offloaded: int) -> int:
+  """`depth` if it is an int in [1, min(MAX_PREFETCH_DEPTH, offloaded)], else ValueError."""
+  check_int("prefetch_depth", depth, 1, MAX_PREFETCH_DEPTH)
+  if depth > offloaded:
+    raise ValueError(f"prefetch_depth={depth} is more than the {offloaded} offloaded layer(s); "
+                     f"expected prefetch_depth <= {offloaded}")
+  return depth
+
+
+def check_prompt_ids(ids, vocab_size: int, max_model_len: int, label: str) -> tuple[int, ...]:
+  """A prompt's token ids as a tuple, or ValueError naming `label` ("prompt 3", "request 'a''s
+  prompt"): the one check of a tokenized prompt, whether `jaxtier.LLM` checks a whole batch before
+  it runs any of it or the engine checks a request as it arrives. The prompt must be non-empty,
+  in the vocabulary, and leave room for one generated token in max_model_len."""
+  ids = tuple(int(t) for t in ids)
+  if not ids:
+    raise ValueError(f"{label} is empty: an empty prompt leaves nothing to continue")
+  bad = [t for t in ids if not 0 <= t < vocab_size]
+  if bad:
+    raise ValueError(f"{label} has token ids outside [0, {vocab_size}): {bad[:5]}")
+  if len(ids) >= max_model_len:
+    raise ValueError(f"{label} has {len(ids)} tokens; the context window max_model_len is "
+                     f"{max_model_len} and at least one token must be generated")
+  return ids

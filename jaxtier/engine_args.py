@@ -2,16 +2,9 @@
 script's flags (same names). Imports no JAX, so scripts reject bad values while parsing flags,
 before any model loads.
 
-Sizing the KV pools (vLLM's names and meaning):
-- device pool: `num_device_blocks`, or `kv_cache_memory_gb`; default: the device memory left after
-  weights and an activation reserve (times `gpu_memory_utilization`), or on CPU, where the backend
-  reports no memory, `cpu_default_pool_blocks`: room for `max_num_seqs` requests of
-  min(max_model_len, 2048) tokens, at most `CPU_DEFAULT_KV_GB` GB, and at least one
-  max_model_len sequence.
-- host pool (pinned host memory, for swapped-out blocks): `num_host_blocks`, or `swap_space_gb`;
-  default: as many blocks as the device pool, so every running request can be swapped out once;
-  on CPU with the default device pool, `CPU_DEFAULT_HOST_FRACTION` of it (there both pools are
-  the same RAM).
+This module is the one place an engine argument's default, range and help text are written. What
+the arguments leave open ("auto", the pool sizes, the offload) is decided from the model and the
+machine by `jaxtier.engine.sizing`, whose module docstring gives the rules.
 """
 
 import dataclasses
@@ -19,7 +12,6 @@ import dataclasses
 from jaxtier.checks import (MAX_PREFETCH_DEPTH, check_choice, check_int, check_offload,
                             check_positive, int_or_auto, is_number)
 from jaxtier.kv_bytes import ELEMENT_BYTES
-from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.scheduler.config import PREEMPTION_MODES
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 
@@ -33,23 +25,8 @@ MAX_BLOCK_SIZE = 1024
 CPU_DEFAULT_KV_GB = 0.256
 CPU_DEFAULT_REQUEST_TOKENS = 2048
 CPU_DEFAULT_HOST_FRACTION = 0.25
+HOST_PIN_FRACTION = 0.5
 GB = 1e9
-
-
-def cpu_default_pool_blocks(max_num_seqs: int, max_model_len: int, block_size: int,
-                            block_bytes: int) -> tuple[int, int]:
-  """The (device, host) KV pools in blocks where the backend reports no memory (CPU).
-
-  The device pool holds `max_num_seqs` requests of min(max_model_len,
-  `CPU_DEFAULT_REQUEST_TOKENS`) tokens, capped at `CPU_DEFAULT_KV_GB` GB, but never less than one
-  max_model_len sequence (the engine's minimum); the host pool is `CPU_DEFAULT_HOST_FRACTION` of
-  it. Sized for the short requests a CPU serves: room for max_num_seqs full-length sequences of
-  an 8192-token window would take gigabytes per tier, more than a small model's weights.
-  """
-  request = blocks_for(min(max_model_len, CPU_DEFAULT_REQUEST_TOKENS), block_size)
-  cap = int(CPU_DEFAULT_KV_GB * GB // block_bytes)
-  device = max(min(max_num_seqs * request, cap), blocks_for(max_model_len, block_size))
-  return device, int(device * CPU_DEFAULT_HOST_FRACTION)
 
 
 def _arg(default, help_text: str, choices: tuple[str, ...] | None = None):
@@ -95,8 +72,9 @@ class EngineArgs:
   num_host_blocks: int | None = _arg(
       None, "the pinned-host KV pool (for swapped-out blocks) in blocks (or swap_space_gb, not "
       "both); default: as many as the device pool, so every running request can be swapped out "
-      f"once (on CPU with the default device pool: {CPU_DEFAULT_HOST_FRACTION:g} of it, as both "
-      "pools are the same RAM)")
+      f"once, but on an accelerator at most {HOST_PIN_FRACTION:g} of the host's memory less the "
+      f"offloaded weights (on CPU with the default device pool: {CPU_DEFAULT_HOST_FRACTION:g} of "
+      "it, as both pools are the same RAM); a pool larger than the host's memory is an error")
   swap_space_gb: float | None = _arg(
       None, "the pinned-host KV pool in GB (or num_host_blocks, not both); default: see "
       "num_host_blocks")
@@ -135,6 +113,9 @@ class EngineArgs:
   device_memory_gb: float | None = _arg(
       None, "device memory in GB for offload_tail_layers='auto' (the planner) and the default KV "
       "pool sizing; default: what the device reports (nothing on CPU)")
+  host_memory_gb: float | None = _arg(
+      None, "the host's memory in GB, which bounds the pinned memory (host KV pool and "
+      "offloaded weights); default: what the OS reports")
   tensor_parallel_size: int = _arg(
       1, "devices the model, both KV pools and the offloaded tail are sharded over (a tp mesh of "
       "this process's first devices, split by heads: must divide the model's KV heads; see "
@@ -149,24 +130,19 @@ class EngineArgs:
       "found, else xla", ATTENTION_IMPLS)
   weight_format: str = _arg(
       "auto", "auto: where a GGUF file stores weights in blocks and the CPU kernels multiply the "
-      "layers, those weights stay in blocks (with float32 activations the kernel dequantizes "
-      "them in cache, and its products are bit for bit those of the dequantized float32 "
-      "weights; see block_activations), per layer and fused kernel (q/k/v, gate/up, o, down) in "
-      "the smallest format that holds all its weights exactly: Q4_1 (0.75 bytes a weight "
-      "instead of 4) for Q4_1, as the default model stores them, Q4_0 or Q4_K; Q8_0 (1.125) for "
-      "Q8_0 or Q5_0; else 8-bit values with a scale and minimum per 16 weights (1.5) for those "
-      "and Q6_K, Q5_K, Q5_1, Q3_K, Q2_K (a Q4_K_M file's mixed q/k/v, its Q6_K projections and "
-      "LM head); the LM head likewise. Other types (F16, the IQ types) are dequantized. float: "
-      "every weight dequantized to dtype on load", WEIGHT_FORMATS)
+      "layers (unrolled, one device), those weights stay in blocks, per layer and fused kernel "
+      "in the smallest format that holds all its weights exactly (Q4_1 for Q4_1, Q4_0 and Q4_K; "
+      "Q8_0 for Q8_0 and Q5_0; else 8-bit values with a scale and minimum per 16 weights), the "
+      "LM head likewise; other types (F16, the IQ types) are dequantized. Products with float32 "
+      "activations are bit for bit those of the dequantized weights (see block_activations). "
+      "float: every weight dequantized to dtype on load", WEIGHT_FORMATS)
   block_activations: str = _arg(
       "auto", "how the blocks weight_format=auto keeps multiply. int16: each matmul quantizes "
       "its input per block of 32 values to int16 and sums every block's products exactly in "
-      "integers, as llama.cpp multiplies its blocks (with int8 inputs); a decode step's weight "
-      "matmuls run 1.3-2x faster, and logits move by up to ~3e-3 on the default model (int8 "
-      "inputs moved them by up to 0.66 and changed greedy output). A row's result still does "
-      "not depend on the other rows of its batch. float32: bit for bit the dequantized model. "
-      "auto: int16 where the kernels multiply int16 in vector instructions (x86 with AVX2 or "
-      "AVX-512), else float32", BLOCK_ACTIVATIONS)
+      "integers, as llama.cpp multiplies its blocks with int8 inputs (faster; logits move by "
+      "up to ~3e-3 on the default model; a row's result still does not depend on its batch). "
+      "float32: bit for bit the dequantized model. auto: int16 where the kernels multiply int16 "
+      "in vector instructions (x86 with AVX2 or AVX-512), else float32", BLOCK_ACTIVATIONS)
   chat_template: str | None = _arg(
       None, "the chat template chat requests render with, instead of the model's: a path to a "
       ".jinja file, or the template itself (a value holding a brace or a newline), as vLLM's "
@@ -204,6 +180,7 @@ class EngineArgs:
     check_choice("layer_execution", self.layer_execution, LAYER_EXECUTIONS)
     check_offload(self.offload_tail_layers, self.prefetch_depth)
     check_positive("device_memory_gb", self.device_memory_gb)
+    check_positive("host_memory_gb", self.host_memory_gb)
     check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 4096)
     if self.trace_path is not None and not (isinstance(self.trace_path, str) and self.trace_path):
       raise ValueError(f"trace_path={self.trace_path!r}: expected a file path or None")
@@ -229,14 +206,6 @@ class EngineArgs:
 
   def resolved_kv_cache_dtype(self) -> str:
     return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-
-  def resolved_block_activations(self) -> str:
-    """"float32" or "int16": "auto" is "int16" where the CPU kernels multiply int16 activations
-    in vector instructions (x86 with AVX2 or AVX-512), else "float32"."""
-    if self.block_activations != "auto":
-      return self.block_activations
-    from jaxtier import cpu_kernels  # pylint: disable=import-outside-toplevel
-    return "int16" if cpu_kernels.integer_dots() else "float32"
 
 
 ARG_NAMES = tuple(f.name for f in dataclasses.fields(EngineArgs))

@@ -12,30 +12,20 @@ from tqdm.auto import tqdm
 
 from jaxtier import checkpoint, matmul, offload, sharding
 from jaxtier.checkpoint import placed
-from jaxtier.buckets import pow2_bucket
-from jaxtier.tools import doctor
+from jaxtier.engine import sizing
 from jaxtier.engine.engine import Engine, EngineConfig
-from jaxtier.engine_args import (GB, LAYER_EXECUTIONS, EngineArgs, check_offload,
-                                 cpu_default_pool_blocks)
+from jaxtier.checks import check_prompt_ids
+from jaxtier.engine_args import EngineArgs
 from jaxtier.generate import Completion, StepUpdate, generate_batch
-from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.logprobs import LogprobDict
-from jaxtier.offload import auto as offload_auto
+from jaxtier.offload import measure
+from jaxtier.offload.planner import ModelBytes
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler import Request
-from jaxtier.scheduler.allocator import blocks_for
+from jaxtier.tools import doctor
 from jaxtier.tokenizer import Message, resolve_chat_template
 
 Prompt = str | Sequence[int]
-
-
-def resolve_layer_execution(value: str) -> str:
-  """"scan" or "unrolled" for an engine argument that may be "auto"."""
-  if value not in LAYER_EXECUTIONS:
-    raise ValueError(f"layer_execution={value!r} is not supported; expected one of {LAYER_EXECUTIONS}")
-  if value == "auto":
-    return "unrolled" if jax.default_backend() == "cpu" else "scan"
-  return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,33 +104,24 @@ class LLM:
   """
 
   def __init__(self, model: str, **engine_args):
-    self.args = EngineArgs(model=model, **engine_args)
-    args = self.args
-    self.mesh = sharding.make_mesh(args.tensor_parallel_size)
+    # parse -> size -> load -> build
+    self.args = args = EngineArgs(model=model, **engine_args)
+    self.mesh = sharding.make_mesh(args.tensor_parallel_size)  # before any file is read
+    self.machine = sizing.detect_machine(args)
+    _, keep_quantized, _ = sizing.execution(args, self.machine)
     # GGUF blocks are kept only by packed unrolled layers and head (one device, CPU kernels);
     # otherwise a registry model loads from its float32 Orbax copy.
-    keep_quantized = (args.weight_format == "auto" and args.tensor_parallel_size == 1
-                      and resolve_layer_execution(args.layer_execution) == "unrolled")
     opened = checkpoint.open_checkpoint(model, keep_quantized=keep_quantized)
     try:
       self.config = opened.config
-      self._check_model(self.config)
-      self.max_model_len = args.max_model_len or self.config.max_position_embeddings
-      self.max_num_seqs = args.max_num_seqs
-      self.kv_cache_dtype = args.resolved_kv_cache_dtype()
-      self.cache_dtype = checkpoint.resolve_dtype(args.dtype)  # the reference driver's KV dtype
-      self.block_bytes = kv_block_bytes(self.config.num_layers, self.config.num_kv_heads,
-                                        self.config.head_dim, self.kv_cache_dtype, args.block_size)
-      self.layer_execution = resolve_layer_execution(args.layer_execution)
-      # how kept blocks multiply ("auto" resolved where blocks may be kept; float32 elsewhere,
-      # where it has no effect)
-      self.block_activations = (args.resolved_block_activations() if keep_quantized
-                                else "float32")
-      self.offload = self._resolve_offload(opened.source if keep_quantized else None)
-      self.layout = placed.Layout.of(self.config.num_layers, self.offload.offload_tail_layers,
-                                     self.offload.prefetch_depth or 1, self.layer_execution,
-                                     self.mesh, keep_quantized=keep_quantized,
-                                     block_activations=self.block_activations)
+      self.sizing = sizing.size(args, self.config, self.machine,
+                                weights=self._kept_weight_bytes(opened, keep_quantized),
+                                timing=self._timing)
+      s = self.sizing
+      self.layout = placed.Layout.of(self.config.num_layers, s.offload.offload_tail_layers,
+                                     s.offload.prefetch_depth or 1, s.layer_execution, self.mesh,
+                                     keep_quantized=s.keep_quantized,
+                                     block_activations=s.block_activations)
     except BaseException:
       opened.close()
       raise
@@ -156,12 +137,11 @@ class LLM:
       logging.warning("block_activations='int16' has no effect: no GGUF blocks are kept (they are "
                       "kept for a GGUF file of quantized layers, with weight_format='auto', "
                       "unrolled layers on one device and the CPU kernels built)")
-    num_device_blocks, num_host_blocks = self._pool_blocks()
     self.engine_config = EngineConfig(
-        max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.token_budget, block_size=args.block_size,
-        num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks,
-        kv_cache_dtype=self.kv_cache_dtype, preemption_mode=args.preemption_mode,
+        max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens, block_size=s.block_size,
+        num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks,
+        kv_cache_dtype=s.kv_cache_dtype, preemption_mode=args.preemption_mode,
         watermark=args.watermark, victim_policy=args.victim_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         host_prefix_caching=args.host_prefix_caching, trace_path=args.trace_path,
@@ -169,6 +149,62 @@ class LLM:
     self._engine: Engine | None = None
     self._rng = np.random.default_rng(args.seed)
     self._next_id = 0
+
+  def _kept_weight_bytes(self, opened, keep_quantized: bool) -> ModelBytes | None:
+    """One device's weight bytes where resident layers keep the file's blocks (they are then
+    smaller than their floats; offloaded layers stay floats), when the sizing counts weights;
+    None: the sizing counts `dtype` floats."""
+    args = self.args
+    if not (keep_quantized and sizing.needs_weight_bytes(args, self.machine)):
+      return None
+    layer_execution, _, activations = sizing.execution(args, self.machine)
+    layers, other = placed.resident_bytes(
+        self.config, opened.source, checkpoint.resolve_dtype(args.dtype),
+        placed.Layout.of(self.config.num_layers, layer_execution=layer_execution,
+                         keep_quantized=True, block_activations=activations))
+    floats = ModelBytes.from_config(self.config, args.dtype, args.resolved_kv_cache_dtype())
+    return dataclasses.replace(floats, resident_layer_bytes=tuple(layers), other_bytes=other)
+
+  def _timing(self, batch: int, context: int) -> tuple[float, float]:
+    """The offload planner's measured inputs: the link rate and one layer's decode-step time
+    for `batch` rows over `context` tokens (on a layer of random weights)."""
+    return (measure.link_bytes_per_s(),
+            measure.layer_compute_s(self.config, self.args.dtype, batch, 1, context))
+
+  @property
+  def offload(self) -> sizing.Offload:
+    """The offloaded tail layers and prefetch depth, and the planner's plan (if it ran)."""
+    return self.sizing.offload
+
+  @property
+  def max_model_len(self) -> int:
+    return self.sizing.max_model_len
+
+  @property
+  def max_num_seqs(self) -> int:
+    return self.sizing.max_num_seqs
+
+  @property
+  def kv_cache_dtype(self) -> str:
+    return self.sizing.kv_cache_dtype
+
+  @property
+  def cache_dtype(self):
+    """The reference driver's (`run_batch`) contiguous KV cache dtype: the model dtype."""
+    return checkpoint.resolve_dtype(self.args.dtype)
+
+  @property
+  def block_bytes(self) -> int:
+    return self.sizing.block_bytes
+
+  @property
+  def layer_execution(self) -> str:
+    return self.sizing.layer_execution
+
+  @property
+  def block_activations(self) -> str:
+    """How kept GGUF blocks multiply ("float32" where no blocks are kept: no effect there)."""
+    return self.sizing.block_activations
 
   @property
   def engine(self) -> Engine:
@@ -192,93 +228,9 @@ class LLM:
     """
     return nnx.merge(self.graphdef, self.state)
 
-  def _check_model(self, config) -> None:
-    """The checks that need the model's config, before any weight is read."""
-    args = self.args
-    limit = config.max_position_embeddings
-    if args.max_model_len is not None and args.max_model_len > limit:
-      raise ValueError(f"max_model_len={args.max_model_len}: expected at most {limit}, the "
-                       "context window of this model")
-    check_offload(args.offload_tail_layers, args.prefetch_depth, config.num_layers)
-    sharding.check_tensor_parallel(config, args.tensor_parallel_size)
-
   @property
   def tensor_parallel_size(self) -> int:
     return sharding.tp_size(self.mesh)
-
-  def _device_memory_bytes(self) -> int | None:
-    if self.args.device_memory_gb is not None:
-      return int(self.args.device_memory_gb * GB)
-    return offload_auto.device_memory_bytes()
-
-  def _activation_reserve_bytes(self) -> int:
-    itemsize = np.dtype(checkpoint.resolve_dtype(self.args.dtype)).itemsize
-    return offload_auto.activation_reserve_bytes(
-        self.config, 1, min(self.args.token_budget, self.max_model_len), itemsize)
-
-  def _explicit_pool_bytes(self) -> int | None:
-    if self.args.num_device_blocks is not None:
-      return self.args.num_device_blocks * self.block_bytes
-    if self.args.kv_cache_memory_gb is not None:
-      return int(self.args.kv_cache_memory_gb * GB)
-    return None
-
-  def _resolve_offload(self, kept_from=None) -> offload_auto.Resolved:
-    """The offload to run. "auto" plans against the paged pool the engine will allocate: the
-    explicit pool size when one is given, else the smallest pool that can run (one max_model_len
-    sequence), since the default pool takes whatever device memory the weights leave. So nothing
-    is offloaded while the weights, the activations and that minimal pool fit in
-    `gpu_memory_utilization` of the device memory. `kept_from`: the opened source when resident
-    layers may keep its blocks; they are then sized as held (offloaded layers stay floats)."""
-    args = self.args
-    resident = None
-    if kept_from is not None and args.offload_tail_layers != 0:
-      resident = placed.resident_bytes(
-          self.config, kept_from, checkpoint.resolve_dtype(args.dtype),
-          placed.Layout.of(self.config.num_layers, layer_execution=self.layer_execution,
-                           keep_quantized=True, block_activations=self.block_activations))
-    minimal = blocks_for(self.max_model_len, args.block_size) * self.block_bytes
-    kv_reserve = self._explicit_pool_bytes()
-    memory = self._device_memory_bytes()
-    return offload_auto.resolve(
-        self.config, args.dtype, args.offload_tail_layers, args.prefetch_depth,
-        memory_bytes=None if memory is None else int(memory * args.gpu_memory_utilization),
-        kv_reserve_bytes=((minimal if kv_reserve is None else kv_reserve)
-                          // self.tensor_parallel_size),
-        tensor_parallel_size=self.tensor_parallel_size,
-        activation_reserve_bytes=self._activation_reserve_bytes(),
-        batch=pow2_bucket(self.max_num_seqs), context=self.max_model_len, resident=resident)
-
-  def _pool_blocks(self) -> tuple[int, int]:
-    """Device and host KV pool sizes in blocks (see `jaxtier.engine_args` for the defaults)."""
-    args, block_bytes = self.args, self.block_bytes
-    explicit = self._explicit_pool_bytes()
-    memory = self._device_memory_bytes()
-    host = None  # the host pool's default: the device pool's size, unless the CPU rule sets it
-    if explicit is not None:
-      device = explicit // block_bytes
-    elif memory is not None:
-      # Per device: each holds its shard of the weights and 1 / tp of every block's kv heads.
-      weights = offload.bytes_per_device(self.state).get(offload.DEVICE, 0)
-      free = memory * args.gpu_memory_utilization - weights - self._activation_reserve_bytes()
-      device = int(free // (block_bytes // self.tensor_parallel_size))
-    else:
-      device, host = cpu_default_pool_blocks(self.max_num_seqs, self.max_model_len,
-                                             args.block_size, block_bytes)
-    needed = blocks_for(self.max_model_len, args.block_size)
-    if device < needed:
-      raise ValueError(
-          f"the device KV pool holds {max(device, 0)} blocks of {args.block_size} tokens "
-          f"({max(device, 0) * block_bytes / GB:.3f} GB) but one sequence of max_model_len="
-          f"{self.max_model_len} tokens needs {needed}: raise num_device_blocks / "
-          "kv_cache_memory_gb (or device memory), or lower max_model_len")
-    if args.num_host_blocks is not None:
-      host = args.num_host_blocks
-    elif args.swap_space_gb is not None:
-      host = int(args.swap_space_gb * GB // block_bytes)
-    elif host is None:
-      host = device
-    return device, host
 
   def memory_report(self) -> dict[str, int]:
     """Where the weights and the KV cache live, and what crosses the host link every step.
@@ -345,24 +297,16 @@ class LLM:
     Raises ValueError or TypeError naming the prompt by `index`.
     """
     if isinstance(prompt, str):
-      if not prompt:
-        raise ValueError(f"prompt {index} is empty")
-      self._check_text_fits(prompt, index)
-      ids = self.tokenizer.encode(prompt)
+      if prompt:
+        self._check_text_fits(prompt, index)
+      ids = self.tokenizer.encode(prompt) if prompt else []
     elif isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) for t in prompt):
-      ids = [int(t) for t in prompt]
-      bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-      if bad:
-        raise ValueError(f"prompt {index} has token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
+      ids = prompt
     else:
       raise TypeError(f"prompt {index} must be a string or a list of token ids, got "
                       f"{type(prompt).__name__}")
-    if not ids:
-      raise ValueError(f"prompt {index} is empty")
-    if len(ids) >= self.max_model_len:
-      raise ValueError(f"prompt {index} has {len(ids)} tokens; the context window max_model_len is "
-                       f"{self.max_model_len} and at least one token must be generated")
-    return ids
+    return list(check_prompt_ids(ids, self.config.vocab_size, self.max_model_len,
+                                 f"prompt {index}"))
 
   def _params_list(self, params, n: int) -> list[SamplingParams]:
     if params is None:

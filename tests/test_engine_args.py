@@ -9,6 +9,7 @@ import pytest
 
 import jaxtier
 from jaxtier import engine_args
+from jaxtier.engine import sizing
 from jaxtier.engine_args import EngineArgs
 
 
@@ -65,8 +66,8 @@ def test_cpu_default_pools_fit_short_requests_and_one_full_sequence():
   block = 737_280  # the default model's float32 block of 16 tokens
   cap = int(engine_args.CPU_DEFAULT_KV_GB * engine_args.GB // block)
   # 64 requests of 2048 tokens pass the cap, and one 8192-token sequence needs more than it.
-  assert engine_args.cpu_default_pool_blocks(64, 8192, 16, block) == (512, 128)
-  assert engine_args.cpu_default_pool_blocks(64, 2048, 16, block) == (cap, cap // 4)
+  assert sizing.cpu_default_pool_blocks(64, 8192, 16, block) == (512, 128)
+  assert sizing.cpu_default_pool_blocks(64, 2048, 16, block) == (cap, cap // 4)
   # Few short requests: room for each, within the cap.
-  assert engine_args.cpu_default_pool_blocks(4, 256, 16, block) == (64, 16)
-  assert engine_args.cpu_default_pool_blocks(1, 100, 16, 4608) == (7, 1)
+  assert sizing.cpu_default_pool_blocks(4, 256, 16, block) == (64, 16)
+  assert sizing.cpu_default_pool_blocks(1, 100, 16, 4608) == (7, 1)

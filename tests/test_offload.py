@@ -167,7 +167,7 @@ def test_auto_offload_uses_the_planner_only_with_a_device_memory_budget():
   tight = jaxtier.LLM(fixture_path("tiny_llama"), offload_tail_layers="auto", max_num_seqs=2,
                       max_model_len=64, device_memory_gb=0.0005)
   assert tight.offload.offload_tail_layers == tight.offload.plan.offload_tail_layers > 0
-  assert tight.offload.prefetch_depth == 1  # CPU: see jaxtier.offload.auto
+  assert tight.offload.prefetch_depth == 1  # CPU: see jaxtier.engine.sizing
   assert tight.memory_report()["host_weight_bytes"] == tight.offload.plan.host_weight_bytes
 
 

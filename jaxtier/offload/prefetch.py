@@ -34,22 +34,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtier.checks import MAX_PREFETCH_DEPTH, check_int
+from jaxtier.checks import MAX_PREFETCH_DEPTH, check_int, check_prefetch_depth
 from jaxtier.model import DecoderLayer, GroupedTransformer, Transformer
 from jaxtier.offload import placement
 
 MAX_DEPTH = MAX_PREFETCH_DEPTH
 ORDERS = ("auto", "data", "none")
 LayerFn = Callable[[nnx.Module, Any, Any], Any]  # (layer, carry, j) -> carry
-
-
-def check_depth(depth: int, num_layers: int) -> int:
-  """Returns `depth` if it is an int in [1, min(MAX_DEPTH, num_layers)], else raises ValueError."""
-  check_int("prefetch_depth", depth, 1, MAX_DEPTH)
-  if depth > num_layers:
-    raise ValueError(f"prefetch_depth={depth} is more than the {num_layers} offloaded layer(s); "
-                     f"expected prefetch_depth <= {num_layers}")
-  return depth
 
 
 def _zero_after(x_bth: jax.Array) -> jax.Array:
@@ -97,7 +88,7 @@ def prefetch_scan(layer_fn: LayerFn, graphdef: nnx.GraphDef, host_state: nnx.Sta
   docstring (the fetch index is tied to the first array leaf of the carry).
   """
   num = jax.tree.leaves(host_state)[0].shape[0]
-  check_depth(depth, num)
+  check_prefetch_depth(depth, num)
   if order not in ORDERS:
     raise ValueError(f"order={order!r}: expected one of {ORDERS}")
   fetch = _fetcher(host_state, device_shardings, order)
@@ -163,7 +154,7 @@ class OffloadedStack(nnx.Module):
                memory_kind: str = placement.PINNED_HOST, order: str = "auto"):
     graphdef, state = nnx.split(layers)
     leaves = jax.tree.leaves(state)
-    check_depth(depth, leaves[0].shape[0])
+    check_prefetch_depth(depth, leaves[0].shape[0])
     if order not in ORDERS:
       raise ValueError(f"order={order!r}: expected one of {ORDERS}")
     placement.check_memory_kind(memory_kind)

@@ -1,0 +1,314 @@
+"""Sizing: from the engine arguments, the model's config and the machine to the resolved engine.
+
+`size` is pure: no arrays, no weights, no device queries. It takes `EngineArgs`, the model's
+`ModelConfig`, a `Machine` (what the devices and the host hold, measured by `detect_machine` or
+given for another machine) and, when the planner must run, the measured link rate and layer time;
+it returns a `Sizing`: dtype, layer execution, the blocks of both KV pools, the offloaded layers and
+prefetch depth, the step budgets. `jaxtier.LLM` runs parse (`EngineArgs`) -> size -> load (the
+layout the sizing gives) -> build (`Sizing.engine_config`), and every default the arguments leave
+open is decided here, once.
+
+The KV pools (vLLM's names and meaning):
+- device pool: `num_device_blocks`, or `kv_cache_memory_gb`; default: the device memory left after
+  the resident weights and an activation reserve (times `gpu_memory_utilization`), or where the
+  backend reports no memory (CPU), `cpu_default_pool_blocks`.
+- host pool (pinned host memory for swapped-out and host-cached prefix blocks): `num_host_blocks`,
+  or `swap_space_gb`; default: as many blocks as the device pool, so every running request can be
+  swapped out once, but at most `HOST_PIN_FRACTION` of the host's memory less the offloaded
+  weights (which are pinned too); on CPU with the default device pool, `CPU_DEFAULT_HOST_FRACTION`
+  of it (both pools are the same RAM there). A pool asked for that does not fit the host is an
+  error here, before anything is allocated.
+
+Offload (`offload_tail_layers`, `prefetch_depth`): "auto" runs the planner
+(`jaxtier.offload.planner`) against the pool the engine will allocate: the explicit pool when one
+is given, else the smallest that can run (one max_model_len sequence), since the default pool takes
+whatever memory the weights leave. With no known device memory, "auto" offloads nothing. On CPU
+`prefetch_depth="auto"` is 1: there is no copy engine to overlap with, so a deeper queue only holds
+more layer copies.
+"""
+
+import dataclasses
+import os
+from typing import Callable
+
+from jaxtier import sharding
+from jaxtier.buckets import pow2_bucket
+from jaxtier.checks import check_offload
+from jaxtier.config import ModelConfig
+from jaxtier.engine_args import (CPU_DEFAULT_HOST_FRACTION, CPU_DEFAULT_KV_GB,
+                                 CPU_DEFAULT_REQUEST_TOKENS, GB, HOST_PIN_FRACTION, EngineArgs)
+from jaxtier.kv_bytes import kv_block_bytes
+from jaxtier.offload.planner import ModelBytes, OffloadPlan, plan
+from jaxtier.scheduler.allocator import blocks_for
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+# (batch, context) -> (link bytes/s, seconds of one layer's decode step): measured on demand.
+Timing = Callable[[int, int], tuple[float, float]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+  """What the engine may use. `device_memory_bytes` is one device's (None: the backend reports
+  none, as on CPU); `host_memory_bytes` the host's RAM (None: unknown, no bound).
+  `cpu_kernels`: the C++ kernels are built (CPU only); `integer_dots`: they multiply int16 in
+  vector instructions."""
+  platform: str
+  num_devices: int = 1
+  device_memory_bytes: int | None = None
+  host_memory_bytes: int | None = None
+  cpu_kernels: bool = False
+  integer_dots: bool = False
+
+  def __post_init__(self):
+    if self.platform not in PLATFORMS:
+      raise ValueError(f"platform={self.platform!r}: expected one of {PLATFORMS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+  """The offload an engine runs with, and the planner's plan behind it (None where no planning
+  was needed)."""
+  offload_tail_layers: int
+  prefetch_depth: int  # 0 when nothing is offloaded
+  plan: OffloadPlan | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+  """The resolved engine: every "auto" and every default of `EngineArgs` decided.
+
+  `block_bytes` is one block over all devices (each device holds 1 / tensor_parallel_size);
+  `device_weight_bytes` and `host_weight_bytes` are one device's, from the `weights` `size` was
+  given.
+  """
+  dtype: str
+  kv_cache_dtype: str
+  layer_execution: str  # "scan" or "unrolled"
+  keep_quantized: bool  # resident layers may keep a GGUF file's blocks
+  block_activations: str  # "float32" or "int16"
+  tensor_parallel_size: int
+  max_model_len: int
+  max_num_seqs: int
+  max_num_batched_tokens: int
+  block_size: int
+  block_bytes: int
+  num_device_blocks: int
+  num_host_blocks: int
+  offload: Offload
+  device_weight_bytes: int
+  host_weight_bytes: int
+  activation_reserve_bytes: int
+
+  @property
+  def device_kv_bytes(self) -> int:
+    return self.num_device_blocks * self.block_bytes
+
+  @property
+  def host_kv_bytes(self) -> int:
+    return self.num_host_blocks * self.block_bytes
+
+
+def execution(args: EngineArgs, machine: Machine) -> tuple[str, bool, str]:
+  """(layer_execution, keep_quantized, block_activations): how layers run and whether resident
+  layers keep a GGUF file's blocks, which the loader must know before it opens the checkpoint.
+
+  Blocks are kept by unrolled layers on one device (the CPU kernels multiply them) with
+  `weight_format="auto"`; `block_activations` "auto" is int16 where the kernels multiply int16 in
+  vector instructions. Where no blocks are kept it is "float32" (it has no effect there)."""
+  layer_execution = args.layer_execution
+  if layer_execution == "auto":
+    layer_execution = "unrolled" if machine.platform == "cpu" else "scan"
+  keep = (args.weight_format == "auto" and args.tensor_parallel_size == 1
+          and layer_execution == "unrolled")
+  activations = args.block_activations
+  if not keep:
+    activations = "float32"
+  elif activations == "auto":
+    activations = "int16" if machine.integer_dots else "float32"
+  return layer_execution, keep, activations
+
+
+def activation_reserve_bytes(config: ModelConfig, batch: int, context: int, itemsize: int) -> int:
+  """Estimated peak activations of a prefill of `batch` x `context` tokens with dense attention:
+  float32 scores [b, n, t, t], the MLP's two [b, t, f] intermediates and float32 logits [b, v]."""
+  scores = batch * config.num_heads * context * context * 4
+  mlp = 2 * batch * context * config.intermediate_size * itemsize
+  return scores + mlp + batch * config.vocab_size * 4
+
+
+def cpu_default_pool_blocks(max_num_seqs: int, max_model_len: int, block_size: int,
+                            block_bytes: int) -> tuple[int, int]:
+  """The (device, host) KV pools in blocks where the backend reports no memory (CPU).
+
+  The device pool holds `max_num_seqs` requests of min(max_model_len,
+  `CPU_DEFAULT_REQUEST_TOKENS`) tokens, capped at `CPU_DEFAULT_KV_GB` GB, but never less than one
+  max_model_len sequence (the engine's minimum); the host pool is `CPU_DEFAULT_HOST_FRACTION` of
+  it. Sized for the short requests a CPU serves: room for max_num_seqs full-length sequences of
+  an 8192-token window would take gigabytes per tier, more than a small model's weights.
+  """
+  request = blocks_for(min(max_model_len, CPU_DEFAULT_REQUEST_TOKENS), block_size)
+  cap = int(CPU_DEFAULT_KV_GB * GB // block_bytes)
+  device = max(min(max_num_seqs * request, cap), blocks_for(max_model_len, block_size))
+  return device, int(device * CPU_DEFAULT_HOST_FRACTION)
+
+
+def needs_weight_bytes(args: EngineArgs, machine: Machine) -> bool:
+  """Whether `size` counts the weights' bytes: for the offload planner, or for a default device
+  pool on a device that reports its memory. (The loader's exact resident bytes are worth
+  computing only then.)"""
+  memory = args.device_memory_gb is not None or machine.device_memory_bytes is not None
+  explicit = args.num_device_blocks is not None or args.kv_cache_memory_gb is not None
+  return args.offload_tail_layers != 0 or (memory and not explicit)
+
+
+def _check_model(args: EngineArgs, config: ModelConfig) -> None:
+  """The checks that need the model's config."""
+  limit = config.max_position_embeddings
+  if args.max_model_len is not None and args.max_model_len > limit:
+    raise ValueError(f"max_model_len={args.max_model_len}: expected at most {limit}, the "
+                     "context window of this model")
+  check_offload(args.offload_tail_layers, args.prefetch_depth, config.num_layers)
+  sharding.check_tensor_parallel(config, args.tensor_parallel_size)
+
+
+def _offload(args: EngineArgs, config: ModelConfig, machine: Machine, weights: ModelBytes,
+             memory: int | None, kv_reserve: int, activations: int, max_model_len: int,
+             timing: Timing | None) -> Offload:
+  """`offload_tail_layers` and `prefetch_depth` as numbers (see the module docstring)."""
+  n, depth = args.offload_tail_layers, args.prefetch_depth
+  if n == 0 or (n == "auto" and memory is None):
+    return Offload(0, 0)
+  cpu = machine.platform == "cpu"
+  if n != "auto" and (depth != "auto" or cpu):
+    depth = 1 if depth == "auto" else depth
+    return Offload(n, depth)
+  if timing is None:
+    raise ValueError(f"offload_tail_layers={n!r}, prefetch_depth={depth!r}: planning needs the "
+                     "measured link rate and layer time (`timing`)")
+  # The decode step whose layer time is measured: a full batch over the whole window.
+  link, layer_s = timing(pow2_bucket(args.max_num_seqs), max_model_len)
+  fixed_depth = depth if depth != "auto" else (1 if cpu else None)
+  result = plan(weights, device_memory_bytes=memory or weights.weight_bytes + kv_reserve + activations,
+                link_bytes_per_s=link, layer_compute_s=layer_s, kv_reserve_bytes=kv_reserve,
+                activation_reserve_bytes=activations,
+                offload_tail_layers=None if n == "auto" else n, prefetch_depth=fixed_depth)
+  if not result.fits and memory is not None:
+    raise ValueError(f"offload_tail_layers={n!r}: {result.message()}")
+  if not result.offload_tail_layers:
+    return Offload(0, 0, result)
+  return Offload(result.offload_tail_layers, result.prefetch_depth, result)
+
+
+def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
+         weights: ModelBytes | None = None, timing: Timing | None = None) -> Sizing:
+  """The engine `args` resolve to for a model of `config` on `machine` (see the module docstring).
+
+  `weights`: one device's weight bytes as the loader will hold them (`ModelBytes`; resident
+  layers that keep GGUF blocks are smaller than their floats, see
+  `jaxtier.checkpoint.placed.resident_bytes`); default: `args.dtype` floats. `timing(batch,
+  context)`: the measured link rate and decode-layer time, called only when the planner runs.
+  Raises ValueError for arguments this model or machine cannot run.
+  """
+  _check_model(args, config)
+  tp = args.tensor_parallel_size
+  layer_execution, keep, activations = execution(args, machine)
+  max_model_len = args.max_model_len or config.max_position_embeddings
+  kv_dtype = args.resolved_kv_cache_dtype()
+  block_bytes = kv_block_bytes(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype,
+                               args.block_size)
+  if weights is None:
+    weights = ModelBytes.from_config(config, args.dtype, kv_dtype, tensor_parallel_size=tp)
+  reserve = activation_reserve_bytes(config, 1, min(args.token_budget, max_model_len),
+                                     DTYPE_BYTES[args.dtype])
+  memory = (int(args.device_memory_gb * GB) if args.device_memory_gb is not None
+            else machine.device_memory_bytes)
+  usable = None if memory is None else int(memory * args.gpu_memory_utilization)
+  explicit = (args.num_device_blocks * block_bytes if args.num_device_blocks is not None
+              else None if args.kv_cache_memory_gb is None else int(args.kv_cache_memory_gb * GB))
+  minimal = blocks_for(max_model_len, args.block_size) * block_bytes
+  offload = _offload(args, config, machine, weights, usable,
+                     (minimal if explicit is None else explicit) // tp, reserve, max_model_len,
+                     timing)
+  n = offload.offload_tail_layers
+  resident = weights.resident_bytes(range(config.num_layers - n)) + weights.other_bytes
+  host_weights = n * weights.layer_bytes
+  host = None  # the host pool's default: the device pool's size, unless the CPU rule sets it
+  if explicit is not None:
+    device = explicit // block_bytes
+  elif memory is not None:
+    # Per device: each holds its shard of the weights and 1 / tp of every block's kv heads.
+    free = memory * args.gpu_memory_utilization - resident - reserve
+    device = int(free // (block_bytes // tp))
+  else:
+    device, host = cpu_default_pool_blocks(args.max_num_seqs, max_model_len, args.block_size,
+                                           block_bytes)
+  needed = blocks_for(max_model_len, args.block_size)
+  if device < needed:
+    raise ValueError(
+        f"the device KV pool holds {max(device, 0)} blocks of {args.block_size} tokens "
+        f"({max(device, 0) * block_bytes / GB:.3f} GB) but one sequence of max_model_len="
+        f"{max_model_len} tokens needs {needed}: raise num_device_blocks / "
+        "kv_cache_memory_gb (or device memory), or lower max_model_len")
+  host = _host_blocks(args, machine, device, host, block_bytes, host_weights * tp)
+  return Sizing(
+      dtype=args.dtype, kv_cache_dtype=kv_dtype, layer_execution=layer_execution,
+      keep_quantized=keep, block_activations=activations,
+      tensor_parallel_size=tp,
+      max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+      max_num_batched_tokens=args.token_budget, block_size=args.block_size,
+      block_bytes=block_bytes, num_device_blocks=device, num_host_blocks=host, offload=offload,
+      device_weight_bytes=resident, host_weight_bytes=host_weights,
+      activation_reserve_bytes=reserve)
+
+
+def _host_blocks(args: EngineArgs, machine: Machine, device: int, default: int | None,
+                 block_bytes: int, pinned_weights: int) -> int:
+  """The host pool in blocks: as asked (checked against the host's memory), or the default."""
+  if args.num_host_blocks is not None:
+    host = args.num_host_blocks
+  elif args.swap_space_gb is not None:
+    host = int(args.swap_space_gb * GB // block_bytes)
+  else:
+    host = device if default is None else default
+    if machine.host_memory_bytes is not None and machine.platform != "cpu":
+      room = int(HOST_PIN_FRACTION * machine.host_memory_bytes) - pinned_weights
+      host = max(min(host, room // block_bytes), 0)
+    return host
+  total = host * block_bytes + pinned_weights
+  if machine.host_memory_bytes is not None and total > machine.host_memory_bytes:
+    raise ValueError(
+        f"the host KV pool of {host} blocks ({host * block_bytes / GB:.3f} GB) and "
+        f"{pinned_weights / GB:.3f} GB of offloaded weights need {total / GB:.3f} GB of pinned "
+        f"host memory; the host has {machine.host_memory_bytes / GB:.3f} GB: lower "
+        "num_host_blocks / swap_space_gb")
+  return host
+
+
+def host_memory_bytes() -> int | None:
+  """This host's RAM in bytes, or None where the OS does not say."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def detect_machine(args: EngineArgs) -> Machine:
+  """This process's machine, as `size` takes it: the platform and devices JAX sees, the first
+  device's memory limit (None on CPU, whose backend reports none), the host's RAM, and on CPU
+  whether the C++ kernels are built (building them on first use) and multiply int16 in vector
+  instructions. `args.host_memory_gb` replaces the measured host RAM."""
+  import jax  # pylint: disable=import-outside-toplevel
+  devices = jax.local_devices()
+  platform = devices[0].platform
+  platform = platform if platform in PLATFORMS else "gpu"  # "cuda" / "rocm" plugins
+  stats = devices[0].memory_stats() or {}
+  host = (int(args.host_memory_gb * GB) if args.host_memory_gb is not None
+          else host_memory_bytes())
+  kernels = dots = False
+  if platform == "cpu":
+    from jaxtier import cpu_kernels  # pylint: disable=import-outside-toplevel
+    kernels = cpu_kernels.available()
+    dots = kernels and cpu_kernels.integer_dots()
+  return Machine(platform, len(devices), stats.get("bytes_limit"), host, kernels, dots)
