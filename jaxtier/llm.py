@@ -334,7 +334,8 @@ class LLM:
                        "generated")
 
   def make_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
-    """A `Request` for `run_batch`; a request without a seed gets one from the engine's seed."""
+    """A `Request` with a fresh id, as the server submits them to the engine (and `run_batch`
+    takes them); a request without a seed gets one from the engine's seed."""
     seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
     request_id, self._next_id = self._next_id, self._next_id + 1
     return Request.of(request_id, prompt_ids, params, seed)

@@ -1,7 +1,7 @@
 """Regenerates the Hugging Face reference fixtures under tests/fixtures (needs `pip install -e .[ref]`).
 
 Writes:
-  tests/fixtures/tiny_llama/   a random Llama checkpoint (llama3 rope scaling, untied embeddings, two
+  tests/fixtures/tiny_llama/   a random Llama checkpoint (llama3 rope scaling, untied embeddings, several
                                safetensors shards with an index), tokenizer, and hf_logits.npz
   tests/fixtures/tiny_qwen2/   a random Qwen2 checkpoint (q/k/v biases, tied embeddings), same files
   tests/fixtures/tiny_llama_chat/  a random Llama checkpoint and tokenizer as `save_pretrained` of
