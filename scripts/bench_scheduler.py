@@ -32,8 +32,9 @@ def _warm_state(num_running: int) -> tuple[scheduler.SchedulerState, int]:
   tokens = FLAGS.prompt_len + max_tokens
   config = scheduler.SchedulerConfig(
       num_device_blocks=2 * num_running * scheduler.blocks_for(tokens, FLAGS.block_size),
-      num_host_blocks=num_running * 8, block_size=FLAGS.block_size, max_running=num_running,
-      max_tokens_per_step=max(num_running, 8192), watermark_fraction=0.05)
+      num_host_blocks=num_running * 8, block_size=FLAGS.block_size, max_num_seqs=num_running,
+      max_num_batched_tokens=max(num_running, 8192), watermark=0.05, preemption_mode="swap",
+      victim_policy="longest_waiting", enable_prefix_caching=False, host_prefix_caching=True)
   arrivals = [scheduler.Arrive(scheduler.Request(i, FLAGS.prompt_len, max_tokens))
               for i in range(num_running)]
   state, plan = scheduler.step(scheduler.initial_state(config), arrivals)

@@ -20,7 +20,6 @@ lengths, so caching finds nothing to share there.
 """
 
 import json
-import math
 
 from absl import app, flags
 
@@ -43,7 +42,7 @@ PRESETS = {
         num_layers=28, kv_heads=32, head_dim=128, kv_cache_dtype="bfloat16", device_gb=80.0,
         weights_gb=14.0, reserve_gb=8.0, host_gb=180.0, watermark_gb=5.0, num_requests=100,
         arrival_rate=0.0, prompt_len=3000, output_len=1000, length_dist="uniform",
-        step_base_ms=10.0, per_token_us=90.0, link_gb_per_s=22.0, max_tokens_per_step=4096),
+        step_base_ms=10.0, per_token_us=90.0, link_gb_per_s=22.0, max_num_batched_tokens=4096),
 }
 # The article's model, memory, link and cost figures serving multi-turn chats, sized so that the
 # distinct prefixes outgrow the device pool but fit in the host pool. One block holds 16 tokens x
@@ -91,9 +90,11 @@ flags.DEFINE_float("host_gb", 180.0, "Host KV pool.")
 flags.DEFINE_integer("num_device_blocks", 0, "Device KV blocks (0: from the memory sizes).")
 flags.DEFINE_integer("num_host_blocks", -1, "Host KV blocks (-1: from host_gb).")
 flags.DEFINE_integer("block_size", 16, "Tokens per block.")
-flags.DEFINE_integer("max_running", 256, "Most running requests.")
-flags.DEFINE_integer("max_tokens_per_step", 2048, "Token budget per step.")
-flags.DEFINE_float("watermark_gb", 0.0, "Device KV kept free.")
+flags.DEFINE_integer("max_num_seqs", 256, "Most running requests.")
+flags.DEFINE_integer("max_num_batched_tokens", 2048, "Token budget per step.")
+flags.DEFINE_float("watermark_gb", 0.0,
+                   "Device KV kept free (the scheduler's watermark is its share of the device "
+                   "pool, which keeps at least this many GB free).")
 flags.DEFINE_enum("preemption_mode", "swap", ["swap", "recompute"], "Preemption mode.")
 flags.DEFINE_enum("victim_policy", "longest_waiting", sorted(VICTIM_POLICIES), "Victim policy.")
 flags.DEFINE_enum("host_full", "recompute", ["recompute", "abort_oldest"], "Host pool full.")
@@ -119,8 +120,8 @@ def _config(block_bytes: int) -> SchedulerConfig:
                  else int(FLAGS.host_gb * _GB // block_bytes))
   return SchedulerConfig(
       num_device_blocks=device_blocks, num_host_blocks=host_blocks, block_size=FLAGS.block_size,
-      max_running=FLAGS.max_running, max_tokens_per_step=FLAGS.max_tokens_per_step,
-      watermark_blocks=math.ceil(FLAGS.watermark_gb * _GB / block_bytes),
+      max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+      watermark=FLAGS.watermark_gb * _GB / (max(device_blocks, 1) * block_bytes),
       preemption_mode=FLAGS.preemption_mode, victim_policy=FLAGS.victim_policy,
       host_full=FLAGS.host_full, prefetch_swap_in=FLAGS.prefetch_swap_in, block_bytes=block_bytes,
       enable_prefix_caching=FLAGS.enable_prefix_caching,
@@ -157,7 +158,8 @@ def main(argv):
                       "workload": "trace" if FLAGS.trace else FLAGS.workload,
                       "preemption_mode": config.preemption_mode,
                       "victim_policy": config.victim_policy, "host_full": config.host_full,
-                      "watermark_blocks": config.watermark, "block_size": config.block_size}
+                      "watermark_blocks": config.watermark_block_count,
+                      "block_size": config.block_size}
   print(json.dumps(report, indent=2))
 
 

@@ -163,7 +163,11 @@ def test_kv_swaps_take_the_link_first():
 def test_scheduler_link_fields_leave_the_weights_their_bytes():
   p = article_plan(0.040)
   fields = offload.scheduler_link_fields(p)
-  config = SchedulerConfig(num_device_blocks=64, num_host_blocks=64, block_bytes=1 << 20, **fields)
+  config = SchedulerConfig(num_device_blocks=64, num_host_blocks=64, block_size=16,
+                           max_num_seqs=256, max_num_batched_tokens=2048, watermark=0.0,
+                           preemption_mode="swap", victim_policy="longest_waiting",
+                           enable_prefix_caching=False, host_prefix_caching=True,
+                           block_bytes=1 << 20, **fields)
   wanted = p.weight_transfer_bytes_per_step
   granted = policies.weight_prefetch_bytes(config.link_bytes_per_step, config.kv_link_share, 0,
                                            config.weight_prefetch_bytes_per_step)

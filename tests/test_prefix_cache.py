@@ -123,9 +123,10 @@ def configs(draw):
   device = draw(st.integers(4, 14))
   return scheduler.SchedulerConfig(
       num_device_blocks=device, num_host_blocks=draw(st.integers(0, 12)), block_size=block_size,
-      max_running=draw(st.integers(1, 4)), max_tokens_per_step=draw(st.integers(4, 24)),
-      watermark_blocks=draw(st.integers(0, 1)), max_blocks_per_request=device,
+      max_num_seqs=draw(st.integers(1, 4)), max_num_batched_tokens=draw(st.integers(4, 24)),
+      watermark=draw(st.integers(0, 1)) / device, max_blocks_per_request=device,
       preemption_mode=draw(st.sampled_from(["swap", "recompute"])),
+      victim_policy="longest_waiting",
       prefetch_swap_in=draw(st.booleans()), enable_prefix_caching=True,
       host_prefix_caching=draw(st.booleans()))
 

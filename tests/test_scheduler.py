@@ -14,8 +14,9 @@ from jaxtier.scheduler import policies
 from jaxtier.scheduler.request import (ABORT_CLIENT, ABORT_HOST_FULL, ABORT_TOO_LARGE, ABORTED,
                                        FINISH_LENGTH, FINISHED)
 
-_BASE = dict(num_device_blocks=8, num_host_blocks=16, block_size=4, max_running=4,
-             max_tokens_per_step=16)
+_BASE = dict(num_device_blocks=8, num_host_blocks=16, block_size=4, max_num_seqs=4,
+             max_num_batched_tokens=16, watermark=0.0, preemption_mode="swap",
+             victim_policy="longest_waiting", enable_prefix_caching=False, host_prefix_caching=True)
 
 
 def _config(**overrides):
@@ -92,7 +93,7 @@ def test_victims_come_from_the_least_urgent_priority_first():
     ("longest_waiting", 0), ("closest_to_finish", 1), ("shortest_predicted_remaining", 0)])
 def test_watermark_swaps_out_the_policys_victim(policy, victim):
   # Both decode into a new block: 1 free block cannot hold 2 more and keep 1 free.
-  config = _config(watermark_blocks=1, victim_policy=policy)
+  config = _config(watermark=1 / 8, victim_policy=policy)
   r0 = _request(0, 12, max_tokens=8, predicted_output_len=2)
   r1 = _request(1, 16, max_tokens=2, predicted_output_len=8)
   state = _state(config, running=[_decoding(r0), _decoding(r1)])
@@ -110,7 +111,7 @@ def test_watermark_swaps_out_the_policys_victim(policy, victim):
 
 
 def test_a_request_running_alone_is_never_preempted():
-  config = _config(watermark_blocks=3)
+  config = _config(watermark=3 / 8)
   request = _request(0, 28, max_tokens=4)
   state, plan = schedule(_state(config, running=[_decoding(request)]))
   assert plan.decode.request_ids == (0,) and not plan.swap_out
@@ -120,7 +121,7 @@ def test_a_request_running_alone_is_never_preempted():
 # Admission.
 
 def test_admission_needs_the_first_chunk_above_the_watermark():
-  config = _config(watermark_blocks=2)
+  config = _config(watermark=2 / 8)
   running = _decoding(_request(0, 15))  # 4 blocks, the next token fits in the last one
   fits, too_big = _request(1, 8), _request(2, 12)
   state, plan = schedule(_state(config, running=[running], waiting=[fits, too_big]))
@@ -129,7 +130,7 @@ def test_admission_needs_the_first_chunk_above_the_watermark():
 
 
 def test_admission_keeps_queue_order():
-  config = _config(watermark_blocks=2)
+  config = _config(watermark=2 / 8)
   running = _decoding(_request(0, 15))
   too_big, small = _request(1, 12), _request(2, 4)
   state, _ = schedule(_state(config, running=[running], waiting=[too_big, small]))
@@ -137,7 +138,7 @@ def test_admission_keeps_queue_order():
 
 
 def test_nothing_running_admits_a_request_below_the_watermark():
-  config = _config(watermark_blocks=4, max_tokens_per_step=32)
+  config = _config(watermark=4 / 8, max_num_batched_tokens=32)
   state, plan = schedule(_state(config, waiting=[_request(0, 24)]))
   assert plan.prefill.ends == (24,) and state.device.num_free == 2
 
@@ -161,13 +162,13 @@ def test_per_request_cap_rejects_below_the_pool_size():
 
 
 def test_kv_grows_block_by_block():
-  config = _config(max_tokens_per_step=16)
+  config = _config(max_num_batched_tokens=16)
   state, _ = step(initial_state(config), [Arrive(_request(0, 5, max_tokens=20))])
   assert len(state.running[0].blocks) == 2, "blocks for the prompt only, not for max_tokens"
 
 
 def test_chunked_prefill_under_the_token_budget():
-  config = _config(max_running=2, max_tokens_per_step=8)
+  config = _config(max_num_seqs=2, max_num_batched_tokens=8)
   state, plan = step(initial_state(config), [Arrive(_request(0, 20, max_tokens=2))])
   chunks = [(plan.prefill.starts, plan.prefill.ends, plan.prefill.samples)]
   for _ in range(2):
@@ -198,7 +199,7 @@ def test_swap_in_prefetches_one_step_early(prefetch):
 
 
 def test_swap_in_is_oldest_first_unless_priority_says_otherwise():
-  config = _config(watermark_blocks=1, num_device_blocks=4)
+  config = _config(watermark=1 / 4, num_device_blocks=4)
   old, urgent = _request(0, 8, priority=1), _request(1, 8, priority=0)
   state = _state(config, swapped=[_decoding(urgent), _decoding(old)])
   state, _ = schedule(state)
@@ -217,7 +218,7 @@ def test_no_admission_while_requests_are_swapped_out():
 def _tight_host(**overrides):
   # Both running requests decode into a new block: one must go, and its 3 blocks do not fit in the
   # 2 free host blocks.
-  config = _config(watermark_blocks=1, num_host_blocks=3, **overrides)
+  config = _config(watermark=1 / 8, num_host_blocks=3, **overrides)
   r0, r1 = _request(0, 12), _request(1, 16)
   old = _request(2, 4)
   old = dataclasses.replace(old, arrival_time=-1.0)
@@ -244,7 +245,7 @@ def test_host_full_aborts_the_oldest_swapped_request():
 
 
 def test_host_full_aborts_the_victim_when_it_is_the_oldest():
-  config = _config(watermark_blocks=1, num_host_blocks=2, host_full="abort_oldest")
+  config = _config(watermark=1 / 8, num_host_blocks=2, host_full="abort_oldest")
   state = _state(config, running=[_decoding(_request(0, 12)), _decoding(_request(1, 16))])
   state, plan = schedule(state)
   assert [(e.request_id, e.reason) for e in plan.ended] == [(0, ABORT_HOST_FULL)]
@@ -253,7 +254,7 @@ def test_host_full_aborts_the_victim_when_it_is_the_oldest():
 
 
 def test_recompute_mode_never_swaps():
-  config = _config(watermark_blocks=1, preemption_mode="recompute")
+  config = _config(watermark=1 / 8, preemption_mode="recompute")
   state = _state(config, running=[_decoding(_request(0, 12)), _decoding(_request(1, 16))])
   state, plan = schedule(state)
   assert plan.preempted == ((0, "recompute"),) and not plan.swap_out
@@ -262,7 +263,7 @@ def test_recompute_mode_never_swaps():
 
 
 def test_recomputed_request_prefills_prompt_and_generated_tokens():
-  config = _config(max_tokens_per_step=16)
+  config = _config(max_num_batched_tokens=16)
   request = _request(0, 6)
   state = dataclasses.replace(_state(config), waiting=(Seq(request, 0, 0, 3, ()),), next_order=1)
   state, plan = schedule(state)
@@ -365,7 +366,7 @@ def test_protocol_errors_are_reported():
 
 def test_same_events_give_the_same_plans():
   def run():
-    state, plans = initial_state(_config(watermark_blocks=1)), []
+    state, plans = initial_state(_config(watermark=1 / 8)), []
     events = [Arrive(_request(i, 5 + 3 * i, max_tokens=6)) for i in range(4)]
     for _ in range(12):
       state, plan = step(state, events)
@@ -379,9 +380,9 @@ def test_same_events_give_the_same_plans():
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(num_device_blocks=0), "num_device_blocks=0"),
-    (dict(max_tokens_per_step=2), "max_tokens_per_step=2: expected an int >= 4"),
-    (dict(watermark_blocks=8), "watermark=8 blocks"),
-    (dict(watermark_blocks=1, watermark_fraction=0.1), "at most one of the two"),
+    (dict(max_num_batched_tokens=2), "max_num_batched_tokens=2: expected an int >= 4"),
+    (dict(watermark=0.9), "watermark=0.9 keeps 8 blocks free"),
+    (dict(watermark=1.0), r"watermark=1.0: expected a number in \[0, 1\)"),
     (dict(preemption_mode="drop"), "preemption_mode='drop'"),
     (dict(victim_policy="random"), "victim_policy='random'"),
     (dict(host_full="wait"), "host_full='wait'"),

@@ -29,17 +29,17 @@ _PROFILE = ("jaxtier_scheduler_ci" if os.environ.get("JAXTIER_HYPOTHESIS_PROFILE
 @st.composite
 def configs(draw):
   num_device_blocks = draw(st.integers(1, 24))
-  watermark = draw(st.one_of(
-      st.fixed_dictionaries({"watermark_blocks": st.integers(0, min(3, num_device_blocks - 1))}),
-      st.fixed_dictionaries({"watermark_fraction": st.sampled_from([0.0, 0.1, 0.25])})))
-  if watermark.get("watermark_fraction", 0) * num_device_blocks > num_device_blocks - 1:
-    watermark = {}
-  max_running = draw(st.integers(1, 6))
+  watermark = draw(st.one_of(  # a few blocks, or a share of the pool
+      st.integers(0, min(3, num_device_blocks - 1)).map(lambda k: k / num_device_blocks),
+      st.sampled_from([0.0, 0.1, 0.25])))
+  if watermark * num_device_blocks > num_device_blocks - 1:
+    watermark = 0.0
+  max_num_seqs = draw(st.integers(1, 6))
   block_bytes = draw(st.sampled_from([0, 10]))
   return SchedulerConfig(
       num_device_blocks=num_device_blocks, num_host_blocks=draw(st.integers(0, 24)),
-      block_size=draw(st.integers(1, 8)), max_running=max_running,
-      max_tokens_per_step=max_running + draw(st.integers(0, 24)),
+      block_size=draw(st.integers(1, 8)), max_num_seqs=max_num_seqs,
+      max_num_batched_tokens=max_num_seqs + draw(st.integers(0, 24)), watermark=watermark,
       max_blocks_per_request=draw(st.one_of(st.none(), st.integers(1, num_device_blocks))),
       preemption_mode=draw(st.sampled_from(["swap", "recompute"])),
       victim_policy=draw(st.sampled_from(sorted(VICTIM_POLICIES))),
@@ -47,7 +47,8 @@ def configs(draw):
       prefetch_swap_in=draw(st.booleans()), block_bytes=block_bytes,
       link_bytes_per_step=draw(st.sampled_from([None, 10, 35, 200])) if block_bytes else None,
       kv_link_share=draw(st.sampled_from([0.5, 1.0])),
-      weight_prefetch_bytes_per_step=draw(st.sampled_from([0, 50])), **watermark)
+      weight_prefetch_bytes_per_step=draw(st.sampled_from([0, 50])), enable_prefix_caching=False,
+      host_prefix_caching=True)
 
 
 _REQUEST = st.tuples(st.integers(1, 200), st.integers(1, 16), st.integers(0, 2),
@@ -136,7 +137,7 @@ class SchedulerMachine(RuleBasedStateMachine):
   def _check_plan(self, before, plan):
     config, after = self.config, self.state
     running = {seq.request_id: seq for seq in after.running}
-    assert plan.num_tokens <= config.max_tokens_per_step
+    assert plan.num_tokens <= config.max_num_batched_tokens
     for batch in (plan.prefill, plan.decode):
       for rid, start, end, table, sample in zip(batch.request_ids, batch.starts, batch.ends,
                                                 batch.block_tables, batch.samples):
@@ -150,7 +151,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                   plan.free_device, "swapped", "running")
     assert not (plan.swap_in and plan.prefetch)
     if len(after.running) >= 2:
-      assert after.device.num_free >= config.watermark, "two or more running stay above watermark"
+      assert after.device.num_free >= config.watermark_block_count, \
+          "two or more running stay above watermark"
     self._check_link(before, plan)
 
   def _check_link(self, before, plan):
@@ -177,7 +179,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     everyone = live + pending + list(self.ended)
     assert len(everyone) == len(set(everyone)), "each request is in exactly one place"
     assert set(everyone) == set(self.requests)
-    assert len(state.running) <= self.config.max_running
+    assert len(state.running) <= self.config.max_num_seqs
 
   @invariant()
   def pools_are_consistent(self):

@@ -16,10 +16,18 @@ _COST = simulator.CostModel(step_base_s=0.01, per_token_s=1e-4, link_bytes_per_s
                             block_bytes=1000)
 
 
+def _config(**fields) -> SchedulerConfig:
+  """A scheduler config; the engine-argument fields not given are filled in here."""
+  return SchedulerConfig(**{**dict(block_size=16, max_num_seqs=256, max_num_batched_tokens=2048,
+                                   watermark=0.0, preemption_mode="swap",
+                                   victim_policy="longest_waiting", enable_prefix_caching=False,
+                                   host_prefix_caching=True), **fields})
+
+
 def _run(mode, num_host_blocks=256):
-  config = SchedulerConfig(num_device_blocks=64, num_host_blocks=num_host_blocks, block_size=16,
-                           max_running=16, max_tokens_per_step=256, watermark_blocks=4,
-                           preemption_mode=mode, block_bytes=1000)
+  config = _config(num_device_blocks=64, num_host_blocks=num_host_blocks, block_size=16,
+                   max_num_seqs=16, max_num_batched_tokens=256, watermark=4 / 64,
+                   preemption_mode=mode, block_bytes=1000)
   workload = simulator.synthetic_workload(20, 0.0, 100, 60, "uniform", 0, seed=1)
   return simulator.simulate(config, _COST, workload)
 
@@ -109,8 +117,8 @@ def test_chat_workload_first_turns_arrive_by_poisson_and_rejects_bad_arguments()
 def test_dependent_items_must_follow_an_earlier_item():
   first = simulator.WorkItem(Request("a", 4, 2), 2)
   second = simulator.WorkItem(Request("b", 4, 2), 2, after="a")
-  config = SchedulerConfig(num_device_blocks=16, num_host_blocks=0, max_running=4,
-                           max_tokens_per_step=64)
+  config = _config(num_device_blocks=16, num_host_blocks=0, max_num_seqs=4,
+                   max_num_batched_tokens=64)
   with pytest.raises(ValueError, match="after='a' names no earlier item"):
     simulator.simulate(config, _COST, (second, first))
   with pytest.raises(ValueError, match="after='x' names no earlier item"):
@@ -123,8 +131,8 @@ def test_dependent_items_must_follow_an_earlier_item():
 def test_each_turn_arrives_after_the_previous_one_ended_plus_think_time():
   workload = simulator.chat_workload(6, 2, 4, 32, 16, 16, arrival_rate=4.0, think_time_s=0.25,
                                      seed=2)
-  config = SchedulerConfig(num_device_blocks=128, num_host_blocks=64, block_size=16, max_running=8,
-                           max_tokens_per_step=256, block_bytes=1000, enable_prefix_caching=True)
+  config = _config(num_device_blocks=128, num_host_blocks=64, block_size=16, max_num_seqs=8,
+                   max_num_batched_tokens=256, block_bytes=1000, enable_prefix_caching=True)
   result = simulator.replay(config, _COST, workload)
   times = result.times
   for item in workload:
@@ -143,15 +151,15 @@ def test_each_turn_arrives_after_the_previous_one_ended_plus_think_time():
 
 def test_idle_clock_jumps_to_the_next_dependent_arrival():
   workload = simulator.chat_workload(1, 3, 3, 16, 16, 4, think_time_s=50.0, seed=0)
-  config = SchedulerConfig(num_device_blocks=64, num_host_blocks=0, max_running=4,
-                           max_tokens_per_step=64)
+  config = _config(num_device_blocks=64, num_host_blocks=0, max_num_seqs=4,
+                   max_num_batched_tokens=64)
   report = simulator.simulate(config, _COST, workload)
   assert report["finished"] == 3 and 100 < report["makespan_s"] < 101
 
 
 def _chat_config(**kwargs):
-  return SchedulerConfig(block_size=16, max_running=8, max_tokens_per_step=256, block_bytes=1000,
-                         **kwargs)
+  return _config(block_size=16, max_num_seqs=8, max_num_batched_tokens=256, block_bytes=1000,
+                 **kwargs)
 
 
 def test_prefix_caching_computes_each_turn_only_past_the_previous_prompt():

@@ -135,9 +135,8 @@ class Engine:
                                       config.kv_cache_dtype, config.block_size)
     self.scheduler_config = scheduler.SchedulerConfig(
         num_device_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
-        block_size=config.block_size, max_running=config.max_num_seqs,
-        max_tokens_per_step=config.max_num_batched_tokens,
-        watermark_fraction=config.watermark,
+        block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, watermark=config.watermark,
         max_blocks_per_request=blocks_for(config.max_model_len, config.block_size),
         preemption_mode=config.preemption_mode, victim_policy=config.victim_policy,
         block_bytes=self.block_bytes, enable_prefix_caching=config.enable_prefix_caching,
@@ -503,7 +502,7 @@ class Engine:
         "block_size": self.config.block_size, "block_bytes": self.block_bytes,
         "kv_cache_dtype": self.config.kv_cache_dtype,
         "preemption_mode": self.config.preemption_mode,
-        "watermark_blocks": self.scheduler_config.watermark,
+        "watermark_blocks": self.scheduler_config.watermark_block_count,
         "device_kv_bytes": device_pool_bytes(self.cache),
         "host_kv_bytes": host_pool_bytes(self.cache),
     }

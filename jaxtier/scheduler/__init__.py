@@ -1,6 +1,6 @@
 """jaxtier's scheduler: pure state transitions over plain Python data, no JAX.
 
-    state = initial_state(SchedulerConfig(num_device_blocks=..., num_host_blocks=...))
+    state = initial_state(SchedulerConfig(num_device_blocks=..., num_host_blocks=..., ...))
     state, plan = step(state, [Arrive(Request("a", prompt_len=12, max_tokens=32))])
     # ... the engine executes `plan` (see `Plan`), then:
     state, plan = step(state, [StepFinished(finished=(("a", "stop"),))])

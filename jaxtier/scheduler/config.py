@@ -7,32 +7,40 @@ into `block_bytes`, the bytes of one block, so that byte budgets and simulators 
 import dataclasses
 import math
 
-from jaxtier.checks import check_choice, check_int
+from jaxtier.checks import check_choice, check_int, is_number
 from jaxtier.scheduler import policies
 
 PREEMPTION_MODES = ("swap", "recompute")
 HOST_FULL_FALLBACKS = ("recompute", "abort_oldest")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
   """How one scheduler runs.
+
+  Fields named as an engine argument (`jaxtier.engine_args.EngineArgs`) have that argument's
+  meaning and no default here: EngineArgs is where their defaults and ranges are written, and
+  whoever builds a scheduler passes them all. The other fields are the scheduler's own.
 
   Attributes:
     num_device_blocks: blocks in the device KV pool.
     num_host_blocks: blocks in the host KV pool, allocated once up front (0: no swapping possible).
     block_size: tokens per block.
-    max_running: most requests running (holding device KV) at once.
-    max_tokens_per_step: token budget of one step (decodes plus prefill chunks); at least
-      max_running, so every running decode fits in every step.
-    watermark_blocks, watermark_fraction: keep at least this many device blocks free (give one of
-      the two; the fraction is of num_device_blocks, rounded up). Running requests are preempted to
-      stay above it and new ones admitted only above it; a request running alone may dip into it.
-    max_blocks_per_request: KV cap of one request, in blocks (None: the whole device pool). A request
-      whose prompt_len + max_tokens - 1 tokens need more is rejected when it arrives.
+    max_num_seqs: most requests running (holding device KV) at once.
+    max_num_batched_tokens: token budget of one step (decodes plus prefill chunks); at least
+      max_num_seqs, so every running decode fits in every step.
+    watermark: share of device blocks kept free, in [0, 1) (`watermark_block_count` blocks: the
+      share of num_device_blocks, rounded up). Running requests are preempted to stay above it and
+      new ones admitted only above it; a request running alone may dip into it.
     preemption_mode: "swap" (KV moves to the host pool) or "recompute" (KV is dropped and the request
       prefills again).
     victim_policy: a name in policies.VICTIM_POLICIES, or a key function Seq -> tuple.
+    enable_prefix_caching: full prompt blocks are cached by hash and shared by later requests
+      whose prompts start with the same tokens (needs the requests' prompt token ids).
+    host_prefix_caching: with prefix caching, blocks evicted from the device are written back to the
+      host pool (shared with swapped-out requests, which come first), and host hits are loaded back.
+    max_blocks_per_request: KV cap of one request, in blocks (None: the whole device pool). A request
+      whose prompt_len + max_tokens - 1 tokens need more is rejected when it arrives.
     host_full: in swap mode, what happens to a victim whose KV does not fit in the host pool:
       "recompute" it, or "abort_oldest" swapped requests (the victim included) until it fits.
     prefetch_swap_in: True: a swap-in is planned one step before the request computes, so the engine
@@ -43,45 +51,36 @@ class SchedulerConfig:
       the low-priority part for weight prefetch. Swap-outs are never deferred, but swap-ins stop once
       the share is spent (the first swap-in of a step always goes, so none waits forever).
     weight_prefetch_bytes_per_step: the weight bytes the offload plan wants to prefetch each step.
-    enable_prefix_caching: full prompt blocks are cached by hash and shared by later requests
-      whose prompts start with the same tokens (needs the requests' prompt token ids).
-    host_prefix_caching: with prefix caching, blocks evicted from the device are written back to the
-      host pool (shared with swapped-out requests, which come first), and host hits are loaded back.
   """
   num_device_blocks: int
   num_host_blocks: int
-  block_size: int = 16
-  max_running: int = 256
-  max_tokens_per_step: int = 2048
-  watermark_blocks: int = 0
-  watermark_fraction: float = 0.0
+  block_size: int
+  max_num_seqs: int
+  max_num_batched_tokens: int
+  watermark: float
+  preemption_mode: str
+  victim_policy: str | policies.VictimKey
+  enable_prefix_caching: bool
+  host_prefix_caching: bool
   max_blocks_per_request: int | None = None
-  preemption_mode: str = "swap"
-  victim_policy: str | policies.VictimKey = "longest_waiting"
   host_full: str = "recompute"
   prefetch_swap_in: bool = True
   block_bytes: int = 0
   link_bytes_per_step: int | None = None
   kv_link_share: float = 0.75
   weight_prefetch_bytes_per_step: int = 0
-  enable_prefix_caching: bool = False
-  host_prefix_caching: bool = True
 
   def __post_init__(self):
     check_int("num_device_blocks", self.num_device_blocks, 1)
     check_int("num_host_blocks", self.num_host_blocks, 0)
     check_int("block_size", self.block_size, 1)
-    check_int("max_running", self.max_running, 1)
-    check_int("max_tokens_per_step", self.max_tokens_per_step, self.max_running)
-    check_int("watermark_blocks", self.watermark_blocks, 0)
-    if not 0.0 <= self.watermark_fraction < 1.0:
-      raise ValueError(f"watermark_fraction={self.watermark_fraction!r}: expected 0 <= x < 1")
-    if self.watermark_blocks and self.watermark_fraction:
-      raise ValueError(f"watermark_blocks={self.watermark_blocks!r} and watermark_fraction="
-                       f"{self.watermark_fraction!r}: expected at most one of the two to be set")
-    if self.watermark >= self.num_device_blocks:
-      raise ValueError(f"watermark={self.watermark} blocks: expected fewer than num_device_blocks="
-                       f"{self.num_device_blocks}")
+    check_int("max_num_seqs", self.max_num_seqs, 1)
+    check_int("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs)
+    if not is_number(self.watermark) or not 0 <= self.watermark < 1:
+      raise ValueError(f"watermark={self.watermark!r}: expected a number in [0, 1)")
+    if self.watermark_block_count >= self.num_device_blocks:
+      raise ValueError(f"watermark={self.watermark!r} keeps {self.watermark_block_count} blocks "
+                       f"free: expected fewer than num_device_blocks={self.num_device_blocks}")
     if self.max_blocks_per_request is not None:
       check_int("max_blocks_per_request", self.max_blocks_per_request, 1)
     check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
@@ -104,9 +103,9 @@ class SchedulerConfig:
                          "expected block_bytes > 0 so that swaps can be counted in bytes")
 
   @property
-  def watermark(self) -> int:
-    """The watermark in blocks."""
-    return max(self.watermark_blocks, math.ceil(self.watermark_fraction * self.num_device_blocks))
+  def watermark_block_count(self) -> int:
+    """The watermark in blocks: the `watermark` share of the device pool, rounded up."""
+    return math.ceil(self.watermark * self.num_device_blocks)
 
   @property
   def host_tier(self) -> bool:

@@ -4,8 +4,9 @@ One step is decided in four phases over block counts, then booked in one allocat
   1. Running requests: every decode computes one token; prefills take chunks of the token budget that
      fit above the watermark. If no running request could compute anything, the first one in running
      order gets a chunk anyway, so a step never stalls.
-  2. Preemption: while the step would leave fewer than `watermark` device blocks free and more than
-     one request runs, the victim policy picks a running request to swap out (or recompute).
+  2. Preemption: while the step would leave fewer than `watermark_block_count` device blocks free
+     and more than one request runs, the victim policy picks a running request to swap out (or
+     recompute).
   3. Swap-in: only in a step that preempted nothing, swapped requests come back in queue order while
      they fit above the watermark (or fit at all, when nothing runs) and the KV link share allows.
   4. Admission: only when nothing is left swapped, waiting requests start in queue order while their
@@ -51,7 +52,7 @@ def decide(state: SchedulerState) -> Decision:
   preemption = _preempt(config, state, free, tokens, growth)
   swap_in = admit = _NOTHING
   if not (preemption.swap_out or preemption.recompute or preemption.victim_aborted):
-    budget = config.max_tokens_per_step - sum(preemption.kept_tokens)
+    budget = config.max_num_batched_tokens - sum(preemption.kept_tokens)
     num_running = len(preemption.kept)
     swap_in, free, budget, spent = _swap_in(config, preemption.swapped, num_running,
                                             preemption.free, budget)
@@ -73,8 +74,8 @@ def _running_tokens(running: tuple[Seq, ...], free: int, config: SchedulerConfig
       tokens[i] = 1
       if computed >= len(seq.blocks) * block_size:
         growth[i] = 1
-  budget = config.max_tokens_per_step - sum(tokens)
-  room = free - config.watermark - sum(growth)
+  budget = config.max_num_batched_tokens - sum(tokens)
+  room = free - config.watermark_block_count - sum(growth)
   if budget and len(running) > sum(tokens):
     for i, seq in enumerate(running):
       if tokens[i] or budget == 0:
@@ -87,7 +88,7 @@ def _running_tokens(running: tuple[Seq, ...], free: int, config: SchedulerConfig
   if running and not any(tokens):
     seq = running[0]
     fits = (len(seq.blocks) + free) * block_size - seq.num_computed
-    tokens[0] = min(seq.num_uncomputed, config.max_tokens_per_step, max(fits, 1))
+    tokens[0] = min(seq.num_uncomputed, config.max_num_batched_tokens, max(fits, 1))
     growth[0] = _growth(seq, tokens[0], block_size)
   return tokens, growth
 
@@ -100,7 +101,7 @@ def _preempt(config: SchedulerConfig, state: SchedulerState, free: int, tokens: 
              growth: list[int]) -> Preemption:
   """Preempts running requests until the step stays above the watermark or one request is left."""
   free -= sum(growth)
-  if free >= config.watermark or len(state.running) <= 1:
+  if free >= config.watermark_block_count or len(state.running) <= 1:
     return Preemption(state.running, tuple(tokens), tuple(growth), (), (), (), (), state.swapped,
                       free)
   victim_key = policies.resolve_victim_policy(config.victim_policy)
@@ -109,7 +110,7 @@ def _preempt(config: SchedulerConfig, state: SchedulerState, free: int, tokens: 
   swapped = state.swapped
   fates = {"swap": [], "recompute": [], "abort": []}
   host_aborted = []
-  while free < config.watermark and len(kept) > 1:
+  while free < config.watermark_block_count and len(kept) > 1:
     victim, _, victim_growth = kept.pop(policies.choose_victim([k[0] for k in kept], victim_key))
     free += victim_growth + prefix.freeable(state.device_cache, victim.blocks)
     fate, host_free, swapped, aborted = _evict(config, victim, host_free, swapped)
@@ -155,7 +156,7 @@ def _fits(free: int, blocks: int, config: SchedulerConfig, num_running: int) -> 
   """Whether `blocks` more device blocks fit above the watermark, or at all when nothing runs."""
   if num_running == 0:
     return blocks <= free
-  return free - blocks >= config.watermark
+  return free - blocks >= config.watermark_block_count
 
 
 def _swap_in(config: SchedulerConfig, swapped: tuple[Seq, ...], num_running: int, free: int,
@@ -169,7 +170,7 @@ def _swap_in(config: SchedulerConfig, swapped: tuple[Seq, ...], num_running: int
   spent = 0
   seqs, tokens, blocks = [], [], []
   for seq in swapped:
-    if num_running + len(seqs) >= config.max_running:
+    if num_running + len(seqs) >= config.max_num_seqs:
       break
     num_tokens = 0 if config.prefetch_swap_in else min(seq.num_uncomputed, budget)
     book = len(seq.blocks) + _growth(seq, num_tokens, block_size)
@@ -198,7 +199,7 @@ def _admit(config: SchedulerConfig, state: SchedulerState, num_running: int, fre
   pinned: set[int] = set()  # unreferenced cached blocks that requests admitted here will share
   seqs, tokens, blocks, device_hits, host_hits, passed = [], [], [], [], [], []
   for seq in state.waiting:
-    if num_running + len(seqs) >= config.max_running or budget == 0:
+    if num_running + len(seqs) >= config.max_num_seqs or budget == 0:
       break
     on_device = on_host = skipped = 0
     shared: tuple[int, ...] = ()
