@@ -2,8 +2,8 @@
 
 - attention: decode (and one prefill chunk) over a paged pool, the paged XLA path and the paged
   reference against `dense_attention` on the same tokens stored contiguously; medians after warm-up.
-- swap: swap-out and swap-in of 1, 8 and 64 blocks (both swap implementations) as bandwidth, and
-  as a ratio to a plain numpy memcpy of the same bytes measured in the same run.
+- swap: swap-out and swap-in of 1, 8 and 64 blocks as bandwidth, and as a ratio to a plain numpy
+  memcpy of the same bytes measured in the same run.
 - bytes_per_block for each kv_cache_dtype.
 Shapes default to SmolLM2-135M (30 layers, 9 query heads, 3 kv heads, head_dim 64, blocks of 16).
 
@@ -77,34 +77,37 @@ def memcpy_gbps(num_bytes: int) -> float:
   return num_bytes / median_seconds(lambda: np.copyto(dst, src), max(FLAGS.repeats, 50)) / 1e9
 
 
+def cache_config(dtype: str, num_device_blocks: int, num_host_blocks: int) -> PagedCacheConfig:
+  """A cache of the flags' shape; the attention path is not used here."""
+  return PagedCacheConfig(FLAGS.num_layers, FLAGS.num_kv_heads, FLAGS.head_dim, num_device_blocks,
+                          FLAGS.block_size, num_host_blocks, dtype, "xla")
+
+
 def swap_points(dtype: str) -> list[dict]:
   blocks = [int(b) for b in FLAGS.swap_blocks]
   pool = 2 * max(blocks)
-  config = PagedCacheConfig(FLAGS.num_layers, FLAGS.num_kv_heads, FLAGS.head_dim, pool,
-                            block_size=FLAGS.block_size, num_host_blocks=pool,
-                            kv_cache_dtype=dtype)
+  config = cache_config(dtype, pool, pool)
   cache = PagedKVCache.create(config)
   rng = np.random.default_rng(0)
   rows = []
   for n in blocks:
     memcpy = memcpy_gbps(n * config.bytes_per_block)
-    for impl in ("loop", "scatter"):
-      reports = {"out": [], "in": []}
-      for _ in range(FLAGS.repeats + 1):
-        cache, out = swap_out(cache, rng.choice(pool, n, replace=False),
-                              rng.choice(pool, n, replace=False), impl=impl)
-        cache, back = swap_in(cache, rng.choice(pool, n, replace=False),
-                              rng.choice(pool, n, replace=False), impl=impl)
-        reports["out"].append(out)
-        reports["in"].append(back)
-      for direction, rs in reports.items():
-        seconds = statistics.median(r.seconds for r in rs[1:])
-        gbps = rs[0].bytes / seconds / 1e9
-        rows.append({"dtype": dtype, "impl": impl, "direction": direction, "blocks": n,
-                     "bytes": rs[0].bytes, "median_ms": round(seconds * 1e3, 4),
-                     "gbps": round(gbps, 3), "memcpy_gbps": round(memcpy, 3),
-                     "ratio_to_memcpy": round(gbps / memcpy, 3),
-                     "compile_s": round(rs[0].compile_seconds, 3)})
+    reports = {"out": [], "in": []}
+    for _ in range(FLAGS.repeats + 1):
+      cache, out = swap_out(cache, rng.choice(pool, n, replace=False),
+                            rng.choice(pool, n, replace=False))
+      cache, back = swap_in(cache, rng.choice(pool, n, replace=False),
+                            rng.choice(pool, n, replace=False))
+      reports["out"].append(out)
+      reports["in"].append(back)
+    for direction, rs in reports.items():
+      seconds = statistics.median(r.seconds for r in rs[1:])
+      gbps = rs[0].bytes / seconds / 1e9
+      rows.append({"dtype": dtype, "direction": direction, "blocks": n,
+                   "bytes": rs[0].bytes, "median_ms": round(seconds * 1e3, 4),
+                   "gbps": round(gbps, 3), "memcpy_gbps": round(memcpy, 3),
+                   "ratio_to_memcpy": round(gbps / memcpy, 3),
+                   "compile_s": round(rs[0].compile_seconds, 3)})
   return rows
 
 
@@ -115,10 +118,7 @@ def main(argv):
   attention = [attention_point(rng, b, length, 1) for b, length in points]
   attention.append(attention_point(rng, 1, 1024, 128))
   dtypes = ("float32", "bfloat16", "int8")
-  bytes_per_block = {
-      dtype: PagedCacheConfig(FLAGS.num_layers, FLAGS.num_kv_heads, FLAGS.head_dim, 1,
-                              block_size=FLAGS.block_size, kv_cache_dtype=dtype).bytes_per_block
-      for dtype in dtypes}
+  bytes_per_block = {dtype: cache_config(dtype, 1, 0).bytes_per_block for dtype in dtypes}
   result = {
       "backend": jax.default_backend(), "jax": jax.__version__,
       "shape": {"layers": FLAGS.num_layers, "heads": FLAGS.num_heads,

@@ -47,7 +47,10 @@ def prompts_of(lengths, vocab: int = 300, seed: int = 0) -> list[list[int]]:
 
 def engine_of(model, tokenizer, **overrides) -> Engine:
   config = dict(max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
-                num_device_blocks=64, num_host_blocks=32)
+                num_device_blocks=64, num_host_blocks=32, kv_cache_dtype="float32",
+                preemption_mode="swap", watermark=0.01, victim_policy="longest_waiting",
+                enable_prefix_caching=True, host_prefix_caching=True, trace_path=None,
+                attention_impl="auto", async_scheduling=True)
   config.update(overrides)
   return Engine(model, tokenizer, EngineConfig(**config))
 

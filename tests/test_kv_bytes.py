@@ -15,7 +15,8 @@ DEVICE_BLOCKS, HOST_BLOCKS = 5, 3
 
 def _cache(dtype: str) -> PagedKVCache:
   return PagedKVCache.create(PagedCacheConfig(L, K, D, DEVICE_BLOCKS, block_size=C,
-                                              num_host_blocks=HOST_BLOCKS, kv_cache_dtype=dtype))
+                                              num_host_blocks=HOST_BLOCKS, kv_cache_dtype=dtype,
+                                              attention_impl="auto"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -55,7 +55,8 @@ def paged(config, kv_cache_dtype: str, tokens_per_seq: list[int], seed: int = 0)
   for i, u in enumerate(used):
     table[i, :u] = ids[sum(used[:i]):sum(used[:i]) + u]
   cache_config = PagedCacheConfig(config.num_layers, config.num_kv_heads, config.head_dim,
-                                  num_blocks, block_size=BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype)
+                                  num_blocks, block_size=BLOCK_SIZE, num_host_blocks=0,
+                                  kv_cache_dtype=kv_cache_dtype, attention_impl="auto")
   return PagedKVCache.create(cache_config), PagedMetadata.create(table, num_blocks)
 
 

@@ -12,13 +12,21 @@ import pytest
 
 from jaxtier import cpu_kernels
 from jaxtier.kvcache import (ContiguousKVCache, PagedCacheConfig, PagedKVCache, PagedMetadata,
-                             attend, device_pool_bytes, quantize_int8, write_chunk, write_decode)
+                             attend, device_pool_bytes, quantize_int8, write_chunk)
 from jaxtier.kvcache.quant import decode, encode
 
 L, K, G, D, C = 3, 2, 3, 8, 4
 NUM_BLOCKS = 24
 needs_kernels = pytest.mark.skipif(cpu_kernels._compiler() is None,
                                    reason="no C++ compiler to build the CPU kernels")
+
+
+def cache_config(num_device_blocks: int = NUM_BLOCKS, *, num_host_blocks: int = 0,
+                 kv_cache_dtype: str = "float32", attention_impl: str = "auto"
+                 ) -> PagedCacheConfig:
+  """A cache of this file's shape (L layers, K heads, D, blocks of C tokens)."""
+  return PagedCacheConfig(L, K, D, num_device_blocks, C, num_host_blocks, kv_cache_dtype,
+                          attention_impl)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -66,7 +74,7 @@ def schedule(lengths):
 def test_equals_contiguous_cache_over_prefill_chunks_and_decode(impl):
   rng = np.random.default_rng(0)
   lengths = [9, 14, 6]
-  config = PagedCacheConfig(L, K, D, NUM_BLOCKS, block_size=C, attention_impl=impl)
+  config = cache_config(attention_impl=impl)
   paged = PagedKVCache.create(config)
   contiguous = ContiguousKVCache.create(L, len(lengths), 16, K, D)
   meta = PagedMetadata.create(block_tables(rng, lengths), NUM_BLOCKS)
@@ -81,13 +89,13 @@ def test_equals_contiguous_cache_over_prefill_chunks_and_decode(impl):
 
 def test_pure_functions_compose_like_update_and_attend():
   rng = np.random.default_rng(5)
-  config = PagedCacheConfig(L, K, D, NUM_BLOCKS, block_size=C, kv_cache_dtype="bfloat16")
+  config = cache_config(kv_cache_dtype="bfloat16")
   meta = PagedMetadata.create(block_tables(rng, [7, 3]), NUM_BLOCKS)
   layer = jnp.int32(2)
   q, k, v, pos = random_step(rng, np.array([[0, 1, 2, 3, 4, 5], [0, 1, 2, -1, -1, -1]]))
   q1, k1, v1, pos1 = random_step(rng, np.array([[6], [3]]))
   cache = jax.jit(write_chunk)(PagedKVCache.create(config), layer, k[2], v[2], pos, meta)
-  cache = jax.jit(write_decode)(cache, layer, k1[2, :, 0], v1[2, :, 0], pos1[:, 0], meta)
+  cache = jax.jit(write_chunk)(cache, layer, k1[2], v1[2], pos1, meta)  # one decode token
   got = jax.jit(attend)(cache, layer, q1[2], pos1, meta)
   update_and_attend = jax.jit(PagedKVCache.update_and_attend)
   want_cache, _ = update_and_attend(PagedKVCache.create(config), layer, q[2], k[2], v[2], pos, meta)
@@ -110,7 +118,7 @@ def gather_tokens(cache, layer, table, n):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_writes_store_exactly_the_new_tokens(dtype):
   rng = np.random.default_rng(1)
-  config = PagedCacheConfig(L, K, D, NUM_BLOCKS, block_size=C, kv_cache_dtype=dtype)
+  config = cache_config(kv_cache_dtype=dtype)
   cache = PagedKVCache.create(config)
   table = block_tables(rng, [11, 5])
   meta = PagedMetadata.create(table, NUM_BLOCKS)
@@ -137,7 +145,7 @@ def test_writes_store_exactly_the_new_tokens(dtype):
 ])
 def test_step_writes_in_place_without_pool_copies(dtype, positions):
   rng = np.random.default_rng(2)
-  config = PagedCacheConfig(L, K, D, 512, block_size=C, num_host_blocks=8, kv_cache_dtype=dtype)
+  config = cache_config(512, num_host_blocks=8, kv_cache_dtype=dtype)
   cache = PagedKVCache.create(config)
   rows = len(positions)
   meta = PagedMetadata.create(np.arange(4 * rows, dtype=np.int32).reshape(rows, 4), 512)
@@ -160,8 +168,7 @@ def test_cpu_decode_write_and_attend_equals_write_chunk_then_attend(dtype, trace
   over a pool of random values, with the rows the write rules skip: padding (a negative
   position), a -1 table entry and a position past the table."""
   rng = np.random.default_rng(7)
-  config = PagedCacheConfig(L, K, D, NUM_BLOCKS, block_size=C, kv_cache_dtype=dtype,
-                            attention_impl="cpu")
+  config = cache_config(kv_cache_dtype=dtype, attention_impl="cpu")
   cache = PagedKVCache.create(config)
   stored = cache.device.k.dtype
   fill = lambda x: encode(jnp.asarray(rng.normal(size=x.shape), jnp.float32), dtype, stored)
@@ -199,8 +206,7 @@ def test_cpu_decode_write_and_attend_equals_write_chunk_then_attend(dtype, trace
 def test_cuda_export_of_a_step_moves_nothing_between_memory_kinds():
   """On a GPU the host pool rides through the model's scan untouched: no transfers, aliased."""
   rng = np.random.default_rng(3)
-  config = PagedCacheConfig(L, K, D, NUM_BLOCKS, block_size=C, num_host_blocks=8,
-                            attention_impl="xla")  # what "auto" picks on a GPU
+  config = cache_config(num_host_blocks=8, attention_impl="xla")  # what "auto" picks on a GPU
   cache = PagedKVCache.create(config)
   meta = PagedMetadata.create(block_tables(rng, [5, 9]), NUM_BLOCKS)
   step = random_step(rng, np.array([[4], [8]]))
@@ -213,16 +219,12 @@ def test_cuda_export_of_a_step_moves_nothing_between_memory_kinds():
 
 def test_config_and_metadata_validation():
   with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
-    PagedCacheConfig(L, K, D, 8, kv_cache_dtype="fp8")
+    cache_config(8, kv_cache_dtype="fp8")
   with pytest.raises(ValueError, match="block_size=0"):
-    PagedCacheConfig(L, K, D, 8, block_size=0)
-  with pytest.raises(ValueError, match="not both"):
-    PagedCacheConfig(L, K, D, 8, num_host_blocks=4, host_pool_gib=1.0)
+    PagedCacheConfig(L, K, D, 8, 0, 0, "float32", "auto")
   with pytest.raises(ValueError, match=r"block ids \[8, 9\] are outside \[-1, 8\)"):
     PagedMetadata.create(np.array([[0, 8], [9, -1]]), 8)
-  config = PagedCacheConfig(L, K, D, 8, block_size=C, host_pool_gib=1 / 1024)
-  assert config.host_blocks == (1 << 20) // (2 * L * K * C * D * 4)  # float32 K and V of a block
-  cache = PagedKVCache.create(config)
+  cache = PagedKVCache.create(cache_config(8, num_host_blocks=4))
   q = jnp.zeros((2, 1, K * G, D))
   kv = jnp.zeros((2, 1, K, D))
   pos = jnp.zeros((2, 1), jnp.int32)
@@ -238,7 +240,7 @@ def test_config_and_metadata_validation():
 
 
 def test_bytes_per_block_int8_is_about_half_of_bfloat16():
-  sizes = {dtype: PagedCacheConfig(30, 3, 64, 8, kv_cache_dtype=dtype).bytes_per_block
+  sizes = {dtype: PagedCacheConfig(30, 3, 64, 8, 16, 0, dtype, "auto").bytes_per_block
            for dtype in ("float32", "bfloat16", "int8")}
   assert sizes["float32"] == 2 * 30 * 3 * 16 * 64 * 4 == 2 * sizes["bfloat16"]
   assert sizes["int8"] == 2 * 30 * 3 * 16 * (64 + 4)

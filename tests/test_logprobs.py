@@ -11,8 +11,8 @@ from flax import nnx
 
 import jaxtier
 from conftest import fixture_path
+from test_engine import engine_of
 from jaxtier import checkpoint
-from jaxtier.engine.engine import Engine, EngineConfig
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.logprobs import Logprob
 from jaxtier.sampling import SamplingParams
@@ -160,7 +160,7 @@ def test_requests_with_and_without_logprobs_share_a_batch(llm, tiny):
 
 def test_updates_carry_each_tokens_entry_and_the_prompt_entries_first(tiny):
   model, tokenizer = tiny
-  engine = Engine(model, tokenizer, EngineConfig(**ENGINE))
+  engine = engine_of(model, tokenizer, **ENGINE)
   prompts = prompts_of((9, 21), seed=5)
   engine.add_request("lp", prompts[0], SamplingParams(max_tokens=5, temperature=0, logprobs=4,
                                                       prompt_logprobs=2, ignore_eos=True), 0)
@@ -185,7 +185,7 @@ def test_updates_carry_each_tokens_entry_and_the_prompt_entries_first(tiny):
 
 def test_no_logprob_programs_run_when_no_request_asks(tiny):
   model, tokenizer = tiny
-  engine = Engine(model, tokenizer, EngineConfig(**ENGINE))
+  engine = engine_of(model, tokenizer, **ENGINE)
   for i, prompt in enumerate(prompts_of((5, 18))):
     engine.add_request(i, prompt, SamplingParams(max_tokens=4, temperature=0), 0)
   while engine.has_unfinished():

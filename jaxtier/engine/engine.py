@@ -62,9 +62,13 @@ from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED, FINISHED
 from jaxtier.tokenizer import Tokenizer
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
   """The sizes and policies of one engine (`jaxtier.LLM` fills it from `EngineArgs`).
+
+  Every field is the engine argument of the same name, resolved (the pool sizes and token budget
+  filled in, an "auto" KV dtype replaced by the model's), so none has a default here:
+  `jaxtier.engine_args.EngineArgs` holds the defaults and ranges.
 
   Attributes:
     max_model_len: context window; a request stops with "length" when it fills it.
@@ -77,26 +81,25 @@ class EngineConfig:
       prefix (`jaxtier.scheduler.prefix`); host_prefix_caching: blocks evicted from the device
       are kept in the host pool and loaded back on a hit.
     trace_path: a JSONL file that gets one line per step, or None.
-    swap_impl, attention_impl: the swap and attention implementations (see jaxtier.kvcache).
+    attention_impl: the attention implementation (see `jaxtier.kvcache.PagedCacheConfig`).
     async_scheduling: a pure decode step whose successor is a pure decode step of the same rows
       plans and dispatches that successor before reading its own tokens (see `Engine.step`).
   """
   max_model_len: int
-  max_num_seqs: int = 16
-  max_num_batched_tokens: int = 2048
-  block_size: int = 16
-  num_device_blocks: int = 256
-  num_host_blocks: int = 256
-  kv_cache_dtype: str = "float32"
-  preemption_mode: str = "swap"
-  watermark: float = 0.01
-  victim_policy: str = "longest_waiting"
-  enable_prefix_caching: bool = True
-  host_prefix_caching: bool = True
-  trace_path: str | None = None
-  swap_impl: str = "loop"
-  attention_impl: str = "auto"
-  async_scheduling: bool = True
+  max_num_seqs: int
+  max_num_batched_tokens: int
+  block_size: int
+  num_device_blocks: int
+  num_host_blocks: int
+  kv_cache_dtype: str
+  preemption_mode: str
+  watermark: float
+  victim_policy: str
+  enable_prefix_caching: bool
+  host_prefix_caching: bool
+  trace_path: str | None
+  attention_impl: str
+  async_scheduling: bool
 
 
 def warmup_programs(config: EngineConfig) -> list[tuple]:
@@ -128,7 +131,7 @@ class Engine:
     self.config, self.tokenizer = config, tokenizer
     self.cache_config = PagedCacheConfig(
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-        num_blocks=config.num_device_blocks, block_size=config.block_size,
+        num_device_blocks=config.num_device_blocks, block_size=config.block_size,
         num_host_blocks=config.num_host_blocks, kv_cache_dtype=config.kv_cache_dtype,
         attention_impl=config.attention_impl)
     self.block_bytes = kv_block_bytes(c.num_layers, c.num_kv_heads, c.head_dim,
@@ -146,7 +149,7 @@ class Engine:
     graphdef, state = nnx.split(model)
     self.mesh = sharding.mesh_of(state)
     self.cache = PagedKVCache.create(self.cache_config, mesh=self.mesh)
-    self.runner = Runner(graphdef, state, self.cache, config.swap_impl)
+    self.runner = Runner(graphdef, state, self.cache)
     self._state = scheduler.initial_state(self.scheduler_config)
     self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
     self._logprobs: dict[Hashable, lp.RequestLogprobs] = {}  # live requests that ask for them

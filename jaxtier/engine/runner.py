@@ -122,9 +122,9 @@ def _follow(tokens_b, tokens_bt, rows_b):
 
 def _marked(core):
   """A swap core that also returns a marker: an output of the same program, ready when it is."""
-  def run(cache, src_x, dst_x, count, impl):
-    return core(cache, src_x, dst_x, count, impl), count + 1
-  return jax.jit(run, static_argnames="impl", donate_argnums=0)
+  def run(cache, src_x, dst_x, count):
+    return core(cache, src_x, dst_x, count), count + 1
+  return jax.jit(run, donate_argnums=0)
 
 
 _SWAPS = {"out": _marked(swap_out_padded), "in": _marked(swap_in_padded)}
@@ -191,7 +191,7 @@ class SwapTimer:
 
 
 _PROGRAMS: dict[tuple, Any] = {}  # compiled programs of this process, by layout id and shape
-_LAYOUT_IDS: dict[tuple, int] = {}  # (graphdef, state, cache, swap impl) -> a small id, hashed once
+_LAYOUT_IDS: dict[tuple, int] = {}  # (graphdef, state, cache) -> a small id, hashed once
 
 
 @functools.lru_cache(maxsize=16)
@@ -249,16 +249,14 @@ def _layout(tree) -> tuple:
 class Runner:
   """Compiled model calls and swaps of one engine, with their compile counts and seconds."""
 
-  def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache,
-               swap_impl: str = "loop"):
+  def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache):
     self._leaves = tuple(jax.tree.leaves(state))
     self._forward = _forward_fn(graphdef, jax.tree.structure(state))
     self._prompt = _prompt_fn(graphdef, jax.tree.structure(state))
-    layout = (graphdef, _layout(state), _layout(cache), swap_impl)
+    layout = (graphdef, _layout(state), _layout(cache))
     self._layout_id = _LAYOUT_IDS.setdefault(layout, len(_LAYOUT_IDS))
     self._used: set[tuple] = set()
     self.compile_seconds = 0.0
-    self.swap_impl = swap_impl
     self.timer = SwapTimer()
 
   @property
@@ -346,7 +344,7 @@ class Runner:
       elif kind == "swap":
         _, direction, x = key
         index = np.zeros(x, np.int32)
-        jitted, static = _SWAPS[direction], {"impl": self.swap_impl}
+        jitted = _SWAPS[direction]
         args = (cache, index, index, np.int32(x))
       else:
         raise ValueError(f"unknown program {key!r}")
@@ -408,15 +406,15 @@ class Runner:
   def swap(self, cache: PagedKVCache, direction: str, pairs) -> PagedKVCache:
     """Dispatches copies of (source, destination) block pairs, "out" (device -> host) or "in"."""
     config = cache.config
-    sizes = ((config.num_blocks, config.host_blocks) if direction == "out"
-             else (config.host_blocks, config.num_blocks))
+    sizes = ((config.num_device_blocks, config.num_host_blocks) if direction == "out"
+             else (config.num_host_blocks, config.num_device_blocks))
     n = len(pairs)
     x = pow2_bucket(n)
-    src = np.full(x, sizes[0], np.int32)  # padding: out of range, clipped or dropped
+    src = np.full(x, sizes[0], np.int32)  # padding: out of range, never read
     dst = np.full(x, sizes[1], np.int32)
     src[:n], dst[:n] = zip(*pairs)
     args = (cache, src, dst, np.int32(n))
-    program = self._program(("swap", direction, x), _SWAPS[direction], args, impl=self.swap_impl)
+    program = self._program(("swap", direction, x), _SWAPS[direction], args)
     dispatched = time.perf_counter()
     cache, marker = program(*args)
     self.timer.submit(direction, marker, dispatched, n)

@@ -3,7 +3,7 @@
 from jaxtier.kvcache.attention import dense_attention
 from jaxtier.kvcache.contiguous import ContiguousKVCache
 from jaxtier.kvcache.paged import (KVBlocks, PagedCacheConfig, PagedKVCache, PagedMetadata, attend,
-                                   device_pool_bytes, host_pool_bytes, write_chunk, write_decode)
+                                   device_pool_bytes, host_pool_bytes, write_chunk)
 from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_cpu,
                                              paged_attention_pallas, paged_attention_reference)
 from jaxtier.kvcache.quant import KV_CACHE_DTYPES, dequantize_int8, quantize_int8
@@ -14,5 +14,5 @@ __all__ = [
     "PagedMetadata", "SwapReport", "attend", "dense_attention", "dequantize_int8",
     "device_pool_bytes", "host_pool_bytes", "paged_attention", "paged_attention_cpu",
     "paged_attention_pallas", "paged_attention_reference", "quantize_int8", "swap_in", "swap_out",
-    "write_chunk", "write_decode",
+    "write_chunk",
 ]

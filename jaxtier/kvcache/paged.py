@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtier import sharding
+from jaxtier.checks import check_choice, check_int
 from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier import cpu_kernels
 from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_cpu,
@@ -32,43 +33,43 @@ from jaxtier.kvcache.quant import (KV_CACHE_DTYPES, SCALE_DTYPE, encode, quantiz
                                    storage_dtype)
 
 ATTENTION_IMPLS = ("auto", "xla", "cpu", "reference", "pallas", "pallas_interpret")
-_GIB = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedCacheConfig:
-  """Shape, storage dtype and attention path of a paged cache.
+  """Shape, pool sizes, storage dtype and attention path of a paged cache.
 
-  The host pool is sized by `num_host_blocks` or by `host_pool_gib` (at most one of them);
-  `attention_impl` picks the attention path: "cpu" is the CPU kernels (`jaxtier.cpu_kernels`;
-  decode and prefill rows), "pallas" the GPU kernel (decode steps; prefill rows take the XLA
-  path), "xla" the XLA path; "auto" (the default) becomes "cpu" for a pool on one CPU device
-  when the kernels build, else "xla" (see `resolve_attention_impl`).
+  No field has a default: the pool sizes, block size, dtype and attention path are engine
+  arguments (`jaxtier.engine_args.EngineArgs` holds their defaults; the engine sizes both pools
+  in blocks before it builds the cache), and the shape is the model's. `attention_impl` picks the
+  attention path: "cpu" is the CPU kernels (`jaxtier.cpu_kernels`; decode and prefill rows),
+  "pallas" the GPU kernel (decode steps; prefill rows take the XLA path), "xla" the XLA path,
+  "reference" and "pallas_interpret" the test paths; "auto" becomes "cpu" for a pool on one CPU
+  device when the kernels build, else "xla" (see `resolve_attention_impl`).
+
+  Attributes:
+    num_layers, num_kv_heads, head_dim: the model's KV shape.
+    num_device_blocks: blocks in the device pool.
+    block_size: tokens per block.
+    num_host_blocks: blocks in the pinned-host pool (0: none).
+    kv_cache_dtype: one of `quant.KV_CACHE_DTYPES`.
+    attention_impl: one of ATTENTION_IMPLS.
   """
   num_layers: int
   num_kv_heads: int
   head_dim: int
-  num_blocks: int
-  block_size: int = 16
-  num_host_blocks: int | None = None
-  host_pool_gib: float | None = None
-  kv_cache_dtype: str = "float32"
-  attention_impl: str = "auto"
+  num_device_blocks: int
+  block_size: int
+  num_host_blocks: int
+  kv_cache_dtype: str
+  attention_impl: str
 
   def __post_init__(self):
-    for name in ("num_layers", "num_kv_heads", "head_dim", "num_blocks", "block_size"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"{name}={getattr(self, name)} must be positive")
-    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-      raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
-                       f"{sorted(KV_CACHE_DTYPES)}")
-    if self.attention_impl not in ATTENTION_IMPLS:
-      raise ValueError(f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}")
-    if self.num_host_blocks is not None and self.host_pool_gib is not None:
-      raise ValueError(f"give num_host_blocks={self.num_host_blocks} or "
-                       f"host_pool_gib={self.host_pool_gib}, not both")
-    if (self.num_host_blocks or 0) < 0 or (self.host_pool_gib or 0) < 0:
-      raise ValueError(f"{self.num_host_blocks=} and {self.host_pool_gib=} must not be negative")
+    for name in ("num_layers", "num_kv_heads", "head_dim", "num_device_blocks", "block_size"):
+      check_int(name, getattr(self, name), 1)
+    check_int("num_host_blocks", self.num_host_blocks, 0)
+    check_choice("kv_cache_dtype", self.kv_cache_dtype, sorted(KV_CACHE_DTYPES))
+    check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
 
   @property
   def quantized(self) -> bool:
@@ -80,13 +81,6 @@ class PagedCacheConfig:
     """Bytes of K plus V (plus INT8 scales) of one block over all layers: what a swap moves."""
     return kv_block_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_cache_dtype,
                           self.block_size)
-
-  @property
-  def host_blocks(self) -> int:
-    """Blocks in the pinned-host pool."""
-    if self.host_pool_gib is not None:
-      return int(self.host_pool_gib * _GIB) // self.bytes_per_block
-    return self.num_host_blocks or 0
 
 
 @flax.struct.dataclass(frozen=True)
@@ -173,8 +167,8 @@ class PagedKVCache:
     """Allocates both pools (zeros) over `mesh` (split by kv heads, see `jaxtier.sharding`), or
     on `device` (default: this process's first device).
 
-    The device pool holds `config.num_blocks` blocks, the pinned-host pool
-    `config.host_blocks`; "auto" attention is resolved for the mesh (`resolve_attention_impl`)
+    The device pool holds `config.num_device_blocks` blocks, the pinned-host pool
+    `config.num_host_blocks`; "auto" attention is resolved for the mesh (`resolve_attention_impl`)
     and kept in the returned cache's config. Raises ValueError when the kv heads do not split
     over the mesh.
     """
@@ -186,8 +180,8 @@ class PagedKVCache:
     if k % sharding.tp_size(mesh):
       raise ValueError(f"num_kv_heads={k} does not split over {sharding.tp_size(mesh)} devices")
     dev, host = sharding.kv_pool_shardings(mesh)
-    return cls(_allocate((k, l, config.num_blocks), config, dev),
-               _allocate((config.host_blocks, k, l), config, host), config)
+    return cls(_allocate((k, l, config.num_device_blocks), config, dev),
+               _allocate((config.num_host_blocks, k, l), config, host), config)
 
   def update_and_attend(self, layer: jax.Array, q_btnd: jax.Array, k_btkd: jax.Array,
                         v_btkd: jax.Array, pos_bt: jax.Array, meta: PagedMetadata
@@ -266,7 +260,7 @@ def _flat(pool_klp) -> jax.Array:
 
 def _pages_bm(cache: PagedKVCache, layer, meta: PagedMetadata) -> jax.Array:
   tables_bm = meta.block_tables_bm
-  return jnp.where(tables_bm >= 0, tables_bm + layer * cache.config.num_blocks, -1)
+  return jnp.where(tables_bm >= 0, tables_bm + layer * cache.config.num_device_blocks, -1)
 
 
 def write_chunk(cache: PagedKVCache, layer: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
@@ -284,14 +278,15 @@ def write_chunk(cache: PagedKVCache, layer: jax.Array, k_btkd: jax.Array, v_btkd
   pages_bm = _pages_bm(cache, layer, meta)
   page_bt = jnp.take_along_axis(pages_bm, jnp.clip(pos_bt // c, 0, m - 1), axis=1)
   keep_bt = (pos_bt >= 0) & (pos_bt < m * c) & (page_bt >= 0)
-  page_bt = jnp.where(keep_bt, page_bt, cfg.num_layers * cfg.num_blocks)  # out of range: dropped
+  dropped = cfg.num_layers * cfg.num_device_blocks  # a page out of range: the write is dropped
+  page_bt = jnp.where(keep_bt, page_bt, dropped)
   offset_bt = pos_bt % c
   # XLA rewrites a scatter of a single update into a bounds-checked dynamic-update-slice inside a
   # conditional, and copies the whole pool around the conditional (every layer, every step of a
   # batch-1 decode). A second, dropped update keeps it a scatter, which updates in place.
   single = page_bt.size == 1
   if single:
-    page_bt = jnp.pad(page_bt, ((0, 0), (0, 1)), constant_values=cfg.num_layers * cfg.num_blocks)
+    page_bt = jnp.pad(page_bt, ((0, 0), (0, 1)), constant_values=dropped)
     offset_bt = jnp.pad(offset_bt, ((0, 0), (0, 1)))
 
   def scatter(pool_klp, new_bt):
@@ -309,12 +304,6 @@ def write_chunk(cache: PagedKVCache, layer: jax.Array, k_btkd: jax.Array, v_btkd
     new = KVBlocks(scatter(dev.k, encode(k_btkd, cfg.kv_cache_dtype, dev.k.dtype)),
                    scatter(dev.v, encode(v_btkd, cfg.kv_cache_dtype, dev.v.dtype)))
   return cache.replace(device=new)
-
-
-def write_decode(cache: PagedKVCache, layer: jax.Array, k_bkd: jax.Array, v_bkd: jax.Array,
-                 pos_b: jax.Array, meta: PagedMetadata) -> PagedKVCache:
-  """Writes one decode token per sequence: `write_chunk` with a single new token."""
-  return write_chunk(cache, layer, k_bkd[:, None], v_bkd[:, None], pos_b[:, None], meta)
 
 
 def attend(cache: PagedKVCache, layer: jax.Array, q_btnd: jax.Array, pos_bt: jax.Array,
@@ -348,7 +337,7 @@ def write_and_attend_cpu(cache: PagedKVCache, layer: jax.Array, q_b1nd: jax.Arra
   b, _, n, d = q_b1nd.shape
   k_pages, v_pages = dev.k, dev.v  # [k, l, p, c, d]: the kernel addresses page l * p + i
   new = [encode(x[:, 0], cfg.kv_cache_dtype, dev.k.dtype) for x in (k_b1kd, v_b1kd)]
-  offset = jnp.asarray(layer, jnp.int32) * jnp.int32(cfg.num_blocks)
+  offset = jnp.asarray(layer, jnp.int32) * jnp.int32(cfg.num_device_blocks)
   out_bnd, k_pages, v_pages = jax.ffi.ffi_call(
       cpu_kernels.WRITE_ATTENTION_TARGET,
       (jax.ShapeDtypeStruct((b, n, d), jnp.float32),

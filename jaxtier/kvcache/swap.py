@@ -8,13 +8,9 @@ wait for it, and return the new cache with a `SwapReport` of bytes and wall time
 
 A swapped block is read from the device layout ([k, l, block, c, d]: k * l strided runs), moved as
 one contiguous [1, k, l, c, d] unit and stored block-major on the host; swap-in is the mirror image.
-Two implementations, because the host-side indexing is where GPU compilers have had trouble
-(scatter with dynamic indices into a pinned_host array has crashed XLA's GPU compiler):
-- "loop" (default): a loop over the real blocks only; per block one dynamic-slice, one transfer and
-  one dynamic-update-slice, the pattern XLA's host offloading handles for activations inside scans.
-- "scatter": one gather, one transfer of the whole padded bucket, one scatter with dynamic indices
-  into the host array.
-Both are tested against each other on CPU; a GPU run must check which one compiles and how fast.
+The program loops over the real blocks only: per block one dynamic-slice, one transfer and one
+dynamic-update-slice, the pattern XLA's host offloading handles for activations inside scans
+(a scatter with dynamic indices into a pinned_host array has crashed XLA's GPU compiler).
 
 Shape legend: x swapped blocks (the padded bucket), k kv heads, l layers, c block size, d head dim.
 """
@@ -27,9 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtier.buckets import pow2_bucket
-from jaxtier.kvcache.paged import KVBlocks, PagedKVCache
-
-SWAP_IMPLS = ("scatter", "loop")
+from jaxtier.kvcache.paged import PagedKVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,25 +46,8 @@ def _blocks_to_host_major(pool_klx) -> jax.Array:
   return jnp.moveaxis(pool_klx, 2, 0)
 
 
-def _swap_out_scatter(cache: PagedKVCache, device_ids_x, host_ids_x, count) -> KVBlocks:
-  del count  # padded device ids are clipped; padded host ids are out of range and dropped
-  blocks = jax.tree.map(
-      lambda a: _blocks_to_host_major(jnp.take(a, device_ids_x, axis=2, mode="clip")),
-      cache.device)
-  blocks, host_ids_x = jax.device_put((blocks, host_ids_x), jax.memory.Space.Host)
-  return jax.tree.map(lambda a, b: a.at[host_ids_x].set(b, mode="drop"), cache.host, blocks)
-
-
-def _swap_in_scatter(cache: PagedKVCache, host_ids_x, device_ids_x, count) -> KVBlocks:
-  del count  # padded host ids are clipped; padded device ids are out of range and dropped
-  host_ids_x = jax.device_put(host_ids_x, jax.memory.Space.Host)
-  blocks = jax.tree.map(lambda a: jnp.take(a, host_ids_x, axis=0, mode="clip"), cache.host)
-  blocks = jax.device_put(blocks, jax.memory.Space.Device)
-  return jax.tree.map(lambda a, b: a.at[:, :, device_ids_x].set(jnp.moveaxis(b, 0, 2), mode="drop"),
-                      cache.device, blocks)
-
-
-def _swap_out_loop(cache: PagedKVCache, device_ids_x, host_ids_x, count) -> KVBlocks:
+def swap_out_padded(cache: PagedKVCache, device_ids_x, host_ids_x, count) -> PagedKVCache:
+  """The jittable core of `swap_out`: ids padded to x past `count` (the padding is not read)."""
   def body(i, host):
     block = jax.tree.map(
         lambda a: _blocks_to_host_major(jax.lax.dynamic_slice_in_dim(a, device_ids_x[i], 1, 2)),
@@ -78,10 +55,11 @@ def _swap_out_loop(cache: PagedKVCache, device_ids_x, host_ids_x, count) -> KVBl
     block = jax.device_put(block, jax.memory.Space.Host)
     return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, host_ids_x[i], 0),
                         host, block)
-  return jax.lax.fori_loop(0, count, body, cache.host)
+  return cache.replace(host=jax.lax.fori_loop(0, count, body, cache.host))
 
 
-def _swap_in_loop(cache: PagedKVCache, host_ids_x, device_ids_x, count) -> KVBlocks:
+def swap_in_padded(cache: PagedKVCache, host_ids_x, device_ids_x, count) -> PagedKVCache:
+  """The jittable core of `swap_in`: ids padded to x past `count` (the padding is not read)."""
   def body(i, device):
     block = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, host_ids_x[i], 1, 0),
                          cache.host)
@@ -90,28 +68,12 @@ def _swap_in_loop(cache: PagedKVCache, host_ids_x, device_ids_x, count) -> KVBlo
         lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, jnp.moveaxis(b, 0, 2),
                                                          device_ids_x[i], 2),
         device, block)
-  return jax.lax.fori_loop(0, count, body, cache.device)
-
-
-_SWAP_OUT = {"scatter": _swap_out_scatter, "loop": _swap_out_loop}
-_SWAP_IN = {"scatter": _swap_in_scatter, "loop": _swap_in_loop}
-
-
-def swap_out_padded(cache: PagedKVCache, device_ids_x, host_ids_x, count, impl: str
-                    ) -> PagedKVCache:
-  """The jittable core of `swap_out`: ids padded to x with out-of-range values past `count`."""
-  return cache.replace(host=_SWAP_OUT[impl](cache, device_ids_x, host_ids_x, count))
-
-
-def swap_in_padded(cache: PagedKVCache, host_ids_x, device_ids_x, count, impl: str
-                   ) -> PagedKVCache:
-  """The jittable core of `swap_in`: ids padded to x with out-of-range values past `count`."""
-  return cache.replace(device=_SWAP_IN[impl](cache, host_ids_x, device_ids_x, count))
+  return cache.replace(device=jax.lax.fori_loop(0, count, body, cache.device))
 
 
 _JITTED = {
-    "out": jax.jit(swap_out_padded, static_argnames="impl", donate_argnums=0),
-    "in": jax.jit(swap_in_padded, static_argnames="impl", donate_argnums=0),
+    "out": jax.jit(swap_out_padded, donate_argnums=0),
+    "in": jax.jit(swap_in_padded, donate_argnums=0),
 }
 _COMPILED = {}
 
@@ -127,25 +89,23 @@ def _ids(name: str, ids, pool_size: int) -> np.ndarray:
   return ids.astype(np.int32)
 
 
-def _compiled(direction: str, impl: str, args) -> tuple[jax.stages.Compiled, float]:
+def _compiled(direction: str, args) -> tuple[jax.stages.Compiled, float]:
   """The compiled program for these argument shapes and placements, and its compile time (0 if
   it was compiled before)."""
   cache, ids_x = args[0], args[1]
-  key = (direction, impl, ids_x.size, jax.tree.structure(cache),
+  key = (direction, ids_x.size, jax.tree.structure(cache),
          tuple((a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(cache)))
   if key in _COMPILED:
     return _COMPILED[key], 0.0
   start = time.perf_counter()
-  _COMPILED[key] = _JITTED[direction].lower(*args, impl=impl).compile()
+  _COMPILED[key] = _JITTED[direction].lower(*args).compile()
   return _COMPILED[key], time.perf_counter() - start
 
 
 def _run(direction: str, cache: PagedKVCache, src, dst, src_size: int, dst_size: int,
-         names: tuple[str, str], impl: str) -> tuple[PagedKVCache, SwapReport]:
+         names: tuple[str, str]) -> tuple[PagedKVCache, SwapReport]:
   if not isinstance(cache, PagedKVCache):
     raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
-  if impl not in SWAP_IMPLS:
-    raise ValueError(f"{impl=} must be one of {SWAP_IMPLS}")
   src, dst = _ids(names[0], src, src_size), _ids(names[1], dst, dst_size)
   if src.size != dst.size:
     raise ValueError(f"{names[0]} has {src.size} ids but {names[1]} has {dst.size}")
@@ -154,7 +114,7 @@ def _run(direction: str, cache: PagedKVCache, src, dst, src_size: int, dst_size:
   n, x = src.size, pow2_bucket(src.size)
   args = (cache, np.pad(src, (0, x - n), constant_values=src_size),
           np.pad(dst, (0, x - n), constant_values=dst_size), np.int32(n))
-  compiled, compile_seconds = _compiled(direction, impl, args)
+  compiled, compile_seconds = _compiled(direction, args)
   start = time.perf_counter()
   cache = jax.block_until_ready(compiled(*args))
   seconds = time.perf_counter() - start
@@ -162,23 +122,21 @@ def _run(direction: str, cache: PagedKVCache, src, dst, src_size: int, dst_size:
                            compile_seconds)
 
 
-def swap_out(cache: PagedKVCache, device_ids, host_ids, *, impl: str = "loop"
-             ) -> tuple[PagedKVCache, SwapReport]:
+def swap_out(cache: PagedKVCache, device_ids, host_ids) -> tuple[PagedKVCache, SwapReport]:
   """Copies device blocks `device_ids[i]` into host slots `host_ids[i]`; donates `cache`.
 
   Device blocks keep their contents (the caller frees them). Returns the new cache and a report.
   """
   c = cache.config
-  return _run("out", cache, device_ids, host_ids, c.num_blocks, c.host_blocks,
-              ("device_ids", "host_ids"), impl)
+  return _run("out", cache, device_ids, host_ids, c.num_device_blocks, c.num_host_blocks,
+              ("device_ids", "host_ids"))
 
 
-def swap_in(cache: PagedKVCache, host_ids, device_ids, *, impl: str = "loop"
-            ) -> tuple[PagedKVCache, SwapReport]:
+def swap_in(cache: PagedKVCache, host_ids, device_ids) -> tuple[PagedKVCache, SwapReport]:
   """Copies host blocks `host_ids[i]` into device slots `device_ids[i]`; donates `cache`.
 
   Returns the new cache and a report.
   """
   c = cache.config
-  return _run("in", cache, host_ids, device_ids, c.host_blocks, c.num_blocks,
-              ("host_ids", "device_ids"), impl)
+  return _run("in", cache, host_ids, device_ids, c.num_host_blocks, c.num_device_blocks,
+              ("host_ids", "device_ids"))
