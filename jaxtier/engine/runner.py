@@ -198,15 +198,13 @@ _LAYOUT_IDS: dict[tuple, int] = {}  # (graphdef, state, cache) -> a small id, ha
 def _forward_fn(graphdef: nnx.GraphDef, state_def):
   """`_forward` jitted with the graph and the state's tree structure closed over (hashed once,
   not on every call); it takes the state's leaves, a tuple of arrays, which a call flattens in
-  C++ (flattening the `nnx.State` itself runs Python for every variable: ~0.5 ms a call here).
+  C++ (flattening the `nnx.State` itself runs Python for every variable).
 
-  Every leaf is its own argument. Passing the norm scales stacked (two arrays instead of 60:
-  each argument costs the dispatch a few microseconds) made the model call slower on the whole:
-  each scale became a slice op that depends on nothing else in the program (64 ops ready at its
-  start instead of 4), and XLA:CPU's executor hands ops that are ready beside another to its
-  thread pool, whose threads compete with the kernels' for the cores. The default model at
-  batch 1 (two-core Zen 4, three runs each way alternating): 5.4-6.0 ms a step with every leaf
-  apart against 6.3-7.2 stacked, though the dispatch took 0.65-0.82 ms against 0.55-0.78."""
+  Every leaf is its own argument, though each argument costs the dispatch a little. Stacking
+  the norm scales into fewer arguments makes each scale a slice op that depends on nothing else
+  in the program, and XLA:CPU's executor hands ops that are ready beside another to its thread
+  pool, whose threads compete with the kernels' for the cores: the dispatch gets faster, the
+  step as a whole slower."""
   def forward(leaves, cache, tokens_bt, pos_bt, tables_bm, last_b):
     return _forward(graphdef, jax.tree.unflatten(state_def, leaves), cache, tokens_bt, pos_bt,
                     tables_bm, last_b)
