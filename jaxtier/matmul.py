@@ -104,13 +104,6 @@ def pack(w_kn, width: int | None = None):
   return np.ascontiguousarray(w) if xp is np else w
 
 
-def unpack(w_pkc, n: int):
-  """[..., P, K, C] -> [..., K, n]: the inverse of `pack` for a weight of n columns."""
-  *lead, p, k, c = w_pkc.shape
-  xp = np if isinstance(w_pkc, np.ndarray) else jnp
-  return xp.swapaxes(w_pkc, -3, -2).reshape(*lead, k, p * c)[..., :n]
-
-
 def weight_format(w) -> str:
   """The format of a packed weight, told by its dtype: "q4_1" (uint8, `pack_q4_1`), "q8_0"
   (int8, `pack_q8_0`), "q8_16" (uint32, `pack_q8_16`), "q4_1_i16" (uint16), "q8_0_i16" (int16)

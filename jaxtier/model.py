@@ -9,7 +9,7 @@ Shape legend: b batch, t tokens, h hidden size, n query heads, k kv heads, d hea
 l layers, f MLP width.
 """
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -111,12 +111,12 @@ class FusedDecoderLayer(DecoderLayer):
   SwiGLU gating (`matmul.glu_packed_matmul`). The default packs float32 layers built for CPU
   when the kernel is available (`jaxtier.cpu_kernels`) and every kernel's width is a multiple of
   the panel width (no padding, so the same bytes), and keeps the [in, out] layout elsewhere.
-  `q4_1` packs the kernels in GGUF's Q4_1 blocks instead (`matmul.pack_q4_1`, 0.75 bytes a weight
-  against 4), all of them (True) or the named ones (the others float32 panels); `formats` names a
-  block format per kernel ({kernel: "q4_1", "q8_0" or "q8_16"}, `matmul.pack_blocks`). Here the
-  layer's weights are quantized so; the loader fills such a layer with a checkpoint's own blocks
+  `formats` keeps the named kernels packed in a block format instead ({kernel: "q4_1", "q8_0" or
+  "q8_16"}, `matmul.pack_blocks`: 0.75, 1.125 or 1.5 bytes a weight against 4), the others float32
+  panels: the loader builds such layers and fills them with a checkpoint's own blocks
   (`jaxtier.checkpoint.placed`), whose products are then bit for bit those of the float32 panels
-  of the dequantized weights. `activations="int16"` lays the blocks out to multiply x quantized
+  of the dequantized weights (built from a float layer, the kernels are quantized:
+  `matmul.quantize_blocks`). `activations="int16"` lays the blocks out to multiply x quantized
   to int16 per block instead (faster; `matmul.pack_q4_1`).
   """
 
@@ -132,8 +132,7 @@ class FusedDecoderLayer(DecoderLayer):
 
   # pylint: disable-next=super-init-not-called
   def __init__(self, layer: DecoderLayer, packed: bool | None = None,
-               q4_1: bool | Collection[str] = False, activations: str = "float32",
-               formats: Mapping[str, str] | None = None):
+               activations: str = "float32", formats: Mapping[str, str] | None = None):
     self.shape = layer.shape
     self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
     projections = (layer.q_proj, layer.k_proj, layer.v_proj)
@@ -148,10 +147,9 @@ class FusedDecoderLayer(DecoderLayer):
       packed = (packs_by_default(kernels["qkv_kernel"].dtype)
                 and matmul.packs_exactly(*(w.shape[-1] for w in kernels.values())))
     self.packed = packed
-    blocks = dict.fromkeys(self.KERNELS if q4_1 is True else q4_1 or (), "q4_1")
-    blocks.update(formats or {})
+    blocks = dict(formats or {})
     if set(blocks) - set(self.KERNELS):
-      raise ValueError(f"q4_1 or formats name kernels {sorted(set(blocks) - set(self.KERNELS))}; "
+      raise ValueError(f"formats name kernels {sorted(set(blocks) - set(self.KERNELS))}; "
                        f"the layer's kernels are {self.KERNELS}")
     if set(blocks.values()) - set(matmul.BLOCK_FORMATS):
       raise ValueError(f"formats {formats}: expected block formats among {matmul.BLOCK_FORMATS}")

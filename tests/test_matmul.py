@@ -21,6 +21,7 @@ from jaxtier.config import ModelConfig
 from jaxtier.model import FusedDecoderLayer, GroupedTransformer, Transformer, packs_by_default
 from jaxtier.rotary import rotary_tables
 from conftest import fixture_path
+from matmul_reference import unpack
 
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
                                 reason="no C++ compiler to build the CPU kernels")
@@ -61,9 +62,9 @@ def test_pack_round_trips_and_pads_with_zeros(n, width):
   w = np.arange(5 * n, dtype=np.float32).reshape(5, n)
   packed = matmul.pack(w, width)
   assert packed.shape == (-(-n // width), 5, width) == (matmul.panels(n, width), 5, width)
-  assert np.array_equal(matmul.unpack(packed, n), w)
-  assert np.array_equal(np.asarray(matmul.unpack(matmul.pack(jnp.asarray(w), width), n)), w)
-  assert not matmul.unpack(packed, packed.shape[0] * width)[:, n:].any()
+  assert np.array_equal(unpack(packed, n), w)
+  assert np.array_equal(np.asarray(unpack(matmul.pack(jnp.asarray(w), width), n)), w)
+  assert not unpack(packed, packed.shape[0] * width)[:, n:].any()
   # panel p, row k holds columns width p .. width (p + 1) - 1 of row k
   assert packed[0, 3, 0] == w[3, 0]
   if n > width + 5:

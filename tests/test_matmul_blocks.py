@@ -23,36 +23,13 @@ from jaxtier.config import ModelConfig
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.model import FusedDecoderLayer, Transformer
 from jaxtier.rotary import rotary_tables
+from matmul_reference import Q4_1, Q8_0, gguf_q4_1, gguf_q8_0, q4_1_kernels, unpack
 from test_checkpoint import llama_gguf_writer
 
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
                                 reason="no C++ compiler to build the CPU kernels")
 
 Q = gguf.GGMLQuantizationType
-Q4_1 = Q.Q4_1
-Q8_0 = Q.Q8_0
-
-
-def gguf_q4_1(w_kn: np.ndarray):
-  """(q, d, m) of w [K, N] as the gguf package quantizes it (blocks along K), and its
-  dequantization [K, N]."""
-  blocks = gguf.quants.quantize(np.ascontiguousarray(w_kn.T), Q4_1)  # [N, K / 32 * 20]
-  n, k = w_kn.shape[1], w_kn.shape[0]
-  raw = blocks.reshape(n, k // 32, 20)
-  d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32).T
-  m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32).T
-  q = np.concatenate([raw[..., 4:] & 15, raw[..., 4:] >> 4], axis=-1).reshape(n, k).T
-  return (q, d, m), gguf.quants.dequantize(blocks, Q4_1).T
-
-
-def gguf_q8_0(w_kn: np.ndarray):
-  """(q, d) of w [K, N] as the gguf package quantizes it to Q8_0, and its dequantization."""
-  blocks = gguf.quants.quantize(np.ascontiguousarray(w_kn.T), Q8_0)
-  n, k = w_kn.shape[1], w_kn.shape[0]
-  raw = blocks.reshape(n, k // 32, 34)
-  d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32).T
-  q = raw[..., 2:].copy().view(np.int8).reshape(n, k).T
-  return (q, d), gguf.quants.dequantize(blocks, Q8_0).T
 
 
 def q8_16_case(w_kn: np.ndarray):
@@ -85,7 +62,7 @@ def test_q8_0_packing_round_trips_gguf_blocks(n, width):
   assert matmul.weight_format(packed) == "q8_0" and matmul.parameter_count(packed) == \
       packed.shape[0] * width * 96
   floats = matmul.dequantize_packed(packed)
-  np.testing.assert_array_equal(matmul.unpack(floats, n), dequantized)
+  np.testing.assert_array_equal(unpack(floats, n), dequantized)
   for ours, theirs in zip(matmul.quantize_q8_0(w), (q, d)):
     np.testing.assert_array_equal(ours, theirs)
   np.testing.assert_array_equal(np.asarray(matmul.pack_q8_0(jnp.asarray(q), jnp.asarray(d), width)),
@@ -108,7 +85,7 @@ def test_q8_16_packing_round_trips(n, width):
   assert matmul.weight_format(packed) == "q8_16" and matmul.parameter_count(packed) == \
       packed.shape[0] * width * 96 and matmul.packed_rows(packed) == 96
   floats = matmul.dequantize_packed(packed)
-  np.testing.assert_array_equal(matmul.unpack(floats, n), dequantized)
+  np.testing.assert_array_equal(unpack(floats, n), dequantized)
   assert not floats.reshape(-1, 96, width).transpose(1, 0, 2).reshape(96, -1)[:, n:].any()
   np.testing.assert_array_equal(
       np.asarray(matmul.pack_q8_16(*map(jnp.asarray, (q, d, m)), width)), packed)
@@ -140,7 +117,7 @@ def test_packing_round_trips_gguf_blocks(n, width):
   packed = matmul.pack_q4_1(q, d, m, width)
   assert packed.dtype == np.uint8 and packed.shape == (-(-n // width), 3, 24 * width)
   floats = matmul.dequantize_packed(packed)
-  np.testing.assert_array_equal(matmul.unpack(floats, n), dequantized)
+  np.testing.assert_array_equal(unpack(floats, n), dequantized)
   assert not floats.reshape(-1, 96, width).transpose(1, 0, 2).reshape(96, -1)[:, n:].any()
   for ours, theirs in zip(matmul.quantize_q4_1(w), (q, d, m)):
     np.testing.assert_array_equal(ours, theirs)
@@ -287,8 +264,7 @@ def test_loader_keeps_a_gguf_files_blocks(tmp_path, tied):
   """Loaded with `keep_quantized`, the unrolled layers hold the file's Q4_1 blocks (uint8, 0.75
   bytes a weight) and the LM head its Q8_0 blocks (int8; tied, the embedding is gathered from
   them), and the model gives bit for bit the logits of the same file dequantized on load; the
-  layers quantized by `FusedDecoderLayer(q4_1=True)` from those dequantized weights hold the same
-  blocks."""
+  gguf package's Q4_1 quantization of those dequantized weights, packed, gives the same blocks."""
   c = q4_config(tied)
   path = str(tmp_path / "q4.gguf")
   write_q4_1_gguf(path, Transformer(c, rngs=nnx.Rngs(3)))
@@ -319,19 +295,19 @@ def test_loader_keeps_a_gguf_files_blocks(tmp_path, tied):
     one = jax.tree.map(lambda a: a[i], nnx.state(plain))
     graphdef = nnx.graphdef(plain)
     single = nnx.merge(graphdef, one)
-    again = FusedDecoderLayer(single, packed=True, q4_1=True)
+    again = q4_1_kernels(single)
     for name in FusedDecoderLayer.KERNELS:
-      np.testing.assert_array_equal(np.asarray(getattr(again, name)[...]),
-                                    np.asarray(getattr(layer, name)[...]))
+      np.testing.assert_array_equal(again[name], np.asarray(getattr(layer, name)[...]))
 
 
-def test_q4_1_needs_packed_layers_with_whole_blocks():
+def test_block_formats_need_packed_layers_with_whole_blocks():
   c = q4_config()
   model = Transformer(c, rngs=nnx.Rngs(0))
   plain = jax.tree.map(lambda a: a[0], nnx.state(model.layers))
   single = nnx.merge(nnx.graphdef(model.layers), plain)
   with pytest.raises(ValueError, match="kept in blocks must be packed"):
-    FusedDecoderLayer(single, packed=False, q4_1=True)
+    FusedDecoderLayer(single, packed=False,
+                      formats=dict.fromkeys(FusedDecoderLayer.KERNELS, "q4_1"))
 
 
 # The k-quants' float16 super-block scales: (byte offset, largest value) so that weights stay

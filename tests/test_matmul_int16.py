@@ -15,8 +15,8 @@ from flax import nnx
 from jaxtier import checkpoint, cpu_kernels, matmul
 from jaxtier.checkpoint import placed
 from jaxtier.model import FusedDecoderLayer, Transformer
-from test_matmul_blocks import (gguf_q4_1, gguf_q8_0, handler_inputs, logits_of, q4_config,
-                                q8_16_case, write_q4_1_gguf)
+from matmul_reference import gguf_q4_1, gguf_q8_0, q4_1_kernels, unpack
+from test_matmul_blocks import handler_inputs, logits_of, q4_config, q8_16_case, write_q4_1_gguf
 
 pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
                                 reason="no C++ compiler to build the CPU kernels")
@@ -51,7 +51,7 @@ def test_int16_packing_round_trips_gguf_blocks(fmt, n, width):
   assert matmul.panel_columns(packed) == width and matmul.packed_rows(packed) == 96
   assert matmul.parameter_count(packed) == packed.shape[0] * width * 96
   floats = matmul.dequantize_packed(packed)
-  np.testing.assert_array_equal(matmul.unpack(floats, n), dequantized)
+  np.testing.assert_array_equal(unpack(floats, n), dequantized)
   blocks = (q, d) if m is None else (q, d, m)
   np.testing.assert_array_equal(
       np.asarray(PACK[fmt](*map(jnp.asarray, blocks), width, activations="int16")), packed)
@@ -164,8 +164,8 @@ def test_int16_fused_handlers_equal_their_references(fmt):
 def test_loader_keeps_blocks_for_int16_activations(tmp_path):
   """A GGUF file loaded with `block_activations="int16"`: layers in uint16 words and the head in
   int16 words (the same bytes as the float-activation blocks), logits within ~1e-4 of the file
-  dequantized (the activations' rounding), and `FusedDecoderLayer(q4_1=True,
-  activations="int16")` finds the same blocks from the dequantized weights."""
+  dequantized (the activations' rounding), and the gguf package's Q4_1 quantization of the
+  dequantized weights, packed for int16 activations, gives the same blocks."""
   c = q4_config(tied=True)
   path = str(tmp_path / "q4.gguf")
   write_q4_1_gguf(path, Transformer(c, rngs=nnx.Rngs(3)))
@@ -186,9 +186,9 @@ def test_loader_keeps_blocks_for_int16_activations(tmp_path):
   reference = checkpoint.load(path).model  # the stacked scan, float32
   plain = nnx.merge(*nnx.split(reference.layers))
   single = nnx.merge(nnx.graphdef(plain), jax.tree.map(lambda a: a[0], nnx.state(plain)))
-  again = FusedDecoderLayer(single, packed=True, q4_1=True, activations="int16")
+  again = q4_1_kernels(single, activations="int16")
   for name in FusedDecoderLayer.KERNELS:
-    np.testing.assert_array_equal(np.asarray(getattr(again, name)[...]),
+    np.testing.assert_array_equal(again[name],
                                   np.asarray(getattr(kept.groups[0].layers[0], name)[...]))
 
 
