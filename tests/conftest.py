@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny Hugging Face checkpoints (in git) and the real default model (fetched once)."""
+"""Shared fixtures: tiny Hugging Face checkpoints (in git), the real default model (fetched once) and
+the CPU kernels (built once)."""
 
 import os
 
@@ -23,3 +24,17 @@ def smollm_llm():
   blocks kept and multiplied with the default `block_activations`)."""
   import jaxtier
   return jaxtier.LLM(DEFAULT_MODEL, max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def built_cpu_kernels():
+  """The CPU kernels (`jaxtier.cpu_kernels`), built (or found in the kernel cache) once for the
+  whole session, before the first test that uses it: this process keeps the library it loaded, so
+  no later test builds it again, even one that points JAXTIER_CACHE_DIR elsewhere. Skips where no
+  C++ compiler exists; a build that fails is a failure, not a fallback to the XLA paths."""
+  from jaxtier import cpu_kernels
+  if cpu_kernels._compiler() is None:
+    pytest.skip("no C++ compiler to build the CPU kernels")
+  if not cpu_kernels.available():
+    pytest.fail(f"the CPU kernels did not build: {cpu_kernels.unavailable_reason()}")
+  return cpu_kernels

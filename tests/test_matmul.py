@@ -23,8 +23,7 @@ from jaxtier.rotary import rotary_tables
 from conftest import fixture_path
 from matmul_reference import unpack
 
-pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
-                                reason="no C++ compiler to build the CPU kernels")
+pytestmark = pytest.mark.usefixtures("built_cpu_kernels")  # built once per session
 
 kernel = jax.jit(matmul.packed_matmul, static_argnums=2)
 

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import jaxtier
-from jaxtier import checkpoint, cpu_kernels, matmul
+from jaxtier import checkpoint, matmul
 from jaxtier.checkpoint import gguf_file, placed
 from jaxtier.config import ModelConfig
 from jaxtier.kvcache import ContiguousKVCache
@@ -26,8 +26,7 @@ from jaxtier.rotary import rotary_tables
 from matmul_reference import Q4_1, Q8_0, gguf_q4_1, gguf_q8_0, q4_1_kernels, unpack
 from test_checkpoint import llama_gguf_writer
 
-pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
-                                reason="no C++ compiler to build the CPU kernels")
+pytestmark = pytest.mark.usefixtures("built_cpu_kernels")  # built once per session
 
 Q = gguf.GGMLQuantizationType
 

@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtier import checkpoint, cpu_kernels, matmul
+from jaxtier import checkpoint, matmul
 from jaxtier.checkpoint import placed
 from jaxtier.model import FusedDecoderLayer, Transformer
 from matmul_reference import gguf_q4_1, gguf_q8_0, q4_1_kernels, unpack
 from test_matmul_blocks import handler_inputs, logits_of, q4_config, q8_16_case, write_q4_1_gguf
 
-pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
-                                reason="no C++ compiler to build the CPU kernels")
+pytestmark = pytest.mark.usefixtures("built_cpu_kernels")  # built once per session
 
 
 def blocks_case(rng, k, n, fmt, width=None):

@@ -19,8 +19,7 @@ from jaxtier.kvcache import dequantize_int8, paged_attention_cpu, quantize_int8
 from jaxtier.kvcache.paged import resolve_attention_impl
 from tests.test_paged_attention import expected, make_case
 
-pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None,
-                                reason="no C++ compiler to build the CPU kernel")
+pytestmark = pytest.mark.usefixtures("built_cpu_kernels")  # built once per session
 
 
 def test_kernel_builds():
