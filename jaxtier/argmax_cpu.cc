@@ -1,15 +1,14 @@
 // Greedy decoding's argmax over each row of float32 logits, for XLA:CPU through the XLA FFI (see
 // jaxtier/sampling.py for the reference, jaxtier/cpu_kernels.py for the build).
 //
-// XLA:CPU runs jaxtier.sampling.argmax's max and masked min as a select fusion and a reduction
-// that took 2.5-3.3 ms for 32 rows of a 49k vocabulary in a decode step, ~2 ns per logit. Here
-// one pass per row keeps the lanes of the widest vector register (16 with AVX-512, 8 with AVX2)
-// as (largest value, its first index): a later equal value never replaces an earlier one, so the
-// smallest index among the lanes holding the maximum is the first index of the maximum. (Held as
-// 16 lanes in two AVX2 registers, the selects compiled to lane-by-lane code: 2.9 ms for 32 rows
-// on a Zen 3 CPU, against 0.2 ms in one register.) Rows are the work items, shared with the
-// kernels' crew of helper threads (jaxtier/cpu_crew.h). A row holding a NaN gives v - 1 (the
-// reference does so for a row of NaNs).
+// XLA:CPU runs jaxtier.sampling.argmax's max and masked min as a select fusion and a reduction,
+// two passes over the logits well short of the memory's rate. Here one pass per row keeps the
+// lanes of the widest vector register (16 with AVX-512, 8 with AVX2) as (largest value, its first
+// index): a later equal value never replaces an earlier one, so the smallest index among the
+// lanes holding the maximum is the first index of the maximum. (Held as 16 lanes in two AVX2
+// registers, the selects compiled to lane-by-lane code, no faster than XLA's.) Rows are the work
+// items, shared with the kernels' crew of helper threads (jaxtier/cpu_crew.h). A row holding a
+// NaN gives v - 1 (the reference does so for a row of NaNs).
 //
 // x is float32 [M, V], out int32 [M].
 

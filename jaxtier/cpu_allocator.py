@@ -5,7 +5,7 @@ above its mmap threshold (at most 32 MB on 64-bit) with a fresh `mmap` and unmap
 every step of a program with more than 32 MB of temporaries touches new pages: one minor page fault
 per 4 KiB page, about 10,000 per step for 42 MB. An offloaded tail with prefetch depth d holds d + 1
 layer copies among its temporaries (14 MB per SmolLM2 layer in float32), so from d = 2 on each step
-paid for those faults (measured: 10,374 faults and +30 ms per step at d = 2, none at d = 1).
+paid for those faults.
 
 `retain_freed_memory()` turns that off for the whole process: glibc stops using `mmap` where it has
 a choice and stops returning the top of a heap to the system, so a block freed by one step is
@@ -15,10 +15,9 @@ per-thread heaps are 64 MB at most and it falls back to `mmap` there).
 `retain_freed_memory(single_arena=True)` also serves every thread from the main heap, which holds
 blocks of any size, for steps whose temporaries are whole layers of a large model (an offloaded
 tail); the batch and serving scripts ask for it when they offload. Its cost is one allocator lock
-for all threads: the host thread's dispatch and XLA's threads then contend for it every step.
-Measured on the default model's decode step (two-core Zen 4, processes alternating): at batch 1,
-5.0-6.0 ms with per-thread arenas against 5.5-6.8 ms with one (faster in 8 of 9 pairs); at batch
-32, 41-55 against 45-50 ms (faster in 2 of 3).
+for all threads: the host thread's dispatch and XLA's threads then contend for it every step, which
+made the default model's decode steps mostly slower than with per-thread arenas, so it is not the
+default.
 
 The costs of either: the process keeps its peak heap. It is a process-wide setting, so entry
 points (scripts) call it, not the library, and before the first JAX computation starts XLA's

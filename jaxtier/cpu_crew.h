@@ -5,12 +5,12 @@
 // `Job`), or (`Job::Split`) into one contiguous range of items per thread, each thread taking
 // what is left of the others' ranges once its own is done. `RunJob` drains it on the calling
 // thread and offers it to up to n crew threads beside. Why not XLA's intra-op pool: it wakes a
-// sleeping thread per scheduled task,
-// and a decode step's kernel calls last 50-300 us, so in most calls the pool's helper arrived after
-// the caller had claimed every item, and a small projection ran on one core at half the memory
-// bandwidth. Crew threads spin for `kSpin` after their last job (pausing, and yielding the core to
-// any other runnable thread every few microseconds), so the next call of the same step finds them
-// awake; after that they sleep on a condition variable until a job wakes them.
+// sleeping thread per scheduled task, and a decode step's kernel calls are short, so in most calls
+// the pool's helper arrived after the caller had claimed every item, and a small projection ran
+// on one core, short of the memory bandwidth. Crew threads spin for `kSpin` after their last job
+// (pausing, and yielding the core to any other runnable thread every few microseconds), so the
+// next call of the same step finds them awake; after that they sleep on a condition variable
+// until a job wakes them.
 //
 // One crew per process, one thread per core beside the caller's (the process's CPU affinity),
 // created on first use and never destroyed. A job offered while another is still running replaces

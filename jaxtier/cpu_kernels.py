@@ -4,12 +4,12 @@
   XLA:CPU has no way to read a paged pool in place: the fast XLA path gathers every chunk of
   blocks into a copy before its dots, and on CPU those gathers, not the arithmetic, are most of a
   long-context decode step. The kernels read keys and values straight from the pool; the prefill
-  one also keeps tiles of queries' scores in registers (3x the XLA path's rate at 1-2K tokens).
+  one also keeps tiles of queries' scores in registers.
 - `jaxtier/matmul_cpu.cc`: x @ w with w packed in column panels (`jaxtier.matmul`; 64 columns with
   AVX-512, 16 with AVX2: `panel_width()`). XLA:CPU's matmuls with 2-32 rows (batched decode) run
   at a fraction of the memory bandwidth; the kernel streams each panel once.
-- `jaxtier/argmax_cpu.cc`: greedy decoding's argmax over each row of logits (XLA:CPU's took ~2 ns
-  per logit).
+- `jaxtier/argmax_cpu.cc`: greedy decoding's argmax over each row of logits, in one pass (XLA:CPU's
+  takes two, well short of the memory's rate).
 - `jaxtier/cpu_crew.h`: the helper threads the kernels share (why not XLA's intra-op pool: there);
   `jaxtier/cpu_vec.h`: their vector types.
 

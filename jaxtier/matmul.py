@@ -5,9 +5,9 @@ row by row, so each panel is one contiguous stream (columns past N are zero, and
 sliced back to N). P, `panel_width()`, is the width of the kernel's register tile on this CPU:
 64 columns with AVX-512, 16 with AVX2 (64 where the kernels are unavailable; any P works with the
 reference). `jaxtier/matmul_cpu.cc` multiplies by a packed weight reading each panel once in
-order, with a tile of x's rows summed in registers; at 1-32 rows (decode) a step's projections
-and LM head run 1.1-2.5x faster than XLA:CPU's matmuls on the [K, N] layout, and on par with them
-at prefill sizes (WORKSPACE.md, "Packed weights").
+order, with a tile of x's rows summed in registers: at decode's few rows XLA:CPU's matmuls on the
+[K, N] layout fall well short of the memory's rate, and the kernel streams the weight at it; at
+prefill sizes the two are on par.
 
 A weight can also be packed from GGUF's Q4_1 blocks (`pack_q4_1`): uint8 [ceil(N / P), K / 32,
 24 P], for every 32 rows of a panel the blocks' scales d and minimums m (float32, P each) and the
@@ -27,11 +27,12 @@ of 4.
 The same blocks can instead multiply with int16 activations (`pack_q4_1(..., activations="int16")`,
 `pack_q8_0` and `pack_q8_16` likewise): uint16 (Q4_1), int16 (Q8_0) or int32 (Q8_16) words
 holding the blocks in panels of L columns, L = `lanes()` (16 with AVX-512, 8 with AVX2), per
-block d (and m) then the values in pairs of K rows (see `jaxtier/matmul_cpu.cc`). The kernel quantizes x per block of 32 values to int16
-(`quantize_activations`) and sums each block's products exactly in int32; the reference is x's
-dequantized int16 values times the dequantized weights. Faster (no float dequantization, a
-multiply-add per pair of rows), but no longer bit for bit the dequantized model: on the default
-model logits move by up to ~3e-3 (WORKSPACE.md, "int16 activations").
+block d (and m) then the values in pairs of K rows (see `jaxtier/matmul_cpu.cc`). The kernel
+quantizes x per block of 32 values to int16 (`quantize_activations`) and sums each block's
+products exactly in int32; the reference is x's dequantized int16 values times the dequantized
+weights. Faster (no float dequantization, a
+multiply-add per pair of rows), but no longer bit for bit the dequantized model: x's rounding to
+16 bits moves the logits a little.
 
 `packed_matmul` picks the kernel when the program is lowered for CPU and the kernel is built
 (`jaxtier.cpu_kernels`); elsewhere, or for dtypes other than float32, it is `reference_matmul`,

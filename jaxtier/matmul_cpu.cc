@@ -12,9 +12,9 @@
 // the row tiles. Items are pulled from an atomic counter by the calling thread and by the
 // kernels' crew of helper threads (jaxtier/cpu_crew.h).
 //
-// Why the width follows the registers: on a Zen 3 CPU (AVX2) the 64-column tile spilled its 48
-// accumulators and ran at ~5 GFLOP/s, and 16-column tiles walking a 64-column panel (a 256-byte
-// stride) reached ~55 GFLOP/s at 32 rows, against ~105 GFLOP/s over 16-column panels.
+// Why the width follows the registers: with AVX2's 16 registers a 64-column tile spills its 48
+// accumulators, and 16-column tiles walking a 64-column panel (a 256-byte stride) run well below
+// their rate over 16-column panels.
 //
 // Weights come in these formats (the `format` attribute), all in panels: float32; GGUF's Q4_1
 // blocks (kQ4_1: for every 32 K rows of a panel, the blocks' scales d and minimums m, float32,
@@ -76,18 +76,15 @@ static_assert(kTile == 6, "TileOf dispatches heights 1 to 6");
 // and the cache level its prefetches fill. Each tile walking the whole panel (the first from
 // memory, the others from cache) made the memory stream and the arithmetic take turns, so a
 // step's matmuls cost about their sum. In passes, the next pass's panel rows are prefetched while
-// this pass computes, the prefetches shared out evenly over the pass's tiles (with the first
-// tile issuing them all, the default model's matmuls took 25-35% longer at 16-32 rows on the
-// Xeon below). The sums of a pass live in a buffer of the item's rows (the output rows are n
-// floats apart; their 4 KB aliasing made reloading them there slower than one pass).
-// AVX2, tuned on a Zen 3 CPU with two threads: passes of 64 panel rows (4 KB) prefetched into L1,
-// 15-20% faster than one pass at 4-16 rows, ~10% at 32; one or two rows stream at the memory's
-// rate without help.
+// this pass computes, the prefetches shared out evenly over the pass's tiles (the first tile
+// issuing them all was slower). The sums of a pass live in a buffer of the item's rows (the
+// output rows are n floats apart; their 4 KB aliasing made reloading them there slower than one
+// pass).
+// AVX2, tuned on a Zen 3 CPU with two threads: passes of 64 panel rows (4 KB) prefetched into L1
+// from 3 rows on; one or two rows stream at the memory's rate without help.
 // AVX-512, tuned on an Intel Xeon with AMX (Sapphire Rapids class) with two threads: passes of 64
 // panel rows (16 KB), from one row on, prefetched into L2 (prefetcht1; into L1, the next 16 KB
-// crowds the 48 KB L1 that holds this pass, x and the sums: 15-20% slower at 8-16 rows). Against
-// one pass with no prefetch, the default model's matmuls took ~35% less at 8 rows (34 -> 21 ms)
-// and ~30% less at 32 (51 -> 35 ms).
+// crowds the 48 KB L1 that holds this pass, x and the sums).
 constexpr int64_t kPassRows = 64;
 constexpr int64_t kPrefetchFromRows = kWide ? 1 : 3;
 constexpr int kPrefetchLocality = kWide ? 2 : 3;  // __builtin_prefetch: 2 = L2 and out, 3 = L1
@@ -204,11 +201,9 @@ inline void Dequantize(const uint8_t* block, float* out) {
 
 // Loads a panel row's kVecs weight vectors into v, pinned in registers by an empty asm: without
 // it the compiler folds the weight loads into every row's multiply-add, loading each weight
-// vector once per row (with AVX2 that halved the rate of 2-4 row tiles: 39 against 93 GFLOP/s on
-// one Zen 3 core, weights in L1). The asm takes named values, not the array: given the array,
-// GCC kept it in memory too and stored every weight vector to the stack on every panel row (4
-// dead 64-byte stores per row with AVX-512: the 32-row matmuls of a decode step took ~20% longer
-// on the Xeon below, 43 against 35.5 ms).
+// vector once per row (with AVX2 that slowed tiles of 2-4 rows most). The asm takes named values,
+// not the array: given the array, GCC kept it in memory too and stored every weight vector to the
+// stack on every panel row (4 dead 64-byte stores per row with AVX-512).
 inline void LoadPanelRow(const float* w, VN (&v)[kVecs]) {
   VN a = LoadN(w), b = LoadN(w + kLanes);
   if constexpr (kVecs == 4) {
@@ -268,9 +263,8 @@ inline void TileOf(int64_t height, const float* x, int64_t k, const float* w, in
 
 // Tile for items of up to kDirectRows rows of a block format: each panel row dequantized in
 // registers and multiplied at once, where storing a dequantized pass and loading it back cost
-// more than its few multiply-adds (a batch-1 step's layers in Q4_1: 5.9 -> 4.8 ms; 4 rows: 8.6
-// -> 6.8). The same d q (+ m) and the same multiply-adds in the same order as Tile on a
-// dequantized pass, so the same sums.
+// more than its few multiply-adds. The same d q (+ m) and the same multiply-adds in the same
+// order as Tile on a dequantized pass, so the same sums.
 constexpr int64_t kDirectRows = 4;
 template <int64_t kFormat, int R>
 inline void TileBlocks(const float* x, int64_t k, const uint8_t* blocks, int64_t steps,
@@ -324,21 +318,21 @@ inline void TileBlocksOf(int64_t rows, const float* x, int64_t k, const uint8_t*
 // panels of kLanes columns, laid out for integer dot products, multiplied by x quantized per block
 // of 32 values to int16 (one float32 scale per block). Per block, each column's 32 products sum
 // exactly in int32; the block then adds (d_w d_x) sum (+ m_w s_x, s_x = d_x sum q_x, for Q4_1)
-// to the column's float32 sum (Q8_16: per half of 16 rows, with the half's d_w, m_w and s_x). Each lane of a vector holds one column; a 32-bit lane multiplies a pair of
-// K rows at once (vpdpwssd with AVX512-VNNI, vpmaddwd + add without). A panel's block is d (and
-// m) as float32, kLanes each, then its values in pairs of K rows: Q4_1, for pair t in [0, 8) and
-// column c, 2 bytes holding rows 2t and 2t + 1 in their low nibbles and rows 16 + 2t and 17 + 2t
-// in their high ones; Q8_0, for pair t in [0, 16), 2 bytes holding rows 2t and 2t + 1 (Q8_16 the
-// same, after the two halves' d and m). Against
-// float32 activations a block costs a 16-32x cheaper multiply per pair of rows and no float
-// dequantization; x's rounding to 16 bits (a relative 1.5e-5 of its block's largest value) moves
-// the default model's logits by up to ~3e-3 (WORKSPACE.md, "int16 activations").
+// to the column's float32 sum (Q8_16: per half of 16 rows, with the half's d_w, m_w and s_x).
+// Each lane of a vector holds one column; a 32-bit lane multiplies a pair of K rows at once
+// (vpdpwssd with AVX512-VNNI, vpmaddwd + add without). A panel's block is d (and m) as float32,
+// kLanes each, then its values in pairs of K rows: Q4_1, for pair t in [0, 8) and column c, 2
+// bytes holding rows 2t and 2t + 1 in their low nibbles and rows 16 + 2t and 17 + 2t in their
+// high ones; Q8_0, for pair t in [0, 16), 2 bytes holding rows 2t and 2t + 1 (Q8_16 the same,
+// after the two halves' d and m). Against float32 activations a block costs a 16-32x cheaper
+// multiply per pair of rows and no float dequantization; x's rounding to 16 bits (a relative
+// 1.5e-5 of its block's largest value) moves the logits a little, so the products are no longer
+// bit for bit the dequantized weights'.
 constexpr int kTileI16 = kWide ? 8 : 4;      // rows per tile: 2 x 8 accumulators of 32
 constexpr int64_t kI16Group = kPanel / kLanes;  // panels per work item (kPanel columns)
 // A tile that streams its panel from memory (the first of an item's rows) prefetches the lines
-// kI16Ahead bytes ahead into L2. On the Xeon below, the default model's projections and head at
-// 1 / 8 / 32 rows took 5.6 / 9.8 / 29.6 ms without, ~4.0 / 7.3 / 24 ms at 4 KB (2 KB: ~4.2 / 7.4 /
-// 24; 8 KB: ~4.1 / 7.7 / 24; into L1: ~5 / 7.5 / 26).
+// kI16Ahead bytes ahead into L2: without it the tile waits on the stream; 4 KB was the best of
+// the distances tried (2, 4 and 8 KB), and L2 better than L1.
 constexpr int64_t kI16Ahead = 4096;
 constexpr float kI16Max = 32767.0f;
 
@@ -557,8 +551,7 @@ struct Call : jaxtier::Job {
   int64_t panels = 0;
   // The first `row_items` items make the input rows, `item_rows` each (the prologue, then for
   // the int16 formats the quantization); product items wait until all of them are done. Made
-  // by one thread, they took ~12 us of every layer's 5 calls at 8 rows while the other core
-  // waited (the down projection's gating and quantization alone ~7 us).
+  // by one thread, they kept the other cores waiting in every call.
   int64_t row_items = 0, item_rows = 0;
   std::atomic<int64_t> rows_done{0};
   void MakeRows(int64_t first, int64_t last);
@@ -689,9 +682,7 @@ ffi::Error Multiply(ffi::ThreadPool pool, std::shared_ptr<Call> call, int64_t pa
                     call->row_blocks;
   // The product items in one contiguous range per thread: a thread's weights are one stream, so
   // its prefetches run on across its items (claimed alternately, an item's last prefetches fell
-  // into the item the other thread had taken, and every item started cold). The default model's
-  // projections and head alone (Zen 4, two cores, 3 runs alternating, ms): 1 row 5.0-5.3 against
-  // 5.1-5.8, 8 rows 8.7-9.6 against 10.6-14.7, 32 rows 30.4-37.2 against 32.7-40.4.
+  // into the item the other thread had taken, and every item started cold).
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), call->items - 1);
   call->Split(call->row_items, 1 + std::min<int64_t>(helpers, jaxtier::Crew::Get().size()));
   jaxtier::RunJob(call, helpers);
@@ -749,8 +740,8 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 // rms_norm(x) @ w, with rms_norm(x)[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * scale, float32,
 // in the order jaxtier.model.RMSNorm computes it, for rows [first, last): the call's row items
 // normalize every row once into a buffer the call owns; all threads then multiply from it. This
-// saves XLA two small ops per norm (a reduction and a multiply), which at 8-32 rows took 15-80
-// us each: longer than the math.
+// saves XLA two small ops per norm (a reduction and a multiply), each of which took longer at
+// decode sizes than the math.
 void NormRows(const float* x, const float* scale, float eps, int64_t k, float* rows,
               int64_t first, int64_t last) {
   for (int64_t r = first; r < last; ++r) {
@@ -855,8 +846,7 @@ struct RopeRows : jaxtier::Job {
 // a head's halves a, b and its row's cos and sin [d]. Applied once every panel is done (a head
 // spans several panels), in blocks of rows shared with the crew. In XLA the rotary embeddings of
 // q and of k were two more elementwise ops per layer that recomputed cos and sin in each (XLA
-// fuses the tables' sin and cos into every consumer): 60-200 us per layer at 16-32 rows of the
-// default model.
+// fuses the tables' sin and cos into every consumer).
 ffi::Error NormRopePackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                     ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer w,
                                     ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::F32> cos,
@@ -900,9 +890,8 @@ ffi::Error NormRopePackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 // (silu(gate) * up) @ w for gate_up = [gate | up] of K columns each, silu(g) = g / (1 + exp(-g)):
 // a SwiGLU MLP's down projection with its gating. The call's row items compute every row's
 // product once into a buffer the call owns (GluRows, vector exp); all threads then multiply from
-// it. In XLA:CPU the
-// gating is an elementwise op that it splits over two threads: at 16-32 rows of the default
-// model 50-190 us, plus up to 80 us of waiting for the second thread, where the math takes ~10.
+// it. In XLA:CPU the gating is an elementwise op that it splits over two threads, and at decode
+// sizes it waited longer for the second thread than the math takes.
 ffi::Error GluPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate_up,
                                ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> out,
                                int64_t format) {

@@ -374,7 +374,7 @@ class GroupedTransformer(Transformer):
 
   With `fused`, where fused layers pack (`packs_by_default`) and the vocabulary is a multiple of
   the panel width P, the LM head is packed too (`packed_head`, [v / P, h, P], `jaxtier.matmul`):
-  XLA:CPU's product with the [v, h] table at 2-32 rows ran at a third to a half of the bandwidth.
+  XLA:CPU's product with the [v, h] table at decode's few rows falls well short of the bandwidth.
   A tied table is then held only packed, and embedding a token gathers its column of the panels.
   `model` may bring `packed_head` already packed (the loader packs a checkpoint's Q4_1 or Q8_0
   blocks, `jaxtier.matmul`); then `embed` is needed only untied.
