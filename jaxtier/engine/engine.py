@@ -47,6 +47,7 @@ from flax import nnx
 
 from jaxtier import scheduler, sharding
 from jaxtier.buckets import pow2_buckets_up_to, row_bucket
+from jaxtier.checks import check_prompt_ids
 from jaxtier.detokenize import RequestProgress
 from jaxtier.engine import batch as batching
 from jaxtier.engine import logprobs as lp
@@ -173,20 +174,11 @@ class Engine:
     the prompt, `logit_bias`, `allowed_token_ids` or the tokens of `bad_words`) or a prompt that
     leaves no room to generate within max_model_len.
     """
-    prompt_ids = tuple(int(t) for t in prompt_ids)
     if request_id in self._live:
       raise ValueError(f"request_id={request_id!r} is already running: expected a new id")
-    if not prompt_ids:
-      raise ValueError(f"request {request_id!r} has an empty prompt")
-    bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-    if bad:
-      raise ValueError(f"request {request_id!r} has token ids outside [0, {self.vocab_size}): "
-                       f"{bad[:5]}")
+    prompt_ids = check_prompt_ids(prompt_ids, self.vocab_size, self.config.max_model_len,
+                                  f"request {request_id!r}'s prompt")
     room = self.config.max_model_len - len(prompt_ids)
-    if room < 1:
-      raise ValueError(f"request {request_id!r} has {len(prompt_ids)} prompt tokens; the context "
-                       f"window max_model_len is {self.config.max_model_len} and at least one "
-                       "token must be generated")
     rules = self._logit_rules(params)
     limit = min(params.max_tokens, room)
     request = scheduler.Request.of(request_id, prompt_ids, params, seed, max_tokens=limit,
