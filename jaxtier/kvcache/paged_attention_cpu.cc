@@ -131,8 +131,8 @@ bool SameDims(const A& a, const B& b) {
   return true;
 }
 
-// Pages ahead that ForEachSlot prefetches. On a Zen 3 CPU (two threads, 16-slot pages of 256-byte
-// rows, pages in order) two pages ahead read keys and values at ~13 GB/s, one page ahead ~11.
+// Pages ahead that ForEachSlot prefetches: two read keys and values faster than one (the page
+// after next is in flight while this one is read).
 constexpr int64_t kPrefetchPages = 2;
 
 // Calls fn(slot, row, scale) for slots 0..slots-1 of one kv head, in order: `row` is the slot's
@@ -217,8 +217,8 @@ inline VN LoadAsN(const int8_t* p) {
 // AttendItem for G query heads per kv head and head_dim = kNL x DV, in vectors of the widest
 // register: each key and value row is loaded once for all G heads, every score takes one lane
 // sum, and pass 2 accumulates the G x DV outputs without storing them per slot. With AVX-512
-// (DV 4 at d 64) the queries and sums stay in registers: 1.3x the generic loop over contiguous
-// pages in a two-thread test (batch 32, 512 slots, G 3, d 64). With AVX2's 16 registers (DV 8)
+// (DV 4 at d 64) the queries and sums stay in registers, faster than the generic loop over
+// contiguous pages. With AVX2's 16 registers (DV 8)
 // the compiler keeps part of them on the stack; splitting pass 2 into column chunks that fit
 // was slower (more passes over the slots) than those spills.
 template <typename T, int G, int DV>
@@ -375,10 +375,8 @@ ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<Call> call) {
   const Shape& s = call->s;
   call->items = s.batch * s.kv_heads;
   call->attend_item = AttendOne<T>;
-  // Small steps are not worth a helper's start-up. One call alone, 3 kv heads, d 64, on the
-  // 2-core Xeon: 2 rows of 41 slots 4.2 us either way; 4 rows 8.0-8.3 either way; 8 rows
-  // 16.2 us alone, 13.9 with the helper; 1 row of 301 slots 10.8 and 8.0 (the threshold was 1024
-  // slot-heads, which kept the last two alone).
+  // Small steps are not worth a helper's start-up: under 256 visible slot-heads a call takes a
+  // few microseconds, about what waking the helper costs.
   int64_t visible = 0;
   for (int64_t b = 0; b < s.batch; ++b) visible += std::max<int32_t>(call->pos[b] + 1, 0);
   const int64_t helpers =
@@ -535,8 +533,8 @@ ffi::Error PagedDecodeWriteAttentionImpl(
 //   4. probabilities @ values in register tiles of up to kPvVectors sums (queries x vectors of
 //      d, in column chunks of at most kPvChunk vectors).
 // The XLA path's scan gathered every chunk's pages into copies and computed the rows of a group
-// up to the group's longest: 25-40% of a long prompt's prefill step on an AVX-512 Xeon, where
-// this kernel runs 3x its rate. Items are claimed longest row first (dynamic claiming balances
+// up to the group's longest; this kernel reads the pages in place and stops at each row's own
+// length. Items are claimed longest row first (dynamic claiming balances
 // the rest).
 
 constexpr int kScoreRows = kNL == 16 ? 12 : 4;  // query vectors per score tile
