@@ -15,7 +15,7 @@ from jaxtier.kv_bytes import ELEMENT_BYTES
 from jaxtier.scheduler.config import PREEMPTION_MODES
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto",) + tuple(ELEMENT_BYTES)
 LAYER_EXECUTIONS = ("auto", "scan", "unrolled")
 ATTENTION_IMPLS = ("auto", "xla", "cpu", "pallas")
@@ -49,7 +49,10 @@ class EngineArgs:
   model: str = _arg(
       "smollm2-135m-instruct",
       "a registry name, a Hugging Face directory, a .gguf file or a jaxtier Orbax directory")
-  dtype: str = _arg("float32", "parameter and activation dtype", DTYPES)
+  dtype: str = _arg(
+      "auto", "parameter and activation dtype; auto: float32 on CPU (where bfloat16 arithmetic "
+      "is emulated and no faster), bfloat16 on GPU and TPU (half the bytes over memory and the "
+      "host link)", DTYPES)
   max_model_len: int | None = _arg(
       None, "context window (prompt plus generated tokens); default: the model's")
   max_num_seqs: int = _arg(
@@ -72,8 +75,8 @@ class EngineArgs:
   num_host_blocks: int | None = _arg(
       None, "the pinned-host KV pool (for swapped-out blocks) in blocks (or swap_space_gb, not "
       "both); default: as many as the device pool, so every running request can be swapped out "
-      f"once, but on an accelerator at most {HOST_PIN_FRACTION:g} of the host's memory less the "
-      f"offloaded weights (on CPU with the default device pool: {CPU_DEFAULT_HOST_FRACTION:g} of "
+      f"once, but at most {HOST_PIN_FRACTION:g} of the host's memory less the offloaded weights "
+      f"(on CPU with the default device pool: {CPU_DEFAULT_HOST_FRACTION:g} of "
       "it, as both pools are the same RAM); a pool larger than the host's memory is an error")
   swap_space_gb: float | None = _arg(
       None, "the pinned-host KV pool in GB (or num_host_blocks, not both); default: see "
@@ -81,7 +84,8 @@ class EngineArgs:
   gpu_memory_utilization: float = _arg(
       0.9, "the share of device memory the default device KV pool sizing may fill, in (0, 1]")
   kv_cache_dtype: str = _arg(
-      "auto", "KV cache dtype; auto: the model dtype; int8 keeps a float32 scale per token",
+      "auto", "KV cache dtype; auto: the model dtype (dtype, resolved); int8 keeps a float32 "
+      "scale per token",
       KV_CACHE_DTYPES)
   preemption_mode: str = _arg(
       "swap", "what happens to a preempted request's KV: swap (moved to the host pool) or "
@@ -203,9 +207,6 @@ class EngineArgs:
   def token_budget(self) -> int:
     """Tokens one step may compute (max_num_batched_tokens with its default filled in)."""
     return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
-
-  def resolved_kv_cache_dtype(self) -> str:
-    return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
 
 ARG_NAMES = tuple(f.name for f in dataclasses.fields(EngineArgs))

@@ -9,6 +9,7 @@ loaded; importing this module does not import JAX.
 """
 
 import dataclasses
+import json
 import os
 import sys
 import typing
@@ -22,6 +23,11 @@ from jaxtier import cpu_allocator, engine_args
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "optional ml_collections config file whose fields "
                                 "give defaults for the flags (flags given explicitly win)")
+flags.DEFINE_bool("dry_run", False, "print the plan the engine flags resolve to (dtype, layer "
+                  "execution, both KV pools in blocks and bytes, offloaded layers, prefetch depth, "
+                  "weight bytes on the device and in pinned host memory; memory_report()'s keys) "
+                  "as one JSON line, the last on stdout, and exit without loading weights; with "
+                  "--device_memory_gb and --host_memory_gb, for another machine")
 
 
 def _flag_kind(field: dataclasses.Field) -> str:
@@ -90,7 +96,8 @@ def prepare() -> None:
   """What an engine script does first: warnings-only logging unless --verbosity is given, --config
   defaults applied, the engine flags checked together (`EngineArgs`; a bad value is one line),
   freed memory retained (`jaxtier.cpu_allocator`, before JAX starts its threads; in one arena
-  when offloading), and compiled programs kept on disk (`enable_compilation_cache`)."""
+  when offloading), and compiled programs kept on disk (`enable_compilation_cache`); with
+  --dry_run, the plan printed and the script ended (`print_plan_and_exit`)."""
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   apply_config_defaults()
@@ -102,6 +109,20 @@ def prepare() -> None:
   # tail, or "auto"): it makes the host thread's dispatch contend with XLA's threads for the lock.
   cpu_allocator.retain_freed_memory(single_arena=args.offload_tail_layers != 0)
   enable_compilation_cache()
+  if FLAGS.dry_run:
+    print_plan_and_exit()
+
+
+def print_plan_and_exit() -> NoReturn:
+  """--dry_run: the plan (`jaxtier.llm.dry_run`) as one JSON line, then exit 0; a plan the
+  arguments cannot make (too little memory, a pool the host cannot pin) is a usage error."""
+  from jaxtier import llm  # pylint: disable=g-import-not-at-top  (JAX loads only once a script runs)
+  try:
+    plan = llm.dry_run(**llm_kwargs())
+  except ValueError as e:
+    usage_error(str(e))
+  print(json.dumps(plan), flush=True)
+  sys.exit(0)
 
 
 def enable_compilation_cache() -> None:

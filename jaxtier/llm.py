@@ -80,6 +80,49 @@ def _bytes_by_format(tree) -> dict[str, int]:
   return out
 
 
+def _size(args: EngineArgs, machine: sizing.Machine, opened, keep_quantized: bool,
+          exact: bool = False) -> sizing.Sizing:
+  """`sizing.size` for an opened checkpoint: with the loader's exact bytes where resident layers
+  keep the file's blocks (smaller than their floats; offloaded layers stay floats), counted
+  (a second or two on the default model) when the sizing needs weight bytes or `exact` asks for
+  them, and the planner's timing measured only if it runs."""
+  config, dtype = opened.config, sizing.model_dtype(args, machine)
+  weights = None
+  if keep_quantized and (exact or sizing.needs_weight_bytes(args, machine)):
+    layer_execution, _, activations = sizing.execution(args, machine)
+    layers, other = placed.resident_bytes(
+        config, opened.source, checkpoint.resolve_dtype(dtype),
+        placed.Layout.of(config.num_layers, layer_execution=layer_execution,
+                         keep_quantized=True, block_activations=activations))
+    floats = ModelBytes.from_config(config, dtype, sizing.kv_cache_dtype(args, machine))
+    weights = dataclasses.replace(floats, resident_layer_bytes=tuple(layers), other_bytes=other)
+
+  def timing(batch: int, context: int) -> tuple[float, float]:
+    # the link rate and one layer's decode step of `batch` rows over `context` tokens (on a
+    # layer of random weights)
+    return (measure.link_bytes_per_s(),
+            measure.layer_compute_s(config, dtype, batch, 1, context))
+
+  return sizing.size(args, config, machine, weights=weights, timing=timing)
+
+
+def dry_run(model: str, **engine_args) -> dict:
+  """The plan `LLM(model, **engine_args)` would run, without loading a weight: the resolved
+  dtypes and layer execution, both KV pools, the offloaded layers and prefetch depth, and the
+  bytes on the device and in pinned host memory, in `LLM.memory_report()`'s keys
+  (`sizing.Sizing.memory_plan`). Reads the checkpoint's metadata only and builds no mesh, so it
+  plans tensor parallelism, or with `device_memory_gb` / `host_memory_gb` another machine, from
+  any process. Raises ValueError as `LLM` would."""
+  args = EngineArgs(model=model, **engine_args)
+  machine = sizing.detect_machine(args)
+  _, keep_quantized, _ = sizing.execution(args, machine)
+  opened = checkpoint.open_checkpoint(model, keep_quantized=keep_quantized)
+  try:
+    return _size(args, machine, opened, keep_quantized, exact=True).memory_plan()
+  finally:
+    opened.close()
+
+
 class LLM:
   """A model ready to generate, on the engine (continuous batching over a paged KV cache).
 
@@ -114,9 +157,7 @@ class LLM:
     opened = checkpoint.open_checkpoint(model, keep_quantized=keep_quantized)
     try:
       self.config = opened.config
-      self.sizing = sizing.size(args, self.config, self.machine,
-                                weights=self._kept_weight_bytes(opened, keep_quantized),
-                                timing=self._timing)
+      self.sizing = _size(args, self.machine, opened, keep_quantized)
       s = self.sizing
       self.layout = placed.Layout.of(self.config.num_layers, s.offload.offload_tail_layers,
                                      s.offload.prefetch_depth or 1, s.layer_execution, self.mesh,
@@ -125,7 +166,7 @@ class LLM:
     except BaseException:
       opened.close()
       raise
-    self.loaded = checkpoint.load_opened(opened, args.dtype, self.layout)
+    self.loaded = checkpoint.load_opened(opened, s.dtype, self.layout)
     self.model_name = model
     self.tokenizer = self.loaded.tokenizer
     if args.chat_template is not None:
@@ -150,27 +191,6 @@ class LLM:
     self._rng = np.random.default_rng(args.seed)
     self._next_id = 0
 
-  def _kept_weight_bytes(self, opened, keep_quantized: bool) -> ModelBytes | None:
-    """One device's weight bytes where resident layers keep the file's blocks (they are then
-    smaller than their floats; offloaded layers stay floats), when the sizing counts weights;
-    None: the sizing counts `dtype` floats."""
-    args = self.args
-    if not (keep_quantized and sizing.needs_weight_bytes(args, self.machine)):
-      return None
-    layer_execution, _, activations = sizing.execution(args, self.machine)
-    layers, other = placed.resident_bytes(
-        self.config, opened.source, checkpoint.resolve_dtype(args.dtype),
-        placed.Layout.of(self.config.num_layers, layer_execution=layer_execution,
-                         keep_quantized=True, block_activations=activations))
-    floats = ModelBytes.from_config(self.config, args.dtype, args.resolved_kv_cache_dtype())
-    return dataclasses.replace(floats, resident_layer_bytes=tuple(layers), other_bytes=other)
-
-  def _timing(self, batch: int, context: int) -> tuple[float, float]:
-    """The offload planner's measured inputs: the link rate and one layer's decode-step time
-    for `batch` rows over `context` tokens (on a layer of random weights)."""
-    return (measure.link_bytes_per_s(),
-            measure.layer_compute_s(self.config, self.args.dtype, batch, 1, context))
-
   @property
   def offload(self) -> sizing.Offload:
     """The offloaded tail layers and prefetch depth, and the planner's plan (if it ran)."""
@@ -191,7 +211,7 @@ class LLM:
   @property
   def cache_dtype(self):
     """The reference driver's (`run_batch`) contiguous KV cache dtype: the model dtype."""
-    return checkpoint.resolve_dtype(self.args.dtype)
+    return checkpoint.resolve_dtype(self.sizing.dtype)
 
   @property
   def block_bytes(self) -> int:

@@ -113,7 +113,8 @@ def test_presets_plan_the_default_model(name):
 def test_model_bytes_from_config():
   m = offload.ModelBytes.from_config(SMOLLM, "float32")
   assert m.layer_bytes == SMOLLM.layer_param_count * 4 == 14_160_384
-  assert m.other_bytes == (49152 * 576 + 576) * 4  # tied embeddings: one table
+  # tied embeddings: one table; the final norm; 32 float32 rotary frequencies
+  assert m.other_bytes == (49152 * 576 + 576) * 4 + 32 * 4
   assert m.kv_bytes_per_token == 2 * 3 * 64 * 4 * 30
   int8 = offload.ModelBytes.from_config(SMOLLM, "bfloat16", kv_cache_dtype="int8")
   assert int8.kv_bytes_per_token == 2 * 3 * (64 * 1 + 4) * 30  # int8 values and a float32 scale

@@ -98,3 +98,18 @@ def test_auto_offload_plans_the_resident_layers_as_held():
 def test_exported_decode_step_streams_exactly_the_offloaded_bytes(loaded, depth):
   report = check_decode_step_transfers(loaded[0], OFFLOADED, depth)
   assert report.to_device_bytes_per_call() == 141_603_840
+
+
+def test_dry_run_plans_what_the_default_model_holds(smollm_llm):
+  """The plan before loading (kept GGUF blocks counted from the file's tensor types) equals what
+  the loaded engine holds, with and without an offloaded tail."""
+  from jaxtier.llm import dry_run  # pylint: disable=import-outside-toplevel
+  runtime = {"kv_swap_bytes_per_step", "kv_swap_bytes_max_step", "weight_bytes_by_format"}
+  plan, report = dry_run(DEFAULT_MODEL, max_model_len=2048), smollm_llm.memory_report()
+  shared = set(plan) & set(report) - runtime
+  assert set(report) - runtime <= shared
+  assert {k: plan[k] for k in shared} == {k: report[k] for k in shared}
+  kwargs = dict(max_model_len=256, max_num_seqs=2, offload_tail_layers=10)
+  plan = dry_run(DEFAULT_MODEL, **kwargs)
+  report = jaxtier.LLM(DEFAULT_MODEL, **kwargs).memory_report()
+  assert {k: plan[k] for k in shared} == {k: report[k] for k in shared}

@@ -76,11 +76,15 @@ def test_default_device_pool_fills_what_the_weights_leave(machine, config, tp):
   replicated = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2) + \
       (2 * c.num_layers + 1) * c.hidden_size
   sharded = params(config) - replicated
-  assert s.device_weight_bytes == pytest.approx(2 * (sharded / tp + replicated), rel=0.01)
-  budget = 0.9 * machine.device_memory_bytes - s.device_weight_bytes - s.activation_reserve_bytes
+  assert s.device_weight_bytes_per_device == pytest.approx(2 * (sharded / tp + replicated),
+                                                           rel=0.01)
+  assert s.device_weight_bytes == pytest.approx(2 * params(config), rel=0.01)
+  budget = 0.9 * machine.device_memory_bytes - s.device_weight_bytes_per_device - \
+      s.activation_reserve_bytes
   assert s.num_device_blocks * per_device_block <= budget < (s.num_device_blocks + 1) * \
       per_device_block
-  assert s.device_kv_bytes / tp + s.device_weight_bytes <= 0.9 * machine.device_memory_bytes
+  assert s.device_kv_bytes / tp + s.device_weight_bytes_per_device <= \
+      0.9 * machine.device_memory_bytes
   # The host pool: one swap-out of every device block where the host can pin it, else half
   # the host's RAM.
   pinned = s.num_host_blocks * s.block_bytes
@@ -135,7 +139,9 @@ def test_unknown_device_memory_offloads_nothing_and_fixed_offload_needs_no_plann
   fixed = sizing.size(EngineArgs(offload_tail_layers=10), SMOLLM, CPU_2CORE, timing=never)
   assert fixed.offload == sizing.Offload(10, 1)  # CPU: no copy engine to overlap with
   assert fixed.host_weight_bytes == 10 * layer_params(SMOLLM) * 4
-  assert fixed.device_weight_bytes + fixed.host_weight_bytes == params(SMOLLM) * 4
+  # every parameter, and the rotary frequencies (float32)
+  assert fixed.device_weight_bytes + fixed.host_weight_bytes == \
+      (params(SMOLLM) + SMOLLM.head_dim // 2) * 4
 
 
 @pytest.mark.parametrize("kwargs, config, match", [

@@ -65,11 +65,25 @@ def test_tp2_shards_weights_and_both_kv_pools_over_kv_heads(tiny_tp2):
 def test_planner_counts_what_one_device_really_holds(tiny_tp2):
   c = hf.read_config(fixture_path("tiny_llama"))
   per_device = tiny_tp2["plain"]["tp2"]["weight_bytes_per_device"]["device"]
-  rotary_bytes = c.head_dim // 2 * 4  # inv_freq, not a parameter
   planned = offload.ModelBytes.from_config(c, "float32", tensor_parallel_size=2)
-  assert planned.weight_bytes == per_device - rotary_bytes
+  assert planned.weight_bytes == per_device  # the rotary frequencies (float32) included
   whole = offload.ModelBytes.from_config(c, "float32")
   assert planned.kv_bytes_per_token * 2 == whole.kv_bytes_per_token
+
+
+def test_dry_run_plans_tp2_in_one_device_as_eight_devices_run_it(tiny_tp2):
+  """`jaxtier.llm.dry_run` in this process (one CPU device) plans what the 8-device worker's
+  TP=2 engines hold: every key of `memory_report()` it gives is the measured one."""
+  from jaxtier.llm import dry_run  # pylint: disable=import-outside-toplevel
+  for case, kwargs in (("plain", {}), ("pressure", dict(max_model_len=64, num_device_blocks=5,
+                                                         preemption_mode="swap"))):
+    report = tiny_tp2[case]["tp2"]["memory_report"]
+    plan = dry_run(fixture_path("tiny_llama"), tensor_parallel_size=2,
+                   **{**dict(max_model_len=256, max_num_seqs=4), **kwargs})
+    # what running measures (the swaps of the worker's generation) is left out
+    shared = set(plan) & set(report) - {"kv_swap_bytes_per_step", "kv_swap_bytes_max_step"}
+    assert len(shared) >= 15, case
+    assert {k: plan[k] for k in shared} == {k: report[k] for k in shared}, case
 
 
 def test_tp2_decode_step_needs_two_all_reduces_per_layer_and_nothing_else(tiny_tp2):

@@ -79,9 +79,9 @@ class Offload:
 class Sizing:
   """The resolved engine: every "auto" and every default of `EngineArgs` decided.
 
-  `block_bytes` is one block over all devices (each device holds 1 / tensor_parallel_size);
-  `device_weight_bytes` and `host_weight_bytes` are one device's, from the `weights` `size` was
-  given.
+  `block_bytes` is one block over all devices (each device holds 1 / tensor_parallel_size). The
+  weight bytes are counted from the `weights` `size` was given (per device) and, under tensor
+  parallelism, from the model's shapes (the totals).
   """
   dtype: str
   kv_cache_dtype: str
@@ -97,8 +97,10 @@ class Sizing:
   num_device_blocks: int
   num_host_blocks: int
   offload: Offload
-  device_weight_bytes: int
+  device_weight_bytes: int  # over all devices (a replicated tensor counts once)
   host_weight_bytes: int
+  device_weight_bytes_per_device: int
+  host_weight_bytes_per_device: int
   activation_reserve_bytes: int
 
   @property
@@ -108,6 +110,28 @@ class Sizing:
   @property
   def host_kv_bytes(self) -> int:
     return self.num_host_blocks * self.block_bytes
+
+  def memory_plan(self) -> dict:
+    """The plan in `jaxtier.LLM.memory_report()`'s keys (the figures it measures once loaded;
+    the KV swap traffic, which only running measures, is 0 here), with the resolved dtypes,
+    layer execution and pool sizes: what `--dry_run` prints."""
+    n, depth, tp = self.offload.offload_tail_layers, self.offload.prefetch_depth, \
+        self.tensor_parallel_size
+    host = self.host_weight_bytes
+    return {
+        "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype,
+        "layer_execution": self.layer_execution, "max_model_len": self.max_model_len,
+        "max_num_seqs": self.max_num_seqs, "block_size": self.block_size,
+        "device_weight_bytes": self.device_weight_bytes, "host_weight_bytes": host,
+        "device_kv_bytes": self.device_kv_bytes, "host_kv_bytes": self.host_kv_bytes,
+        "kv_block_bytes": self.block_bytes, "device_kv_blocks": self.num_device_blocks,
+        "host_kv_blocks": self.num_host_blocks, "weight_transfer_bytes_per_step": host,
+        "kv_swap_bytes_per_step": 0, "kv_swap_bytes_max_step": 0,
+        "prefetch_buffer_bytes": (depth + 1) * (host // n) if n else 0,
+        "offload_tail_layers": n, "prefetch_depth": depth, "tensor_parallel_size": tp,
+        "device_weight_bytes_per_device": self.device_weight_bytes_per_device,
+        "host_weight_bytes_per_device": self.host_weight_bytes_per_device,
+        "device_kv_bytes_per_device": self.device_kv_bytes // tp}
 
 
 def execution(args: EngineArgs, machine: Machine) -> tuple[str, bool, str]:
@@ -128,6 +152,19 @@ def execution(args: EngineArgs, machine: Machine) -> tuple[str, bool, str]:
   elif activations == "auto":
     activations = "int16" if machine.integer_dots else "float32"
   return layer_execution, keep, activations
+
+
+def model_dtype(args: EngineArgs, machine: Machine) -> str:
+  """The parameter and activation dtype: `dtype`, with "auto" float32 on CPU and bfloat16 on an
+  accelerator."""
+  if args.dtype != "auto":
+    return args.dtype
+  return "float32" if machine.platform == "cpu" else "bfloat16"
+
+
+def kv_cache_dtype(args: EngineArgs, machine: Machine) -> str:
+  """The KV cache dtype: `kv_cache_dtype`, with "auto" the model dtype."""
+  return model_dtype(args, machine) if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
 
 
 def activation_reserve_bytes(config: ModelConfig, batch: int, context: int, itemsize: int) -> int:
@@ -190,7 +227,8 @@ def _offload(args: EngineArgs, config: ModelConfig, machine: Machine, weights: M
   # The decode step whose layer time is measured: a full batch over the whole window.
   link, layer_s = timing(pow2_bucket(args.max_num_seqs), max_model_len)
   fixed_depth = depth if depth != "auto" else (1 if cpu else None)
-  result = plan(weights, device_memory_bytes=memory or weights.weight_bytes + kv_reserve + activations,
+  assumed = weights.weight_bytes + kv_reserve + activations  # no memory given: all of it fits
+  result = plan(weights, device_memory_bytes=memory or assumed,
                 link_bytes_per_s=link, layer_compute_s=layer_s, kv_reserve_bytes=kv_reserve,
                 activation_reserve_bytes=activations,
                 offload_tail_layers=None if n == "auto" else n, prefetch_depth=fixed_depth)
@@ -207,7 +245,7 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
 
   `weights`: one device's weight bytes as the loader will hold them (`ModelBytes`; resident
   layers that keep GGUF blocks are smaller than their floats, see
-  `jaxtier.checkpoint.placed.resident_bytes`); default: `args.dtype` floats. `timing(batch,
+  `jaxtier.checkpoint.placed.resident_bytes`); default: floats of the resolved dtype. `timing(batch,
   context)`: the measured link rate and decode-layer time, called only when the planner runs.
   Raises ValueError for arguments this model or machine cannot run.
   """
@@ -215,13 +253,13 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
   tp = args.tensor_parallel_size
   layer_execution, keep, activations = execution(args, machine)
   max_model_len = args.max_model_len or config.max_position_embeddings
-  kv_dtype = args.resolved_kv_cache_dtype()
+  dtype, kv_dtype = model_dtype(args, machine), kv_cache_dtype(args, machine)
   block_bytes = kv_block_bytes(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype,
                                args.block_size)
   if weights is None:
-    weights = ModelBytes.from_config(config, args.dtype, kv_dtype, tensor_parallel_size=tp)
+    weights = ModelBytes.from_config(config, dtype, kv_dtype, tensor_parallel_size=tp)
   reserve = activation_reserve_bytes(config, 1, min(args.token_budget, max_model_len),
-                                     DTYPE_BYTES[args.dtype])
+                                     DTYPE_BYTES[dtype])
   memory = (int(args.device_memory_gb * GB) if args.device_memory_gb is not None
             else machine.device_memory_bytes)
   usable = None if memory is None else int(memory * args.gpu_memory_utilization)
@@ -252,15 +290,17 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
         f"{max_model_len} tokens needs {needed}: raise num_device_blocks / "
         "kv_cache_memory_gb (or device memory), or lower max_model_len")
   host = _host_blocks(args, machine, device, host, block_bytes, host_weights * tp)
+  whole = weights if tp == 1 else ModelBytes.from_config(config, dtype, kv_dtype)
   return Sizing(
-      dtype=args.dtype, kv_cache_dtype=kv_dtype, layer_execution=layer_execution,
+      dtype=dtype, kv_cache_dtype=kv_dtype, layer_execution=layer_execution,
       keep_quantized=keep, block_activations=activations,
       tensor_parallel_size=tp,
       max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
       max_num_batched_tokens=args.token_budget, block_size=args.block_size,
       block_bytes=block_bytes, num_device_blocks=device, num_host_blocks=host, offload=offload,
-      device_weight_bytes=resident, host_weight_bytes=host_weights,
-      activation_reserve_bytes=reserve)
+      device_weight_bytes=whole.resident_bytes(range(config.num_layers - n)) + whole.other_bytes,
+      host_weight_bytes=n * whole.layer_bytes, device_weight_bytes_per_device=resident,
+      host_weight_bytes_per_device=host_weights, activation_reserve_bytes=reserve)
 
 
 def _host_blocks(args: EngineArgs, machine: Machine, device: int, default: int | None,
@@ -272,7 +312,7 @@ def _host_blocks(args: EngineArgs, machine: Machine, device: int, default: int |
     host = int(args.swap_space_gb * GB // block_bytes)
   else:
     host = device if default is None else default
-    if machine.host_memory_bytes is not None and machine.platform != "cpu":
+    if machine.host_memory_bytes is not None:
       room = int(HOST_PIN_FRACTION * machine.host_memory_bytes) - pinned_weights
       host = max(min(host, room // block_bytes), 0)
     return host

@@ -32,7 +32,7 @@ class ModelBytes:
   Attributes:
     num_layers: decoder layers N.
     layer_bytes: parameter bytes of one layer, L.
-    other_bytes: embedding table, LM head and final norm (always resident).
+    other_bytes: embedding table, LM head, final norm and rotary frequencies (always resident).
     kv_bytes_per_token: K and V of one token over all layers (int8 scales included), see
       `jaxtier.kv_bytes.kv_bytes_per_token`.
     layer_flops_per_token: matmul FLOPs of one layer for one token (2 x its parameters).
@@ -96,7 +96,8 @@ class ModelBytes:
     norms = 2 * c.hidden_size
     layer_params = (c.layer_param_count - norms) // tp + norms
     return cls(num_layers=c.num_layers, layer_bytes=layer_params * size,
-               other_bytes=(tables + c.hidden_size) * size,
+               # the tables, the final norm and the rotary frequencies (float32)
+               other_bytes=(tables + c.hidden_size) * size + c.head_dim // 2 * 4,
                kv_bytes_per_token=kv_bytes.kv_bytes_per_token(c.num_layers, c.num_kv_heads // tp,
                                                               c.head_dim, kv_cache_dtype),
                layer_flops_per_token=2 * (c.layer_param_count - norms) // tp,
