@@ -19,6 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto",) + tuple(ELEMENT_BYTES)
 LAYER_EXECUTIONS = ("auto", "scan", "unrolled")
 ATTENTION_IMPLS = ("auto", "xla", "cpu", "pallas")
+KERNELS = ("auto", "portable")
 WEIGHT_FORMATS = ("auto", "float")
 BLOCK_ACTIVATIONS = ("auto", "float32", "int16")  # "auto" or one of jaxtier.matmul.ACTIVATIONS
 MAX_BLOCK_SIZE = 1024
@@ -132,6 +133,12 @@ class EngineArgs:
       "pool in place, built on first use; see jaxtier.cpu_kernels), xla, pallas (the GPU kernel "
       "for decode steps), or auto: cpu for a pool on one CPU device when a C++ compiler is "
       "found, else xla", ATTENTION_IMPLS)
+  kernels: str = _arg(
+      "auto", "which implementations may run. auto: the best for the platform (on CPU the C++ "
+      "kernels: attention, packed and block-quantized matmuls, argmax). portable: only the code "
+      "a GPU or TPU runs (scanned layers, XLA attention, float weights, XLA argmax), so a CPU "
+      "checks the accelerator path's outputs; attention_impl and layer_execution refine the "
+      "choice within it", KERNELS)
   weight_format: str = _arg(
       "auto", "auto: where a GGUF file stores weights in blocks and the CPU kernels multiply the "
       "layers (unrolled, one device), those weights stay in blocks, per layer and fused kernel "
@@ -189,6 +196,14 @@ class EngineArgs:
     if self.trace_path is not None and not (isinstance(self.trace_path, str) and self.trace_path):
       raise ValueError(f"trace_path={self.trace_path!r}: expected a file path or None")
     check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+    check_choice("kernels", self.kernels, KERNELS)
+    if self.kernels == "portable" and self.attention_impl == "cpu":
+      raise ValueError("attention_impl='cpu' is a CPU kernel; kernels='portable' runs only what "
+                       "an accelerator runs (use attention_impl='auto' or 'xla')")
+    if self.kernels == "portable" and self.layer_execution == "unrolled":
+      raise ValueError("layer_execution='unrolled' packs layers for the CPU kernels; "
+                       "kernels='portable' runs scanned layers, as an accelerator does (use "
+                       "layer_execution='auto' or 'scan')")
     if self.attention_impl == "cpu" and self.tensor_parallel_size > 1:
       raise ValueError(f"attention_impl='cpu' runs on one device, not tensor_parallel_size="
                        f"{self.tensor_parallel_size} (use 'auto' or 'xla')")

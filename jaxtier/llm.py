@@ -162,7 +162,8 @@ class LLM:
       self.layout = placed.Layout.of(self.config.num_layers, s.offload.offload_tail_layers,
                                      s.offload.prefetch_depth or 1, s.layer_execution, self.mesh,
                                      keep_quantized=s.keep_quantized,
-                                     block_activations=s.block_activations)
+                                     block_activations=s.block_activations,
+                                     portable=s.kernels == "portable")
     except BaseException:
       opened.close()
       raise
@@ -186,7 +187,8 @@ class LLM:
         watermark=args.watermark, victim_policy=args.victim_policy,
         enable_prefix_caching=args.enable_prefix_caching,
         host_prefix_caching=args.host_prefix_caching, trace_path=args.trace_path,
-        attention_impl=args.attention_impl, async_scheduling=args.async_scheduling)
+        attention_impl=s.attention_impl, kernels=s.kernels,
+        async_scheduling=args.async_scheduling)
     self._engine: Engine | None = None
     self._rng = np.random.default_rng(args.seed)
     self._next_id = 0

@@ -379,9 +379,10 @@ def argmax(logits_bv: jax.Array) -> jax.Array:
   return jax.lax.platform_dependent(logits_bv, cpu=_kernel_argmax, default=argmax_reference)
 
 
-def sample(logits_bv: jax.Array, s: SamplingArrays) -> jax.Array:
-  """Next token per row [b] int32: argmax where temperature is 0, else top-k/top-p sampling."""
-  greedy_b = argmax(logits_bv)
+def sample(logits_bv: jax.Array, s: SamplingArrays, portable: bool = False) -> jax.Array:
+  """Next token per row [b] int32: argmax where temperature is 0, else top-k/top-p sampling.
+  `portable`: the argmax an accelerator runs (`argmax_reference`), never the CPU kernel."""
+  greedy_b = argmax_reference(logits_bv) if portable else argmax(logits_bv)
 
   def stochastic():
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(
@@ -393,6 +394,7 @@ def sample(logits_bv: jax.Array, s: SamplingArrays) -> jax.Array:
   return jax.lax.cond(jnp.any(s.temperature_b > 0), stochastic, lambda: greedy_b)
 
 
-def sample_transformed(logits_bv: jax.Array, s: SamplingArrays, t: LogitsArrays) -> jax.Array:
+def sample_transformed(logits_bv: jax.Array, s: SamplingArrays, t: LogitsArrays,
+                       portable: bool = False) -> jax.Array:
   """`sample` after `transform_logits`: the sampler of batches where a row transforms logits."""
-  return sample(transform_logits(logits_bv, t), s)
+  return sample(transform_logits(logits_bv, t), s, portable)

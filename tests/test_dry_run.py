@@ -41,8 +41,8 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_serve_dry_run_plans_a_141gb_gpu_host_within_its_memories():
-  proc = run_script("serve.py", "--dry_run", f"--model={TINY}", "--device_memory_gb=141",
-                    "--host_memory_gb=128", "--max_model_len=256")
+  proc = run_script("serve.py", "--dry_run", "--kernels=portable", f"--model={TINY}",
+                    "--device_memory_gb=141", "--host_memory_gb=128", "--max_model_len=256")
   assert proc.returncode == 0, proc.stderr[-2000:]
   plan = json.loads(proc.stdout.strip().splitlines()[-1])
   pinned = plan["host_kv_bytes"] + plan["host_weight_bytes"]
@@ -50,6 +50,8 @@ def test_serve_dry_run_plans_a_141gb_gpu_host_within_its_memories():
   device = plan["device_kv_bytes"] + plan["device_weight_bytes"]
   assert 0.85 * 141e9 < device <= 0.9 * 141e9  # gpu_memory_utilization, less the activations
   assert plan["tensor_parallel_size"] == 1 and plan["offload_tail_layers"] == 0
+  assert (plan["kernels"], plan["layer_execution"], plan["attention_impl"]) == (
+      "portable", "scan", "xla")
 
 
 def test_batch_infer_dry_run_reads_no_input_and_a_host_too_small_is_a_usage_error(tmp_path):

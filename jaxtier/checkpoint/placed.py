@@ -57,13 +57,16 @@ class Layout:
   LM head keeps the table's blocks the same way, instead of dequantizing them on load
   (`jaxtier.matmul`: the same products, fewer bytes).
   `block_activations`: how kept blocks multiply, "float32" (bit for bit the dequantized
-  weights' products) or "int16" (x quantized per block; `matmul.pack_q4_1`).
+  weights' products) or "int16" (x quantized per block; `matmul.pack_q4_1`). `portable`: the
+  layers and head as an accelerator holds them (nothing fused or packed for the CPU kernels), so
+  a CPU runs the accelerator's program (`kernels="portable"`).
   """
   groups: tuple[tuple[int, str], ...]
   prefetch_depth: int = 1
   mesh: Mesh | None = None
   keep_quantized: bool = False
   block_activations: str = "float32"
+  portable: bool = False  # only what an accelerator runs: no layer or head packed for CPU kernels
 
   def __post_init__(self):
     bad = [m for _, m in self.groups if m not in GROUP_MODES]
@@ -74,13 +77,13 @@ class Layout:
   @classmethod
   def of(cls, num_layers: int, offload_tail_layers: int = 0, prefetch_depth: int = 1,
          layer_execution: str = "scan", mesh: Mesh | None = None, keep_quantized: bool = False,
-         block_activations: str = "float32") -> "Layout":
+         block_activations: str = "float32", portable: bool = False) -> "Layout":
     """The resident head run as `layer_execution` and the last `offload_tail_layers` offloaded."""
     head = num_layers - offload_tail_layers
     groups = ((head, layer_execution),) if head else ()
     if offload_tail_layers:
       groups += ((offload_tail_layers, "offload"),)
-    return cls(groups, prefetch_depth, mesh, keep_quantized, block_activations)
+    return cls(groups, prefetch_depth, mesh, keep_quantized, block_activations, portable)
 
   @property
   def num_layers(self) -> int:
@@ -88,8 +91,8 @@ class Layout:
 
   @property
   def fused(self) -> bool:
-    """Unrolled layers are fused unless tensor parallel (see `jaxtier.sharding`)."""
-    return sharding.tp_size(self.mesh) == 1
+    """Unrolled layers are fused unless tensor parallel (see `jaxtier.sharding`) or portable."""
+    return sharding.tp_size(self.mesh) == 1 and not self.portable
 
   @property
   def plain(self) -> bool:

@@ -83,6 +83,8 @@ class EngineConfig:
       are kept in the host pool and loaded back on a hit.
     trace_path: a JSONL file that gets one line per step, or None.
     attention_impl: the attention implementation (see `jaxtier.kvcache.PagedCacheConfig`).
+    kernels: "auto", or "portable": sample with what an accelerator runs, never a CPU kernel (the
+      model and the attention are chosen before: `jaxtier.engine.sizing`).
     async_scheduling: a pure decode step whose successor is a pure decode step of the same rows
       plans and dispatches that successor before reading its own tokens (see `Engine.step`).
   """
@@ -100,6 +102,7 @@ class EngineConfig:
   host_prefix_caching: bool
   trace_path: str | None
   attention_impl: str
+  kernels: str
   async_scheduling: bool
 
 
@@ -150,7 +153,7 @@ class Engine:
     graphdef, state = nnx.split(model)
     self.mesh = sharding.mesh_of(state)
     self.cache = PagedKVCache.create(self.cache_config, mesh=self.mesh)
-    self.runner = Runner(graphdef, state, self.cache)
+    self.runner = Runner(graphdef, state, self.cache, portable=config.kernels == "portable")
     self._state = scheduler.initial_state(self.scheduler_config)
     self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
     self._logprobs: dict[Hashable, lp.RequestLogprobs] = {}  # live requests that ask for them

@@ -102,11 +102,11 @@ def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, h_bth, targets_bt
 
 # Sampling is a program of its own: it compiles once per row count instead of once more inside
 # every (rows, tokens, width) variant of the model call; the logits stay on the device between.
-_sample = jax.jit(sample)
+_sample = jax.jit(sample, static_argnames="portable")
 # Batches where a row has logit transforms (penalties, logit_bias, masks) sample with this one
 # instead, one program per (rows, history width, id-list widths); warm-up does not compile it: a
 # configuration's first such batch of each shape compiles it.
-_sample_transformed = jax.jit(sample_transformed)
+_sample_transformed = jax.jit(sample_transformed, static_argnames="portable")
 # So are the sampled tokens' log-probabilities, run only for calls where a request asks for them.
 _sample_logprobs = jax.jit(top_logprobs, static_argnames="k")
 
@@ -247,11 +247,14 @@ def _layout(tree) -> tuple:
 class Runner:
   """Compiled model calls and swaps of one engine, with their compile counts and seconds."""
 
-  def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache):
+  def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache,
+               portable: bool = False):
+    """`portable`: sample with what an accelerator runs (no CPU kernel; `kernels="portable"`)."""
+    self.portable = portable
     self._leaves = tuple(jax.tree.leaves(state))
     self._forward = _forward_fn(graphdef, jax.tree.structure(state))
     self._prompt = _prompt_fn(graphdef, jax.tree.structure(state))
-    layout = (graphdef, _layout(state), _layout(cache))
+    layout = (graphdef, _layout(state), _layout(cache), portable)
     self._layout_id = _LAYOUT_IDS.setdefault(layout, len(_LAYOUT_IDS))
     self._used: set[tuple] = set()
     self.compile_seconds = 0.0
@@ -327,7 +330,7 @@ class Runner:
       elif kind == "sample":
         b = key[1]
         sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
-        jitted, args = _sample, (logits[b], sampling)
+        jitted, args, static = _sample, (logits[b], sampling), {"portable": self.portable}
       elif kind == "follow":
         b = key[1]
         jitted = _follow
@@ -365,10 +368,11 @@ class Runner:
     logit transforms when a row has them."""
     if arrays.logits is None:
       args = (logits_bv, arrays.sampling)
-      return self._program(("sample", arrays.shape[0]), _sample, args)(*args)
+      return self._program(("sample", arrays.shape[0]), _sample, args,
+                           portable=self.portable)(*args)
     args = (logits_bv, arrays.sampling, arrays.logits)
     key = ("sample_transformed", arrays.shape[0]) + arrays.logits.widths
-    return self._program(key, _sample_transformed, args)(*args)
+    return self._program(key, _sample_transformed, args, portable=self.portable)(*args)
 
   def step_after(self, cache: PagedKVCache, arrays: StepArrays, previous_b: jax.Array,
                  rows_b: np.ndarray) -> tuple[jax.Array, PagedKVCache]:

@@ -85,6 +85,8 @@ class Sizing:
   """
   dtype: str
   kv_cache_dtype: str
+  kernels: str  # "auto" or "portable"
+  attention_impl: str  # "auto" resolved to "xla" under kernels="portable"
   layer_execution: str  # "scan" or "unrolled"
   keep_quantized: bool  # resident layers may keep a GGUF file's blocks
   block_activations: str  # "float32" or "int16"
@@ -119,8 +121,8 @@ class Sizing:
         self.tensor_parallel_size
     host = self.host_weight_bytes
     return {
-        "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype,
-        "layer_execution": self.layer_execution, "max_model_len": self.max_model_len,
+        "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, "kernels": self.kernels,
+        "attention_impl": self.attention_impl, "layer_execution": self.layer_execution, "max_model_len": self.max_model_len,
         "max_num_seqs": self.max_num_seqs, "block_size": self.block_size,
         "device_weight_bytes": self.device_weight_bytes, "host_weight_bytes": host,
         "device_kv_bytes": self.device_kv_bytes, "host_kv_bytes": self.host_kv_bytes,
@@ -138,14 +140,15 @@ def execution(args: EngineArgs, machine: Machine) -> tuple[str, bool, str]:
   """(layer_execution, keep_quantized, block_activations): how layers run and whether resident
   layers keep a GGUF file's blocks, which the loader must know before it opens the checkpoint.
 
-  Blocks are kept by unrolled layers on one device (the CPU kernels multiply them) with
-  `weight_format="auto"`; `block_activations` "auto" is int16 where the kernels multiply int16 in
+  `kernels="portable"` runs scanned layers, as an accelerator does. Blocks are kept by unrolled
+  layers on one device (the CPU kernels multiply them) with `weight_format="auto"`; `block_activations` "auto" is int16 where the kernels multiply int16 in
   vector instructions. Where no blocks are kept it is "float32" (it has no effect there)."""
+  portable = args.kernels == "portable"
   layer_execution = args.layer_execution
   if layer_execution == "auto":
-    layer_execution = "unrolled" if machine.platform == "cpu" else "scan"
+    layer_execution = "unrolled" if machine.platform == "cpu" and not portable else "scan"
   keep = (args.weight_format == "auto" and args.tensor_parallel_size == 1
-          and layer_execution == "unrolled")
+          and layer_execution == "unrolled" and not portable)
   activations = args.block_activations
   if not keep:
     activations = "float32"
@@ -292,7 +295,10 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
   host = _host_blocks(args, machine, device, host, block_bytes, host_weights * tp)
   whole = weights if tp == 1 else ModelBytes.from_config(config, dtype, kv_dtype)
   return Sizing(
-      dtype=dtype, kv_cache_dtype=kv_dtype, layer_execution=layer_execution,
+      dtype=dtype, kv_cache_dtype=kv_dtype, kernels=args.kernels,
+      attention_impl=("xla" if args.kernels == "portable" and args.attention_impl == "auto"
+                      else args.attention_impl),
+      layer_execution=layer_execution,
       keep_quantized=keep, block_activations=activations,
       tensor_parallel_size=tp,
       max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
@@ -347,7 +353,7 @@ def detect_machine(args: EngineArgs) -> Machine:
   host = (int(args.host_memory_gb * GB) if args.host_memory_gb is not None
           else host_memory_bytes())
   kernels = dots = False
-  if platform == "cpu":
+  if platform == "cpu" and args.kernels != "portable":  # portable never builds the kernels
     from jaxtier import cpu_kernels  # pylint: disable=import-outside-toplevel
     kernels = cpu_kernels.available()
     dots = kernels and cpu_kernels.integer_dots()
