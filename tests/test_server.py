@@ -287,8 +287,11 @@ def test_offloaded_engine_serves_the_llm_tokens_and_counts_streamed_bytes(llm):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400,
      "tools and tool_choice are not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400,
-     "response_format type 'json_object' is not supported"),
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": {"type": "frobnicate"}}}}, 400,
+     "response_format.json_schema.schema is invalid"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(unclosed"}}, 400,
+     "structured_outputs.regex is invalid"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      400, "top_logprobs requires logprobs=true"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,

@@ -234,3 +234,30 @@ def test_the_default_tokenizer_shape_masks_quickly(tiny):
   bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
   allowed = [tokenizer.decode([t]) for t in np.flatnonzero(bits)]
   assert allowed and all("alpha".startswith(a) or "beta".startswith(a) for a in allowed)
+
+
+# The offline API.
+
+@pytest.fixture(scope="module")
+def chat_llm():
+  import jaxtier
+  from conftest import fixture_path
+  return jaxtier.LLM(fixture_path("tiny_llama_chat"), max_model_len=128, max_num_seqs=4,
+                     layer_execution="scan")
+
+
+def test_llm_generate_and_chat_follow_structured_outputs(chat_llm):
+  params = [sampled({"json": SCHEMA}, seed=s) for s in range(3)]
+  for out in chat_llm.chat([[{"role": "user", "content": f"pet {i}"}] for i in range(3)], params):
+    assert out.outputs[0].finish_reason == "stop"
+    check_schema(out.outputs[0].text)
+  mixed = chat_llm.generate(["a b c", "d e f"], [sampled({"choice": list(CHOICES)}, seed=1),
+                                                 SamplingParams(max_tokens=5, seed=2)])
+  assert mixed[0].outputs[0].text in CHOICES
+  assert len(mixed[1].outputs[0].token_ids) <= 5
+
+
+def test_the_padded_driver_refuses_structured_outputs(chat_llm):
+  ids = chat_llm.prompt_token_ids("a b c")
+  with pytest.raises(ValueError, match="structured_outputs"):
+    chat_llm.run_batch([chat_llm.make_request(ids, sampled({"regex": "a+"}))])

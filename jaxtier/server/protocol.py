@@ -12,6 +12,12 @@ top level of the body as vLLM reads them (the `openai` client sends them through
 `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
 `allowed_token_ids`, `bad_words`.
 
+Structured outputs (both endpoints): OpenAI's `response_format` (`{"type": "json_object"}`, or
+`{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`; strict adds
+`"additionalProperties": false` to every object schema that does not say) and vLLM's
+`structured_outputs` (`{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`), one of
+the two per request. A bad schema, regex or grammar is a 400 naming the field that holds it.
+
 Accepted and ignored, because they do not change what a text-only completion generates:
 - both endpoints: `user` (an end-user id for abuse monitoring), `stream_options.include_obfuscation`
   when false (true asks for padding fields in streamed events, which are not sent: a 400);
@@ -33,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxtier.logprobs import MAX_LOGPROBS
 from jaxtier.sampling import SamplingParamError, SamplingParams
+from jaxtier.structured import closed_objects
 
 TokenIds = list[int]
 
@@ -80,6 +87,37 @@ class StreamOptions(BaseModel):
     return value
 
 
+class JsonSchemaFormat(BaseModel):
+  """`response_format.json_schema` (OpenAI's): the schema the reply must follow."""
+  model_config = ConfigDict(extra="forbid", populate_by_name=True)
+  name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+  description: str | None = None
+  json_schema: dict | None = Field(None, alias="schema")
+  strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  type: Literal["text", "json_object", "json_schema"]
+  json_schema: JsonSchemaFormat | None = None
+
+  @pydantic.model_validator(mode="after")
+  def _schema_with_its_type(self) -> "ResponseFormat":
+    if (self.type == "json_schema") != (self.json_schema is not None):
+      raise ValueError("json_schema is required with type 'json_schema', and only allowed with it")
+    return self
+
+  def structured_outputs(self) -> dict | None:
+    """The format as `SamplingParams.structured_outputs` (None for plain text)."""
+    if self.type == "json_object":
+      return {"json_object": True}
+    if self.type == "json_schema":
+      schema = self.json_schema.json_schema
+      schema = {"type": "object"} if schema is None else schema
+      return {"json": closed_objects(schema) if self.json_schema.strict else schema}
+    return None
+
+
 class _SamplingRequest(BaseModel):
   """Fields shared by completions and chat completions (OpenAI names plus vLLM's extras)."""
   model_config = ConfigDict(extra="forbid")
@@ -104,6 +142,8 @@ class _SamplingRequest(BaseModel):
   min_tokens: int = 0
   allowed_token_ids: list[int] | None = None
   bad_words: list[str] | None = None
+  response_format: ResponseFormat | None = None
+  structured_outputs: dict | None = None
 
   @pydantic.field_validator("stop", "bad_words")
   @classmethod
@@ -124,6 +164,16 @@ class _SamplingRequest(BaseModel):
     if self.stream_options is not None and not self.stream:
       raise field_error("stream_options", "stream_options is only allowed together with "
                         "stream=true")
+    if self.structured_outputs is not None and self._format_constraint() is not None:
+      raise field_error("structured_outputs", "structured_outputs and a response_format other "
+                        "than text both constrain the output; send one of them")
+
+  def _format_constraint(self) -> dict | None:
+    return None if self.response_format is None else self.response_format.structured_outputs()
+
+  def constraint(self) -> dict | None:
+    """`SamplingParams.structured_outputs` of this request, from either field."""
+    return self._format_constraint() or self.structured_outputs
 
   def _check_sampling(self, max_tokens: int | None) -> None:
     """`sampling_params` for a limit of `max_tokens` (None: any), its `SamplingParamError`
@@ -131,7 +181,12 @@ class _SamplingRequest(BaseModel):
     try:
       self.sampling_params(max(1, self.min_tokens) if max_tokens is None else max_tokens)
     except SamplingParamError as e:
-      raise field_error(self.request_field(e.field), str(e)) from None
+      field, message = self.request_field(e.field), str(e)
+      if e.field == "structured_outputs" and self._format_constraint() is not None:
+        field = "response_format"
+        message = message.replace("structured_outputs.json_object", "response_format").replace(
+            "structured_outputs.json", "response_format.json_schema.schema")
+      raise field_error(field, message) from None
 
   def request_field(self, field: str) -> str:
     """The request field that holds `SamplingParams` field `field`."""
@@ -148,6 +203,7 @@ class _SamplingRequest(BaseModel):
     """
     logprobs, prompt_logprobs = self.logprob_counts()
     bias = None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
+    constraint = self.constraint()
     return [SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                            top_k=-1 if self.top_k is None else self.top_k,
                            seed=None if self.seed is None else (self.seed + j) % 2**32,
@@ -159,7 +215,8 @@ class _SamplingRequest(BaseModel):
                            presence_penalty=_or(self.presence_penalty, 0.0),
                            min_p=_or(self.min_p, 0.0), logit_bias=bias,
                            allowed_token_ids=self.allowed_token_ids,
-                           bad_words=self.bad_words or (), min_tokens=self.min_tokens)
+                           bad_words=self.bad_words or (), min_tokens=self.min_tokens,
+                           structured_outputs=constraint)
             for j in range(self.n)]
 
   def logprob_counts(self) -> tuple[int | None, int | None]:
@@ -241,11 +298,6 @@ class ChatMessage(BaseModel):
     return {"role": self.role, "content": text}
 
 
-class ResponseFormat(BaseModel):
-  model_config = ConfigDict(extra="allow")
-  type: str
-
-
 class ChatCompletionRequest(_SamplingRequest):
   """Body of `POST /v1/chat/completions`; without a token limit a reply may fill the context."""
   messages: list[ChatMessage] = Field(min_length=1)
@@ -255,7 +307,6 @@ class ChatCompletionRequest(_SamplingRequest):
   tools: list[dict] | None = None
   tool_choice: str | dict | None = None
   parallel_tool_calls: bool | None = None
-  response_format: ResponseFormat | None = None
   # Accepted and ignored (see the module docstring).
   metadata: dict[str, str] | None = None
   store: bool | None = None
@@ -279,9 +330,6 @@ class ChatCompletionRequest(_SamplingRequest):
     if self.modalities is not None and self.modalities != ["text"]:
       raise field_error("modalities", f"modalities {self.modalities} are not supported; only "
                         "['text'] is")
-    if self.response_format is not None and self.response_format.type != "text":
-      raise field_error("response_format", f"response_format type {self.response_format.type!r} "
-                        "is not supported; only 'text' is")
     if (self.max_tokens is not None and self.max_completion_tokens is not None
         and self.max_tokens != self.max_completion_tokens):
       raise field_error("max_completion_tokens", "max_tokens and max_completion_tokens disagree; "
