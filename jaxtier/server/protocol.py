@@ -2,7 +2,7 @@
 onto `SamplingParams`.
 
 Unknown fields are rejected, and so are known fields whose meaning the engine does not implement
-(tools, ...): a request is either served as asked or answered with 400. Every 400 about a field
+(`suffix`, ...): a request is either served as asked or answered with 400. Every 400 about a field
 names it in the error's `param` (pydantic's location, or the `SamplingParams` field a value
 failed, under the request's name for it).
 
@@ -17,6 +17,11 @@ Structured outputs (both endpoints): OpenAI's `response_format` (`{"type": "json
 `"additionalProperties": false` to every object schema that does not say) and vLLM's
 `structured_outputs` (`{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`), one of
 the two per request. A bad schema, regex or grammar is a 400 naming the field that holds it.
+
+Tools (chat): OpenAI's `tools` (functions) and `tool_choice` ("none", "auto", "required" or a
+named function; "auto" when tools are given, else "none"); `jaxtier.server.tools` renders them,
+enforces "required" and named choices with a grammar, and parses the calls. A constraint from
+the tool choice and one from `response_format` / `structured_outputs` cannot be combined.
 
 Accepted and ignored, because they do not change what a text-only completion generates:
 - both endpoints: `user` (an end-user id for abuse monitoring), `stream_options.include_obfuscation`
@@ -39,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxtier.logprobs import MAX_LOGPROBS
 from jaxtier.sampling import SamplingParamError, SamplingParams
+from jaxtier.server import tools as tools_lib
 from jaxtier.structured import closed_objects
 
 TokenIds = list[int]
@@ -116,6 +122,31 @@ class ResponseFormat(BaseModel):
       schema = {"type": "object"} if schema is None else schema
       return {"json": closed_objects(schema) if self.json_schema.strict else schema}
     return None
+
+
+class FunctionSpec(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+  description: str | None = None
+  parameters: dict | None = None
+  strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  type: Literal["function"]
+  function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  name: str
+
+
+class NamedToolChoice(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  type: Literal["function"]
+  function: NamedFunction
 
 
 class _SamplingRequest(BaseModel):
@@ -304,8 +335,8 @@ class ChatCompletionRequest(_SamplingRequest):
   max_completion_tokens: int | None = None
   logprobs: bool = False
   top_logprobs: int | None = None
-  tools: list[dict] | None = None
-  tool_choice: str | dict | None = None
+  tools: list[ToolSpec] | None = None
+  tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
   parallel_tool_calls: bool | None = None
   # Accepted and ignored (see the module docstring).
   metadata: dict[str, str] | None = None
@@ -324,9 +355,7 @@ class ChatCompletionRequest(_SamplingRequest):
     if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
       raise field_error("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
                         f"got {self.top_logprobs}")
-    if self.tools or self.tool_choice not in (None, "none"):
-      raise field_error("tools" if self.tools else "tool_choice",
-                        "tools and tool_choice are not supported")
+    self._check_tools()
     if self.modalities is not None and self.modalities != ["text"]:
       raise field_error("modalities", f"modalities {self.modalities} are not supported; only "
                         "['text'] is")
@@ -337,7 +366,54 @@ class ChatCompletionRequest(_SamplingRequest):
     self._check_sampling(self.token_limit())
     return self
 
+  def _check_tools(self) -> None:
+    choice = self.tool_choice
+    if choice not in (None, "none") and not self.tools:
+      raise field_error("tool_choice", f"tool_choice {self._choice_text()} needs tools")
+    names = [t.function.name for t in self.tools or ()]
+    if len(set(names)) != len(names):
+      raise field_error("tools", "tools have duplicate function names")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+      raise field_error("tool_choice", f"tool_choice names the function "
+                        f"{choice.function.name!r}, which is not in tools {names}")
+    if self.tool_constraint() is not None and (self.structured_outputs is not None
+                                               or self._format_constraint() is not None):
+      raise field_error("tool_choice", f"tool_choice {self._choice_text()} constrains the reply, "
+                        "and so does response_format or structured_outputs; send one of them")
+    for i, tool in enumerate(self.tools or ()):
+      try:
+        SamplingParams(structured_outputs={"json": tools_lib.parameters(self.tool_dicts()[i])})
+      except SamplingParamError as e:
+        raise field_error("tools", f"tools {i} ({tool.function.name}): parameters is not a "
+                          f"usable JSON schema: {e}") from None
+
+  def _choice_text(self) -> str:
+    choice = self.tool_choice
+    return (f"{{'function': {choice.function.name!r}}}" if isinstance(choice, NamedToolChoice)
+            else repr(choice))
+
+  def effective_tool_choice(self) -> str | dict:
+    """The tool choice as `jaxtier.server.tools` takes it ("auto" with tools by default)."""
+    if self.tool_choice is None:
+      return "auto" if self.tools else "none"
+    return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
+  def tool_dicts(self) -> list[dict]:
+    """The tools as JSON objects (unset fields left out)."""
+    return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+  def tool_constraint(self) -> dict | None:
+    if not self.tools:
+      return None
+    return tools_lib.constraint(self.tool_dicts(), self.effective_tool_choice(),
+                                parallel=self.parallel_tool_calls is not False)
+
+  def constraint(self) -> dict | None:
+    return self.tool_constraint() or super().constraint()
+
   def request_field(self, field: str) -> str:
+    if field == "structured_outputs" and self.tool_constraint() is not None:
+      return "tools"
     if field == "max_tokens" and self.max_completion_tokens is not None:
       return "max_completion_tokens"
     return "top_logprobs" if field == "logprobs" else field
