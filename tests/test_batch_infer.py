@@ -72,7 +72,10 @@ def test_valid_records(record):
      "token ids must be integers >= 0, got [true, -1, 2.0]"),
     ({"id": 1, "messages": []}, "messages: List should have at least 1 item"),
     ({"id": 1, "messages": None}, "messages: Input should be a valid list"),
-    ({"id": 1, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role: Input should be"),
+    ({"id": 1, "messages": [{"role": "tool", "content": "x"}]},
+     "tool messages need a tool_call_id"),
+    ({"id": 1, "messages": [{"role": "robot", "content": "x"}]},
+     "messages.0.role: Input should be"),
     ({"id": 1, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({"id": 1, "messages": [{"role": "user", "content": "x", "name": "n"}]},
      "messages.0.name is not a supported field"),
@@ -240,7 +243,7 @@ def test_invalid_records_are_reported_before_the_model_loads(tmp_path):
            json.dumps({"id": 4, "prompt": ""}), json.dumps({"id": 5, "messages": []}),
            json.dumps({"id": 6, "prompt": None}), json.dumps({"id": 7, "prompt": 42}),
            json.dumps({"id": 8, "prompt": True}),
-           json.dumps({"id": 9, "messages": [{"role": "tool", "content": "x"}]})]
+           json.dumps({"id": 9, "messages": [{"role": "robot", "content": "x"}]})]
   proc, rows = run(tmp_path, lines, "--model=/nonexistent/model")
   assert proc.returncode != 0 and rows == []
   assert not (tmp_path / "out.jsonl").exists()

@@ -143,3 +143,30 @@ def test_templates_without_tools_get_them_in_a_system_message():
                                  tokenizer.chat_template)
   assert messages[0]["content"].startswith("Be brief.\n\n") and len(messages) == 2
   assert tools.with_tools(CHAT, [WEATHER], TEMPLATE) == (CHAT, [WEATHER])
+
+
+def test_a_conversation_with_calls_and_results_continues(client):
+  call = {"id": "call_1", "type": "function",
+          "function": {"name": "weather", "arguments": '{"city": "Rome", "days": 2}'}}
+  history = CHAT + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+  response = post(client, messages=history, tools=[WEATHER], max_tokens=6)
+  assert response.status_code == 200, response.text
+  for bad, message in (
+      ([{"role": "tool", "content": "x"}], "tool_call_id"),
+      ([{"role": "user", "content": None}], "content may be null"),
+      ([{"role": "user", "content": "x", "tool_calls": [call]}], "only allowed in assistant")):
+    response = post(client, messages=bad)
+    assert response.status_code == 400 and message in response.json()["error"]["message"]
+
+
+def test_history_is_written_in_the_hermes_format_for_templates_without_tools():
+  call = {"id": "c", "type": "function", "function": {"name": "weather", "arguments": '{"a": 1}'}}
+  conversation = [{"role": "user", "content": "q"},
+                  {"role": "assistant", "content": "", "tool_calls": [call]},
+                  {"role": "tool", "content": "sunny", "tool_call_id": "c"}]
+  assert tools.history(conversation, TEMPLATE) == conversation
+  got = tools.history(conversation, "{{ messages }}")
+  assert got[1] == {"role": "assistant", "content":
+                    '<tool_call>\n{"name": "weather", "arguments": {"a": 1}}\n</tool_call>'}
+  assert got[2] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}

@@ -210,11 +210,12 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
   async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request):
     check_model(body.model)
     choice, tool_calls = body.effective_tool_choice(), None
+    conversation = tools.history(body.conversation(), llm.tokenizer.chat_template)
     if choice == "none":
-      prompt_ids = [_checked(llm.chat_token_ids, body.conversation(), param="messages")]
+      prompt_ids = [_checked(llm.chat_token_ids, conversation, param="messages")]
     else:
       specs = body.tool_dicts()
-      messages, template_tools = tools.with_tools(body.conversation(), specs,
+      messages, template_tools = tools.with_tools(conversation, specs,
                                                   llm.tokenizer.chat_template)
       prompt_ids = [_checked(llm.chat_token_ids, messages, 0, template_tools, param="messages")]
       tool_calls = lambda text: tools.parse(text, specs, choice)

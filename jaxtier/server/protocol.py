@@ -312,21 +312,57 @@ class TextPart(BaseModel):
   text: str
 
 
-class ChatMessage(BaseModel):
+class CalledFunction(BaseModel):
   model_config = ConfigDict(extra="forbid")
-  role: Literal["system", "developer", "user", "assistant"]
-  content: str | list[TextPart]
+  name: str
+  arguments: str
+
+
+class ToolCall(BaseModel):
+  """A call an earlier assistant message made (OpenAI's shape)."""
+  model_config = ConfigDict(extra="forbid")
+  id: str
+  type: Literal["function"]
+  function: CalledFunction
+
+
+class ChatMessage(BaseModel):
+  """A message: text from a system, developer, user or assistant; an assistant's tool calls
+  (content may then be null); or a tool's result (`tool_call_id` names the call)."""
+  model_config = ConfigDict(extra="forbid")
+  role: Literal["system", "developer", "user", "assistant", "tool"]
+  content: str | list[TextPart] | None
+  tool_calls: list[ToolCall] | None = None
+  tool_call_id: str | None = None
 
   @pydantic.field_validator("content")
   @classmethod
-  def _content_text(cls, value: str | list[TextPart]) -> str | list[TextPart]:
-    _valid_texts(value if isinstance(value, str) else [p.text for p in value], item="part")
+  def _content_text(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
+    if value is not None:
+      _valid_texts(value if isinstance(value, str) else [p.text for p in value], item="part")
     return value
 
-  def as_dict(self) -> dict[str, str]:
-    """The message as the chat template takes it (text parts joined)."""
-    text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-    return {"role": self.role, "content": text}
+  @pydantic.model_validator(mode="after")
+  def _tool_fields(self) -> "ChatMessage":
+    if self.tool_calls is not None and self.role != "assistant":
+      raise ValueError("tool_calls is only allowed in assistant messages")
+    if (self.role == "tool") != (self.tool_call_id is not None):
+      raise ValueError("tool messages need a tool_call_id, and only they may have one")
+    if self.content is None and not self.tool_calls:
+      raise ValueError("content may be null only in an assistant message with tool_calls")
+    return self
+
+  def as_dict(self) -> dict:
+    """The message as the chat template takes it (text parts joined; tool calls and the call id
+    as OpenAI sends them)."""
+    content = self.content or ""
+    text = content if isinstance(content, str) else "".join(p.text for p in content)
+    out = {"role": self.role, "content": text}
+    if self.tool_calls:
+      out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+    if self.tool_call_id is not None:
+      out["tool_call_id"] = self.tool_call_id
+    return out
 
 
 class ChatCompletionRequest(_SamplingRequest):

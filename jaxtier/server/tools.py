@@ -6,6 +6,8 @@ calls parsed out of the reply.
   the Hermes format (function signatures in `<tools></tools>`, calls asked for as
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), prepended to the first system
   message or added before the conversation.
+- History: `history` writes earlier calls and tool results in the Hermes format for templates
+  that do not render tools.
 - `tool_choice`: "none" (no tools in the prompt, nothing parsed), "auto" (the reply is free; Hermes
   `<tool_call>` blocks in it become calls), "required" (the reply is constrained to a JSON array
   of one or more `{"name", "parameters"}` calls of the given tools, vLLM's format), or a named
@@ -53,6 +55,37 @@ def with_tools(conversation: list[dict], tools: Sequence[dict], chat_template: s
     first = dict(conversation[0], content=conversation[0]["content"] + "\n\n" + prompt)
     return [first] + conversation[1:], None
   return [{"role": "system", "content": prompt}] + conversation, None
+
+
+def history(conversation: list[dict], chat_template: str | None) -> list[dict]:
+  """The conversation for a template that does not render tools: an assistant's earlier calls
+  written into its text as Hermes `<tool_call>` blocks, and each tool result as a user message
+  in `<tool_response>` tags (Hermes' format). Unchanged for templates that render tools."""
+  if renders_tools(chat_template):
+    return conversation
+  out = []
+  for m in conversation:
+    if m.get("tool_calls"):
+      calls = "\n".join(
+          "<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                        "arguments": _arguments(c["function"]["arguments"])},
+                                       ensure_ascii=False) + "\n</tool_call>"
+          for c in m["tool_calls"])
+      out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "")
+                  + calls})
+    elif m["role"] == "tool":
+      out.append({"role": "user",
+                  "content": "<tool_response>\n" + m["content"] + "\n</tool_response>"})
+    else:
+      out.append(m)
+  return out
+
+
+def _arguments(text: str):
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError:
+    return text
 
 
 def constraint(tools: Sequence[dict], choice: str | dict, parallel: bool = True) -> dict | None:
