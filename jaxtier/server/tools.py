@@ -126,7 +126,9 @@ def parse(text: str, tools: Sequence[dict], choice: str | dict
       items = json.loads(text)
     except json.JSONDecodeError:
       return None
-    calls = [_call(item["name"], item["parameters"]) for item in items
+    if not isinstance(items, list):
+      return None
+    calls = [_call(item["name"], item.get("parameters", {})) for item in items
              if isinstance(item, dict) and item.get("name") in names]
     return (None, calls) if calls else None
   if choice != "auto":
