@@ -88,11 +88,23 @@ def test_streamed_tool_calls_come_as_openai_deltas(client):
               if line.startswith("data: ") and line != "data: [DONE]"]
   deltas = [e["choices"][0]["delta"] for e in events]
   assert deltas[0] == {"role": "assistant", "content": ""}
-  calls = [c for d in deltas for c in d.get("tool_calls", [])]
-  assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "weather"
-  check_weather(calls[0]["function"]["arguments"])
+  parts = [c for d in deltas for c in d.get("tool_calls", [])]
+  first = parts[0]  # opens the call; the arguments follow in fragments, as OpenAI streams them
+  assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+  assert first["function"] == {"name": "weather", "arguments": ""}
+  assert len(parts) > 2 and all(set(p) == {"index", "function"} for p in parts[1:])
+  check_weather("".join(p["function"]["arguments"] for p in parts))
   assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
   assert not any(d.get("content") for d in deltas[1:])
+  # "required" replies are held back and sent whole at the end
+  body.update(tool_choice="required", parallel_tool_calls=False, tools=[WEATHER, TIME])
+  with client.stream("POST", "/v1/chat/completions", json=body) as response:
+    events = [json.loads(line[6:]) for line in response.iter_lines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+  calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", [])]
+  assert len(calls) == 1 and calls[0]["index"] == 0
+  check_call(calls[0])
+  assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_auto_and_none_leave_the_reply_free(client):

@@ -128,7 +128,8 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
 
   async def serve(body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[list[int]],
                   request: fastapi.Request, chat: bool, max_tokens: int | None,
-                  tool_calls: Callable[[str], tuple | None] | None = None):
+                  tool_calls: Callable[[str], tuple | None] | None = None,
+                  named_tool: str | None = None):
     arrival = time.monotonic()
     echo = not chat and body.echo
     scored = echo and max_tokens == 0  # score the prompt: one token is generated and dropped
@@ -165,7 +166,8 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
         model=served_model_name, chat=chat, streams=streams,
         stops=[p.stop for _ in prompt_ids for p in params],
         prompt_tokens=sum(len(ids) for ids in prompt_ids), logprobs=body.logprob_counts()[0],
-        echo=echoes, generated=not scored, per_prompt=len(params), tool_calls=tool_calls)
+        echo=echoes, generated=not scored, per_prompt=len(params), tool_calls=tool_calls,
+        named_tool=named_tool)
     if body.stream:
       return StreamingResponse(serving.events(choices, llm.tokenizer, body.include_usage),
                                media_type="text/event-stream")
@@ -219,7 +221,8 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
                                                   llm.tokenizer.chat_template)
       prompt_ids = [_checked(llm.chat_token_ids, messages, 0, template_tools, param="messages")]
       tool_calls = lambda text: tools.parse(text, specs, choice)
+    named = choice["function"]["name"] if isinstance(choice, dict) else None
     return await serve(body, prompt_ids, request, chat=True, max_tokens=body.token_limit(),
-                       tool_calls=tool_calls)
+                       tool_calls=tool_calls, named_tool=named)
 
   return app

@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 import json
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator
 
@@ -34,6 +35,7 @@ class Choices:
   per_prompt: int = 1  # choices of each prompt (n); the streams are prompt-major
   # chat with tools: a reply's text -> (content, tool calls), or None when it holds no call
   tool_calls: Callable[[str], tuple[str | None, list[dict]] | None] | None = None
+  named_tool: str | None = None  # the function a named tool_choice calls: streamed as it comes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,9 +230,13 @@ async def events(choices: Choices, tokenizer: Tokenizer, include_usage: bool
   update arrives; a chunk's logprobs are those of its tokens (`logprobs.TokenTracker`); every
   choice ends with a chunk carrying its finish_reason; with `include_usage` a last chunk (no
   choices) carries the usage. A failed batch is reported as an `error` event before `[DONE]`.
-  With tools (`Choices.tool_calls`) a choice's text is held back until it ends, then sent in one
-  chunk: its tool calls (each whole, with its `index`, id, name and arguments) and the content
-  before them, finish_reason "tool_calls"; or, with no call, the text as content.
+  With a named tool choice (`Choices.named_tool`) the reply is the call's arguments: the first
+  chunk of a choice opens the call (`index` 0, id, type, name, empty arguments) and each text
+  delta is sent as an arguments fragment, as OpenAI streams calls; finish_reason "tool_calls"
+  (or "length" when cut short). With other tools (`Choices.tool_calls`) a choice's text is held
+  back until it ends, then sent in one chunk: its tool calls (each whole, with its `index`, id,
+  name and arguments) and the content before them, finish_reason "tool_calls"; or, with no call,
+  the text as content.
   """
   streamed = [_StreamedChoice(choices, i, tokenizer) for i in range(len(choices.streams))]
   if choices.chat:
@@ -238,11 +244,30 @@ async def events(choices: Choices, tokenizer: Tokenizer, include_usage: bool
       yield sse(_chunk(choices, i, "", None, role=True))
   finished: dict[int, Completion] = {}
   held: dict[int, tuple[list[str], list]] = {}  # with tools: each choice's text and tokens so far
+  opened: set[int] = set()  # choices whose named call was opened
   try:
     async for index, update in merge(choices.streams):
       echo = streamed[index].echo(update)
       if echo is not None:
         yield sse(_chunk(choices, index, echo[0], None, echo[1]))
+      if choices.named_tool is not None:
+        if index not in opened:
+          opened.add(index)
+          call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                  "function": {"name": choices.named_tool, "arguments": ""}}
+          yield sse(_chunk(choices, index, "", None, tool_calls=[call]))
+        if update.completion is None:
+          text, tokens = streamed[index].push(update)
+          reason = None
+        else:
+          finished[index] = update.completion
+          text, tokens = streamed[index].finish(update)
+          reason = update.completion.finish_reason
+          reason = "tool_calls" if reason == "stop" else reason
+        if text or reason is not None:
+          fragment = [{"function": {"arguments": text}}] if text else None
+          yield sse(_chunk(choices, index, "", reason, tokens, tool_calls=fragment))
+        continue
       if update.completion is None:
         text, tokens = streamed[index].push(update)
         if choices.tool_calls is not None:
