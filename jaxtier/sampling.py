@@ -18,7 +18,8 @@ A row's logits go through these transforms, in this order:
    min-p keeps the tokens both keep, as Hugging Face's warpers in this order do).
 Steps 1-3 need each request's token history or grammar state: `LogitsArrays` carries them (ids
 padded to a power of two, a prompt/output split, the grammar's bitmask), and the counts and
-masks are built on the device by scatters, in a sampling program of its own (`sample_transformed`) that only batches with such a row run.
+masks are built on the device by scatters, in a sampling program of its own
+(`sample_transformed`) that only batches with such a row run.
 The log-probabilities a request asks for are of the raw logits, before all of this.
 
 Shape legend: b batch, v vocab, n history tokens, k biased or masked ids, a allowed ids,

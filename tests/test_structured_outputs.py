@@ -115,10 +115,6 @@ def engine(tiny, **overrides):
                                         "num_host_blocks": 64, **overrides})
 
 
-def texts(tiny, out, n):
-  return [out[i].text for i in range(n)]
-
-
 def test_json_schema_outputs_parse_and_match_the_schema(tiny):
   e = engine(tiny, max_num_seqs=8)
   prompts = prompts_of([5, 9, 3, 12, 7, 4, 10, 6])
@@ -212,7 +208,6 @@ def test_abort_and_prefix_hits_leave_no_matcher_or_block(tiny):
 
 
 def test_a_grammar_that_allows_nothing_ends_the_request_without_a_crash(tiny):
-  model, tokenizer = tiny
   e = engine(tiny)
   e.add_request("r", [5, 6, 7], sampled({"regex": "x+"}), seed=0)
   e._grammars["r"]._matcher.consume_token(0)  # "<s>" is not allowed: the matcher is in error
