@@ -187,6 +187,12 @@ def test_response_format_json_schema_and_structured_outputs_constrain_replies(cl
   for choice in response.json()["choices"]:
     assert choice["finish_reason"] == "stop"
     check_reply(choice["message"]["content"])
+  response = client.post("/v1/completions", json={  # response_format on completions too
+      "prompt": PROMPT, "max_tokens": 40, "temperature": 0.8, "seed": 2,
+      "response_format": {"type": "json_schema", "json_schema": {
+          "name": "pet", "schema": REPLY_SCHEMA, "strict": True}}})
+  assert response.status_code == 200, response.text
+  check_reply(response.json()["choices"][0]["text"])
   cases = [({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
            ({"regex": "[0-9]{2}-[a-c]{3}"}, lambda t: len(t) == 6 and t[2] == "-")]
   for constraint, valid in cases:
