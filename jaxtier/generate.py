@@ -79,13 +79,17 @@ def generate_batch(graphdef: nnx.GraphDef, state: nnx.State, tokenizer: Tokenize
     aborted: called with a row's index for every running row before each step; True ends the row
       with finish_reason "abort" (no further tokens, no further work on the device).
 
-  Raises ValueError for a request with logit transforms (`SamplingParams.transforms_logits`):
-  this reference applies temperature, top-k, top-p and min-p only.
+  Raises ValueError for a request with logit transforms (`SamplingParams.transforms_logits`) or
+  `structured_outputs`: this reference applies temperature, top-k, top-p and min-p only.
   """
   transformed = [i for i, r in enumerate(requests) if r.params.transforms_logits]
   if transformed:
     raise ValueError(f"requests {transformed[:5]} have logit transforms (penalties, logit_bias, "
                      "allowed_token_ids, bad_words, min_tokens), which only the engine applies")
+  constrained = [i for i, r in enumerate(requests) if r.params.constrained]
+  if constrained:
+    raise ValueError(f"requests {constrained[:5]} have structured_outputs, which only the engine "
+                     "applies")
   config = nnx.merge(graphdef, state).config
   rows = [RequestProgress(r.prompt_token_ids, r.params, tokenizer,
                           min(r.max_tokens, max_model_len - r.prompt_len)) for r in requests]

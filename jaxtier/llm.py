@@ -340,9 +340,11 @@ class LLM:
       raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} of them")
     return params
 
-  def chat_token_ids(self, conversation: Sequence[Message], index: int = 0) -> list[int]:
-    """Token ids of a conversation rendered with the chat template, checked like a prompt."""
-    text = self.tokenizer.apply_chat_template(conversation)
+  def chat_token_ids(self, conversation: Sequence[Message], index: int = 0,
+                     tools: Sequence[dict] | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the chat template (with `tools` as its `tools`
+    variable when given), checked like a prompt."""
+    text = self.tokenizer.apply_chat_template(conversation, tools=tools)
     self._check_text_fits(text, index)
     return self.prompt_token_ids(self.tokenizer.encode(text, add_special_tokens=False), index)
 

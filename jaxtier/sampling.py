@@ -10,16 +10,20 @@ A row's logits go through these transforms, in this order:
    and vLLM do), then `frequency_penalty` * count and `presence_penalty` * (count > 0) subtracted,
    counting output tokens only (OpenAI's definition, vLLM's order). Hugging Face also applies its
    sequence bias before the repetition penalty, so greedy tokens equal its
-   `generate(repetition_penalty=...)`. (A grammar's token mask would come here.)
-3. `temperature`, then top-k, top-p and `min_p` (tokens whose probability is below min_p times
+   `generate(repetition_penalty=...)`.
+3. The grammar mask of a request with `structured_outputs`: tokens its grammar does not allow
+   next are set to -inf (a bitmask per row computed on the host by `jaxtier.structured`).
+4. `temperature`, then top-k, top-p and `min_p` (tokens whose probability is below min_p times
    the largest are dropped; the comparison does not change when top-k/top-p renormalize, so
    min-p keeps the tokens both keep, as Hugging Face's warpers in this order do).
-Steps 1-2 need each request's token history: `LogitsArrays` carries it (ids padded to a power of
-two, a prompt/output split), and the counts and masks are built on the device by scatters, in
-a sampling program of its own (`sample_transformed`) that only batches with such a row run.
+Steps 1-3 need each request's token history or grammar state: `LogitsArrays` carries them (ids
+padded to a power of two, a prompt/output split, the grammar's bitmask), and the counts and
+masks are built on the device by scatters, in a sampling program of its own
+(`sample_transformed`) that only batches with such a row run.
 The log-probabilities a request asks for are of the raw logits, before all of this.
 
-Shape legend: b batch, v vocab, n history tokens, k biased or masked ids, a allowed ids.
+Shape legend: b batch, v vocab, n history tokens, k biased or masked ids, a allowed ids,
+w int32 words of a token bitmask (0 when no row of the batch is constrained).
 """
 
 import dataclasses
@@ -34,6 +38,7 @@ from jaxtier import cpu_kernels
 from jaxtier.buckets import pow2_bucket
 from jaxtier.checks import is_int, is_number
 from jaxtier.logprobs import MAX_LOGPROBS
+from jaxtier.structured import StructuredOutputsError, StructuredOutputsParams
 
 BIAS_LIMIT = 100.0  # OpenAI's logit_bias range, [-100, 100]; larger biases are clamped to it
 PENALTY_LIMIT = 2.0  # frequency_penalty and presence_penalty are in [-2, 2]
@@ -60,6 +65,11 @@ class SamplingParams:
   `logit_bias`, `allowed_token_ids`, `bad_words`, `min_tokens`) have vLLM's meanings; the module
   docstring gives their order. `logit_bias` keys are token ids, each bias clamped to [-100, 100];
   ids are checked against the vocabulary when a request is added to an engine.
+
+  `structured_outputs` (vLLM's field: a `StructuredOutputsParams` or a mapping of its fields,
+  `json`, `regex`, `choice`, `grammar` or `json_object`) constrains the output to a grammar: only
+  tokens the grammar allows next are sampled (after the other logit transforms, before
+  temperature), and the request stops with "stop" once the grammar is complete.
   """
   max_tokens: int = 16
   temperature: float = 1.0
@@ -79,6 +89,7 @@ class SamplingParams:
   allowed_token_ids: Sequence[int] | None = None
   bad_words: Sequence[str] = ()
   min_tokens: int = 0
+  structured_outputs: StructuredOutputsParams | None = None
 
   def __post_init__(self):
     if isinstance(self.stop, str):
@@ -105,6 +116,14 @@ class SamplingParams:
       _require(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
                f"None or an integer in [0, {MAX_LOGPROBS}]", value)
     self._check_transforms()
+    if self.structured_outputs is not None:
+      try:
+        object.__setattr__(self, "structured_outputs",
+                           StructuredOutputsParams.of(self.structured_outputs))
+      except StructuredOutputsError as e:
+        raise SamplingParamError("structured_outputs", str(e)) from None
+      except TypeError as e:  # a field that does not exist
+        raise SamplingParamError("structured_outputs", f"structured_outputs: {e}") from None
 
   def _check_transforms(self) -> None:
     _require(is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
@@ -138,6 +157,12 @@ class SamplingParams:
     return (self.repetition_penalty != 1 or self.frequency_penalty != 0
             or self.presence_penalty != 0 or bool(self.logit_bias)
             or self.allowed_token_ids is not None or bool(self.bad_words) or self.min_tokens > 0)
+
+  @property
+  def constrained(self) -> bool:
+    """Whether a grammar constrains the output (`structured_outputs`): its batches run
+    `sample_transformed` with the grammar's token mask."""
+    return self.structured_outputs is not None
 
   def check_vocab(self, vocab_size: int) -> None:
     """ValueError naming the field when `logit_bias` or `allowed_token_ids` holds an id outside
@@ -261,27 +286,34 @@ class LogitsArrays:
   add_values_bk: jax.Array  # [b, k] float32 a logit_bias, or -inf for a masked token
   allowed_ids_ba: jax.Array  # [b, a] int32 allowed_token_ids
   restrict_b: jax.Array  # [b] bool only allowed_ids_ba may be sampled
+  grammar_bw: jax.Array  # [b, w] int32 token bitmask of a grammar (-1: all allowed); w may be 0
 
   @property
-  def widths(self) -> tuple[int, int, int]:
-    """(n, k, a): with the row count, the compiled variant of `sample_transformed`."""
-    return self.history_bn.shape[1], self.add_ids_bk.shape[1], self.allowed_ids_ba.shape[1]
+  def widths(self) -> tuple[int, int, int, int]:
+    """(n, k, a, w): with the row count, the compiled variant of `sample_transformed`."""
+    return (self.history_bn.shape[1], self.add_ids_bk.shape[1], self.allowed_ids_ba.shape[1],
+            self.grammar_bw.shape[1])
 
   @classmethod
-  def from_rows(cls, rows: Sequence[tuple[LogitRules, Sequence[int], int] | None]
-                ) -> "LogitsArrays":
-    """The arrays of a batch: per row (rules, token ids so far, how many of them are output),
-    or None for a row without transforms."""
+  def from_rows(cls, rows: Sequence[tuple | None]) -> "LogitsArrays":
+    """The arrays of a batch: per row (rules or None, token ids so far, how many of them are
+    output[, its grammar's [w] bitmask or None]), or None for a row without transforms."""
     b = len(rows)
+    masks = [row[3] if row is not None and len(row) > 3 else None for row in rows]
+    words = max((len(m) for m in masks if m is not None), default=0)
+    grammar = np.full((b, words), -1, np.int32)
+    for i, m in enumerate(masks):
+      if m is not None:
+        grammar[i] = m
     adds, allowed, histories = [[] for _ in rows], [[] for _ in rows], [[] for _ in rows]
     prompt_len = np.zeros(b, np.int32)
     penalties = np.zeros((3, b), np.float32)
     penalties[0] = 1
     restrict = np.zeros(b, bool)
     for i, row in enumerate(rows):
-      if row is None:
+      if row is None or row[0] is None:
         continue
-      rules, ids, num_output = row
+      rules, ids, num_output = row[:3]
       p = rules.params
       penalties[:, i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
       if p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty:
@@ -295,7 +327,8 @@ class LogitsArrays:
     values = np.zeros(add.shape, np.float32)
     for i, row in enumerate(adds):
       values[i, :len(row)] = [v for _, v in row]
-    return cls(history, prompt_len, *penalties, add, values, _padded(allowed, MIN_IDS), restrict)
+    return cls(history, prompt_len, *penalties, add, values, _padded(allowed, MIN_IDS), restrict,
+               grammar)
 
 
 def _padded(rows: Sequence[Sequence[int]], minimum: int) -> np.ndarray:
@@ -316,8 +349,19 @@ def _scatter_bv(shape, ids_bn, values_bn, op: str):
   return getattr(target, op)(values_bn, mode="drop")
 
 
+def grammar_allowed(grammar_bw: jax.Array, v: int) -> jax.Array:
+  """[b, v] bool: bit t % 32 of word t // 32 of each row's bitmask (tokens past 32 w: False)."""
+  b, w = grammar_bw.shape
+  bits_bw32 = (grammar_bw[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+  bits_bv = bits_bw32.reshape(b, w * 32).astype(bool)
+  if w * 32 >= v:
+    return bits_bv[:, :v]
+  return jnp.pad(bits_bv, ((0, 0), (0, v - w * 32)))
+
+
 def transform_logits(logits_bv: jax.Array, t: LogitsArrays) -> jax.Array:
-  """Steps 1-2 of the module docstring: bias and masks, then the penalties; float32 [b, v]."""
+  """Steps 1-3 of the module docstring: bias and masks, the penalties, then the grammar mask;
+  float32 [b, v]."""
   logits_bv = logits_bv.astype(jnp.float32)
   shape = logits_bv.shape
   logits_bv = logits_bv + _scatter_bv(shape, t.add_ids_bk, t.add_values_bk, "add")
@@ -330,8 +374,11 @@ def transform_logits(logits_bv: jax.Array, t: LogitsArrays) -> jax.Array:
   penalty_b1 = t.repetition_b[:, None]
   penalized_bv = jnp.where(logits_bv > 0, logits_bv / penalty_b1, logits_bv * penalty_b1)
   logits_bv = jnp.where(seen_bv, penalized_bv, logits_bv)
-  return (logits_bv - t.frequency_b[:, None] * counts_bv
-          - t.presence_b[:, None] * (counts_bv > 0).astype(jnp.float32))
+  logits_bv = (logits_bv - t.frequency_b[:, None] * counts_bv
+               - t.presence_b[:, None] * (counts_bv > 0).astype(jnp.float32))
+  if t.grammar_bw.shape[1]:  # a static shape: batches without a grammar skip this
+    logits_bv = jnp.where(grammar_allowed(t.grammar_bw, shape[1]), logits_bv, -jnp.inf)
+  return logits_bv
 
 
 def _sample_row(logits_v, temperature, top_k, top_p, min_p, key):

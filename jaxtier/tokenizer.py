@@ -159,16 +159,18 @@ class Tokenizer:
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-  def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True
-                          ) -> str:
-    """The prompt text for a conversation, rendered with the model's chat template."""
+  def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                          tools: Sequence[dict] | None = None) -> str:
+    """The prompt text for a conversation, rendered with the model's chat template (`tools`, the
+    OpenAI tool definitions, as the template's `tools` variable, as `transformers` passes them)."""
     if self.chat_template is None:
       raise ValueError("this model's tokenizer has no chat template; pass plain prompts to "
                        "generate() instead of conversations to chat()")
     validate_messages(messages)
     return _compile_template(self.chat_template).render(
         messages=list(messages), add_generation_prompt=add_generation_prompt,
-        bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        **({} if tools is None else {"tools": list(tools)}))
 
   def encode_chat(self, messages: Sequence[Message]) -> list[int]:
     """Token ids of a rendered conversation (the template writes the special tokens itself)."""

@@ -2,6 +2,7 @@
 resumes where it stopped; several JAX processes can share the input, data parallel.
 
 Each input line is {"id": ..., "prompt": ...} or {"id": ..., "messages": [{"role", "content"}...]},
+optionally with "structured_outputs" (vLLM's) or "response_format" (OpenAI's) constraining its text,
 checked by the rules of the HTTP server (`jaxtier.server.records`) before the model loads (every
 process checks the whole file); token ids and prompt lengths are checked for every record to
 generate once the tokenizer is loaded, before anything is generated (--on_bad_record says whether
@@ -493,7 +494,10 @@ def generate(llm: jaxtier.LLM | None, source: batch_input.JsonlSource,
   def request(line: batch_input.InputLine):
     record = parse_again(source.path, line)
     in_flight[line.ordinal] = record.id
-    return line.ordinal, record.engine_input(), record_sampling(sampling, line.ordinal)
+    params = record_sampling(sampling, line.ordinal)
+    if record.constraint() is not None:
+      params = dataclasses.replace(params, structured_outputs=record.constraint())
+    return line.ordinal, record.engine_input(), params
 
   def items():
     for ordinal in plan.todo:

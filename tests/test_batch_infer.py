@@ -52,6 +52,9 @@ def summary(stderr: str) -> dict:
     {"id": 0, "prompt": [0, 5, VOCAB_SIZE + 10]},  # the vocabulary is checked once it is loaded
     {"id": 1, "messages": [{"role": "developer", "content": "x"},
                            {"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+    {"id": 2, "prompt": "x", "structured_outputs": {"choice": ["a", "b"]}},
+    {"id": 3, "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "object"}}}},
 ])
 def test_valid_records(record):
   assert parse_record(json.dumps(record)).id == record["id"]
@@ -69,7 +72,10 @@ def test_valid_records(record):
      "token ids must be integers >= 0, got [true, -1, 2.0]"),
     ({"id": 1, "messages": []}, "messages: List should have at least 1 item"),
     ({"id": 1, "messages": None}, "messages: Input should be a valid list"),
-    ({"id": 1, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role: Input should be"),
+    ({"id": 1, "messages": [{"role": "tool", "content": "x"}]},
+     "tool messages need a tool_call_id"),
+    ({"id": 1, "messages": [{"role": "robot", "content": "x"}]},
+     "messages.0.role: Input should be"),
     ({"id": 1, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({"id": 1, "messages": [{"role": "user", "content": "x", "name": "n"}]},
      "messages.0.name is not a supported field"),
@@ -79,6 +85,11 @@ def test_valid_records(record):
     ({"id": None, "prompt": "x"}, "id: expected a string or an integer, got null"),
     ({"prompt": "x"}, "expected an object with an 'id'"),
     ([1], "expected an object with an 'id'"),
+    ({"id": 1, "prompt": "x", "structured_outputs": {"regex": "("}},
+     "structured_outputs.regex is invalid"),
+    ({"id": 1, "prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"id": 1, "prompt": "x", "structured_outputs": {"choice": ["a"]},
+      "response_format": {"type": "json_object"}}, "at most one of"),
 ])
 def test_invalid_records(record, message):
   with pytest.raises(ValueError) as error:
@@ -232,7 +243,7 @@ def test_invalid_records_are_reported_before_the_model_loads(tmp_path):
            json.dumps({"id": 4, "prompt": ""}), json.dumps({"id": 5, "messages": []}),
            json.dumps({"id": 6, "prompt": None}), json.dumps({"id": 7, "prompt": 42}),
            json.dumps({"id": 8, "prompt": True}),
-           json.dumps({"id": 9, "messages": [{"role": "tool", "content": "x"}]})]
+           json.dumps({"id": 9, "messages": [{"role": "robot", "content": "x"}]})]
   proc, rows = run(tmp_path, lines, "--model=/nonexistent/model")
   assert proc.returncode != 0 and rows == []
   assert not (tmp_path / "out.jsonl").exists()
@@ -308,3 +319,21 @@ def test_bad_logit_flags_are_refused(tmp_path, flag, message):
   proc, _ = run(tmp_path, [json.dumps({"id": "a", "prompt": "Hello"})], flag)
   assert proc.returncode == 2, proc.stderr
   assert message in proc.stderr
+
+
+def test_records_with_structured_outputs_follow_their_constraint(tmp_path):
+  schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                   "maximum": 9}}, "required": ["n"]}
+  lines = [json.dumps({"id": "c", "prompt": "Hello", "structured_outputs": {
+               "choice": ["yes", "no"]}}),
+           json.dumps({"id": "j", "messages": [{"role": "user", "content": "hi"}],
+                       "response_format": {"type": "json_schema", "json_schema": {
+                           "name": "n", "schema": schema, "strict": True}}}),
+           json.dumps({"id": "r", "prompt": "Hello", "structured_outputs": {"regex": "[a-c]{4}"}})]
+  proc, rows = run(tmp_path, lines, "--max_tokens=30", "--temperature=0.8", "--seed=1")
+  assert proc.returncode == 0, proc.stderr
+  by_id = {row["id"]: row for row in rows}
+  assert by_id["c"]["text"] in ("yes", "no")
+  assert set(json.loads(by_id["j"]["text"])) == {"n"}
+  assert len(by_id["r"]["text"]) == 4 and set(by_id["r"]["text"]) <= set("abc")
+  assert all(row["finish_reason"] == "stop" for row in rows)

@@ -13,7 +13,8 @@ The layers, from the bottom:
   KV byte sizes, the cache directory, the argument checks, log-probability types, the batch job's
   files, the allocator setting, and the doctor's symptom table (`LLM.doctor()` reads it).
 - kernels: the CPU kernels and what is built straight on them or on the config alone: the packed
-  matmul, sharding rules, the tokenizer and detokenizer, the samplers, the result types.
+  matmul, sharding rules, the tokenizer and detokenizer, the samplers, the grammar matchers of
+  structured outputs, the result types.
 - model: the Flax decoder.
 - state: the KV caches and the pure-Python scheduler.
 - offload: tail-layer placement, the prefetching scan, the planner.
@@ -54,6 +55,7 @@ LAYER_OF = {
     "jaxtier.tokenizer": "kernels",
     "jaxtier.detokenize": "kernels",
     "jaxtier.sampling": "kernels",
+    "jaxtier.structured": "kernels",
     "jaxtier.outputs": "kernels",
     "jaxtier.model": "model",
     "jaxtier.kvcache": "state",

@@ -106,7 +106,7 @@ WRONG = {
     "allowed_token_ids": st.just([]), "bad_words": st.just([" "]),
     "modalities": st.sampled_from([["audio"], [], ["text", "audio"]]),
     "service_tier": st.just("turbo"), "metadata": st.just({"k": 1}),
-    "response_format": st.just({"type": "json_object"}), "tools": st.just([{"type": "function"}]),
+    "response_format": st.just({"type": "yaml"}), "tools": st.just([{"type": "function"}]),
     "prediction": json_junk, "audio": json_junk, "functions": json_junk, "zzz": json_junk,
 }
 

@@ -84,12 +84,17 @@ COMPLETION_CASES = [
     ("allowed_token_ids", [-4]), ("allowed_token_ids", "1"), ("bad_words", [" "]),
     ("bad_words", "x"), ("suffix", "y"), ("best_of", 3), ("stream_options", {"x": 1}),
     ("stream_options", {"include_usage": True}), ("echo", "x"), ("prompt", []), ("prompt", 5),
-    ("user", 3), ("unknown_field", 1),
+    ("user", 3), ("unknown_field", 1), ("structured_outputs", {"json": "{x"}),
+    ("structured_outputs", {"grammar": "start: nothing_here"}),
+    ("response_format", {"type": "json_schema"}),
 ]
 CHAT_CASES = [
     ("messages", []), ("temperature", -0.5), ("top_logprobs", 3), ("max_completion_tokens", 0),
     ("max_tokens", 0), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
-    ("modalities", ["audio"]), ("response_format", {"type": "json_object"}),
+    ("modalities", ["audio"]), ("response_format", {"type": "yaml"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x",
+                                                                "schema": {"type": "nope"}}}),
+    ("structured_outputs", {"choice": []}), ("structured_outputs", {"regex": "("}),
     ("repetition_penalty", 0), ("min_p", 2), ("min_tokens", 9), ("bad_words", [""]),
     ("frequency_penalty", 3), ("logit_bias", {"x": 1}), ("service_tier", "turbo"),
 ]
@@ -155,3 +160,66 @@ def test_vocabulary_and_prompt_errors_are_400s_that_name_the_field(client, path,
   response = client.post(path, json={**body, **fields})
   assert response.status_code == 400, response.text
   assert response.json()["error"]["param"] == param, response.json()
+
+
+# Structured outputs (random weights: only the constraint makes the replies valid).
+
+REPLY_SCHEMA = {"type": "object",
+                "properties": {"kind": {"enum": ["cat", "dog"]},
+                               "age": {"type": "integer", "minimum": 0, "maximum": 20},
+                               "ok": {"type": "boolean"}},
+                "required": ["kind", "age", "ok"]}
+
+
+def check_reply(text: str) -> None:
+  value = json.loads(text)
+  assert set(value) == {"kind", "age", "ok"}, text  # strict: no other keys
+  assert value["kind"] in ("cat", "dog") and 0 <= value["age"] <= 20, text
+  assert type(value["age"]) is int and type(value["ok"]) is bool, text
+
+
+def test_response_format_json_schema_and_structured_outputs_constrain_replies(client):
+  body = {"messages": CHAT, "max_tokens": 40, "temperature": 0.8, "seed": 3, "n": 3,
+          "response_format": {"type": "json_schema", "json_schema": {
+              "name": "pet", "schema": REPLY_SCHEMA, "strict": True}}}
+  response = client.post("/v1/chat/completions", json=body)
+  assert response.status_code == 200, response.text
+  for choice in response.json()["choices"]:
+    assert choice["finish_reason"] == "stop"
+    check_reply(choice["message"]["content"])
+  response = client.post("/v1/completions", json={  # response_format on completions too
+      "prompt": PROMPT, "max_tokens": 40, "temperature": 0.8, "seed": 2,
+      "response_format": {"type": "json_schema", "json_schema": {
+          "name": "pet", "schema": REPLY_SCHEMA, "strict": True}}})
+  assert response.status_code == 200, response.text
+  check_reply(response.json()["choices"][0]["text"])
+  cases = [({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+           ({"regex": "[0-9]{2}-[a-c]{3}"}, lambda t: len(t) == 6 and t[2] == "-")]
+  for constraint, valid in cases:
+    response = client.post("/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 20, "temperature": 0.8, "seed": 1, "n": 2,
+        "structured_outputs": constraint})
+    assert response.status_code == 200, response.text
+    for choice in response.json()["choices"]:
+      assert choice["finish_reason"] == "stop" and valid(choice["text"]), choice
+
+
+def test_streamed_json_schema_reply_concatenates_to_valid_json(client):
+  body = {"messages": CHAT, "max_tokens": 40, "temperature": 0.8, "seed": 5, "stream": True,
+          "response_format": {"type": "json_schema", "json_schema": {
+              "name": "pet", "schema": REPLY_SCHEMA, "strict": True}}}
+  with client.stream("POST", "/v1/chat/completions", json=body) as response:
+    assert response.status_code == 200
+    events = [json.loads(line[6:]) for line in response.iter_lines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+  text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+  check_reply(text)
+  assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_structured_outputs_and_response_format_together_are_refused(client):
+  response = client.post("/v1/chat/completions", json={
+      "messages": CHAT, "response_format": {"type": "json_object"},
+      "structured_outputs": {"choice": ["a"]}})
+  assert response.status_code == 400
+  assert response.json()["error"]["param"] == "structured_outputs"

@@ -30,6 +30,7 @@ from jaxtier.buckets import pow2_bucket, row_bucket, row_buckets_up_to
 from jaxtier.sampling import LogitRules, LogitsArrays, SamplingArrays, SamplingParams
 from jaxtier.scheduler import ComputeBatch
 from jaxtier.scheduler.allocator import blocks_for
+from jaxtier.structured import GrammarMatcher
 
 MIN_TOKENS = 16  # prefill rows pad to at least this many tokens
 PREFILL_ROW_TOKENS = 64  # longest prefill row: chunks are cut into pieces of this many tokens
@@ -44,6 +45,7 @@ class SamplingInfo:
   seed: int
   num_generated: int  # folded into the key with the seed: the same token whatever the batch
   rules: LogitRules | None = None  # its logit transforms, when `params.transforms_logits`
+  grammar: GrammarMatcher | None = None  # its grammar's state, when `params.constrained`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,8 +227,10 @@ def build(batch: ComputeBatch, token_ids: Callable[[Hashable], Sequence[int]],
     last[i] = end - start - 1
     info = sampling(rid)
     params[i], seeds[i], steps[i] = info.params, info.seed, info.num_generated
-    if info.rules is not None and batch.samples[i]:  # the row's tokens so far: ids[:end]
-      transforms[i] = (info.rules, ids[:end], info.num_generated)
+    if (info.rules is not None or info.grammar is not None) and batch.samples[i]:
+      # the row's tokens so far: ids[:end]; the grammar's mask only where the row samples
+      transforms[i] = (info.rules, ids[:end], info.num_generated,
+                       None if info.grammar is None else info.grammar.mask())
   return StepArrays(tuple(batch.request_ids), tuple(batch.samples), tokens, pos, tables, last,
                     SamplingArrays.from_params(params, seeds, steps),
                     LogitsArrays.from_rows(transforms) if any(transforms) else None)

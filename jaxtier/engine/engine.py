@@ -25,7 +25,15 @@ in flight. A request that stopped on this step's token is ended with a `schedule
 blocks freed at once) and its row of the successor is dropped. The tokens are the same as without
 it; only steps that are all decode (no prefill, swap, preemption, log-probabilities) plan ahead,
 and only when no row of the call has logit transforms (penalties, `logit_bias`, masks: their
-next step needs the token not yet read; `SamplingParams.transforms_logits`).
+next step needs the token not yet read; `SamplingParams.transforms_logits`) or a grammar.
+
+Structured outputs (`SamplingParams.structured_outputs`): each constrained request has a
+`GrammarMatcher` on the host. Building a call that samples for it computes the grammar's token
+bitmask (it enters the sampling program as an array, `LogitsArrays.grammar_bw`); reading the
+token, the matcher consumes it. The request stops with "stop" when the grammar is complete, and
+with "abort" (the reason logged) if the grammar rejects the token (it never should: the mask
+allowed it) or allows none. Only sampled tokens reach the matcher, once each: a recomputed
+request's prefill of its generated tokens and prefix-cache hits do not touch it.
 
 Arrivals and aborts are applied to the scheduler state when they happen: an aborted request's
 blocks are free before `abort` returns. A request's sampling key is its seed folded with the number
@@ -43,6 +51,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from jaxtier import scheduler, sharding
@@ -60,6 +69,7 @@ from jaxtier.outputs import Completion, RequestUpdate
 from jaxtier.sampling import LogitRules, SamplingParams
 from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED, FINISHED
+from jaxtier.structured import GrammarMatcher, grammar_tokenizer
 from jaxtier.tokenizer import Tokenizer
 
 
@@ -158,6 +168,8 @@ class Engine:
     self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
     self._logprobs: dict[Hashable, lp.RequestLogprobs] = {}  # live requests that ask for them
     self._rules: dict[Hashable, LogitRules] = {}  # live requests with logit transforms
+    self._grammars: dict[Hashable, GrammarMatcher] = {}  # live requests with structured outputs
+    self._grammar_tokenizer = None  # llguidance's tokenizer, built for the first grammar
     self._hits: dict[Hashable, tuple[int, int]] = {}  # live id -> cached (device, host) tokens
     self._token_text = lp.TokenText(tokenizer)
     self._totals = Totals()
@@ -174,8 +186,8 @@ class Engine:
     """Queues a request; it starts running when the scheduler admits it.
 
     Raises ValueError for an id that is live, an empty prompt, ids outside the vocabulary (in
-    the prompt, `logit_bias`, `allowed_token_ids` or the tokens of `bad_words`) or a prompt that
-    leaves no room to generate within max_model_len.
+    the prompt, `logit_bias`, `allowed_token_ids` or the tokens of `bad_words`), a prompt that
+    leaves no room to generate within max_model_len, or a grammar llguidance cannot build.
     """
     if request_id in self._live:
       raise ValueError(f"request_id={request_id!r} is already running: expected a new id")
@@ -183,6 +195,7 @@ class Engine:
                                   f"request {request_id!r}'s prompt")
     room = self.config.max_model_len - len(prompt_ids)
     rules = self._logit_rules(params)
+    grammar = self._grammar(params)
     limit = min(params.max_tokens, room)
     request = scheduler.Request.of(request_id, prompt_ids, params, seed, max_tokens=limit,
                                    arrival_time=time.perf_counter() - self._started,
@@ -195,6 +208,8 @@ class Engine:
       self._logprobs[request_id] = wanted
     if rules is not None:
       self._rules[request_id] = rules
+    if grammar is not None:
+      self._grammars[request_id] = grammar
     self._totals.prompt_tokens += len(prompt_ids)
 
   def _logit_rules(self, params: SamplingParams) -> LogitRules | None:
@@ -210,6 +225,14 @@ class Engine:
       raise ValueError(f"bad_words {list(params.bad_words)} encode to token ids outside the "
                        f"vocabulary [0, {self.vocab_size}): {bad[:5]}")
     return rules
+
+  def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+    """A new matcher of the request's grammar; None without `structured_outputs`."""
+    if not params.constrained:
+      return None
+    if self._grammar_tokenizer is None:
+      self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size)
+    return GrammarMatcher(self._grammar_tokenizer, params.structured_outputs)
 
   def abort(self, request_id: Hashable) -> RequestUpdate | None:
     """Ends a live request with finish_reason "abort" and frees its blocks at once.
@@ -238,6 +261,7 @@ class Engine:
     progress.finish_reason = reason
     wanted = self._logprobs.pop(request_id, None)
     self._rules.pop(request_id, None)
+    self._grammars.pop(request_id, None)
     device, host = self._hits.pop(request_id, (0, 0))
     cached = dict(num_cached_tokens=device + host, host_cached_tokens=host)
     if wanted is None:
@@ -367,8 +391,9 @@ class Engine:
         or len(plan.prefill) or not len(plan.decode)):
       return None
     arrays, tokens_b, _, _ = dispatched[0]
-    if any(request_id in self._rules for request_id in arrays.request_ids):
-      return None  # their transforms need the token this call samples, on the host
+    if any(request_id in self._rules or request_id in self._grammars
+           for request_id in arrays.request_ids):
+      return None  # their transforms and masks need the token this call samples, on the host
     state, following = scheduler.schedule(
         scheduler.apply_event(self._state, scheduler.StepFinished(())))
     rows = {request_id: i for i, request_id in enumerate(arrays.request_ids)}
@@ -443,7 +468,7 @@ class Engine:
   def _sampling(self, request_id: Hashable) -> batching.SamplingInfo:
     progress, seed = self._live[request_id]
     return batching.SamplingInfo(progress.params, seed, len(progress.generated),
-                                 self._rules.get(request_id))
+                                 self._rules.get(request_id), self._grammars.get(request_id))
 
   def _collect(self, dispatched) -> tuple[list[tuple[Hashable, str]], list[RequestUpdate]]:
     """Reads each call's sampled tokens and appends them; returns stops and updates. Rows of
@@ -462,7 +487,16 @@ class Engine:
         if not keep or self._live.get(request_id, (None,))[0] is not progress:
           continue
         token = int(tokens[i])
+        grammar = self._grammars.get(request_id)
+        if grammar is not None and not grammar.consume(token):
+          logging.warning("request %r: its grammar rejected token %d (%s); ending it", request_id,
+                          token, grammar.error or "no token was allowed")
+          finished.append((request_id, "abort"))
+          updates.append(self._finish(request_id, "abort", ()))
+          continue
         progress.append(token)
+        if grammar is not None and grammar.stopped and progress.finish_reason is None:
+          progress.finish_reason = "stop"  # the grammar is complete
         self._totals.generated_tokens += 1
         wanted = self._logprobs.get(request_id)
         if wanted is not None and wanted.sample_k is not None:

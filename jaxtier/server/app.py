@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jaxtier.server import limits
-from jaxtier.server import serving
+from jaxtier.server import serving, tools
 from jaxtier.server.async_engine import AsyncEngine, EngineError, QueueFull
 from jaxtier.server.metrics import ServerMetrics
 from jaxtier.server.protocol import (ChatCompletionRequest, CompletionRequest, body_problem,
@@ -127,7 +127,9 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
                         f"`{served_model_name}`", param="model", code="model_not_found")
 
   async def serve(body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[list[int]],
-                  request: fastapi.Request, chat: bool, max_tokens: int | None):
+                  request: fastapi.Request, chat: bool, max_tokens: int | None,
+                  tool_calls: Callable[[str], tuple | None] | None = None,
+                  named_tool: str | None = None):
     arrival = time.monotonic()
     echo = not chat and body.echo
     scored = echo and max_tokens == 0  # score the prompt: one token is generated and dropped
@@ -164,7 +166,8 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
         model=served_model_name, chat=chat, streams=streams,
         stops=[p.stop for _ in prompt_ids for p in params],
         prompt_tokens=sum(len(ids) for ids in prompt_ids), logprobs=body.logprob_counts()[0],
-        echo=echoes, generated=not scored, per_prompt=len(params))
+        echo=echoes, generated=not scored, per_prompt=len(params), tool_calls=tool_calls,
+        named_tool=named_tool)
     if body.stream:
       return StreamingResponse(serving.events(choices, llm.tokenizer, body.include_usage),
                                media_type="text/event-stream")
@@ -208,7 +211,18 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
   @app.post("/v1/chat/completions")
   async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request):
     check_model(body.model)
-    prompt_ids = [_checked(llm.chat_token_ids, body.conversation(), param="messages")]
-    return await serve(body, prompt_ids, request, chat=True, max_tokens=body.token_limit())
+    choice, tool_calls = body.effective_tool_choice(), None
+    conversation = tools.history(body.conversation(), llm.tokenizer.chat_template)
+    if choice == "none":
+      prompt_ids = [_checked(llm.chat_token_ids, conversation, param="messages")]
+    else:
+      specs = body.tool_dicts()
+      messages, template_tools = tools.with_tools(conversation, specs,
+                                                  llm.tokenizer.chat_template)
+      prompt_ids = [_checked(llm.chat_token_ids, messages, 0, template_tools, param="messages")]
+      tool_calls = lambda text: tools.parse(text, specs, choice)
+    named = choice["function"]["name"] if isinstance(choice, dict) else None
+    return await serve(body, prompt_ids, request, chat=True, max_tokens=body.token_limit(),
+                       tool_calls=tool_calls, named_tool=named)
 
   return app

@@ -2,7 +2,7 @@
 onto `SamplingParams`.
 
 Unknown fields are rejected, and so are known fields whose meaning the engine does not implement
-(tools, ...): a request is either served as asked or answered with 400. Every 400 about a field
+(`suffix`, ...): a request is either served as asked or answered with 400. Every 400 about a field
 names it in the error's `param` (pydantic's location, or the `SamplingParams` field a value
 failed, under the request's name for it).
 
@@ -11,6 +11,17 @@ Sampling fields: OpenAI's (`temperature`, `top_p`, `frequency_penalty`, `presenc
 top level of the body as vLLM reads them (the `openai` client sends them through `extra_body`):
 `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
 `allowed_token_ids`, `bad_words`.
+
+Structured outputs (both endpoints): OpenAI's `response_format` (`{"type": "json_object"}`, or
+`{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`; strict adds
+`"additionalProperties": false` to every object schema that does not say) and vLLM's
+`structured_outputs` (`{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`), one of
+the two per request. A bad schema, regex or grammar is a 400 naming the field that holds it.
+
+Tools (chat): OpenAI's `tools` (functions) and `tool_choice` ("none", "auto", "required" or a
+named function; "auto" when tools are given, else "none"); `jaxtier.server.tools` renders them,
+enforces "required" and named choices with a grammar, and parses the calls. A constraint from
+the tool choice and one from `response_format` / `structured_outputs` cannot be combined.
 
 Accepted and ignored, because they do not change what a text-only completion generates:
 - both endpoints: `user` (an end-user id for abuse monitoring), `stream_options.include_obfuscation`
@@ -33,6 +44,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxtier.logprobs import MAX_LOGPROBS
 from jaxtier.sampling import SamplingParamError, SamplingParams
+from jaxtier.server import tools as tools_lib
+from jaxtier.structured import closed_objects
 
 TokenIds = list[int]
 
@@ -80,6 +93,62 @@ class StreamOptions(BaseModel):
     return value
 
 
+class JsonSchemaFormat(BaseModel):
+  """`response_format.json_schema` (OpenAI's): the schema the reply must follow."""
+  model_config = ConfigDict(extra="forbid", populate_by_name=True)
+  name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+  description: str | None = None
+  json_schema: dict | None = Field(None, alias="schema")
+  strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  type: Literal["text", "json_object", "json_schema"]
+  json_schema: JsonSchemaFormat | None = None
+
+  @pydantic.model_validator(mode="after")
+  def _schema_with_its_type(self) -> "ResponseFormat":
+    if (self.type == "json_schema") != (self.json_schema is not None):
+      raise ValueError("json_schema is required with type 'json_schema', and only allowed with it")
+    return self
+
+  def structured_outputs(self) -> dict | None:
+    """The format as `SamplingParams.structured_outputs` (None for plain text)."""
+    if self.type == "json_object":
+      return {"json_object": True}
+    if self.type == "json_schema":
+      schema = self.json_schema.json_schema
+      schema = {"type": "object"} if schema is None else schema
+      return {"json": closed_objects(schema) if self.json_schema.strict else schema}
+    return None
+
+
+class FunctionSpec(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+  description: str | None = None
+  parameters: dict | None = None
+  strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  type: Literal["function"]
+  function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  name: str
+
+
+class NamedToolChoice(BaseModel):
+  model_config = ConfigDict(extra="forbid")
+  type: Literal["function"]
+  function: NamedFunction
+
+
 class _SamplingRequest(BaseModel):
   """Fields shared by completions and chat completions (OpenAI names plus vLLM's extras)."""
   model_config = ConfigDict(extra="forbid")
@@ -104,6 +173,8 @@ class _SamplingRequest(BaseModel):
   min_tokens: int = 0
   allowed_token_ids: list[int] | None = None
   bad_words: list[str] | None = None
+  response_format: ResponseFormat | None = None
+  structured_outputs: dict | None = None
 
   @pydantic.field_validator("stop", "bad_words")
   @classmethod
@@ -124,6 +195,16 @@ class _SamplingRequest(BaseModel):
     if self.stream_options is not None and not self.stream:
       raise field_error("stream_options", "stream_options is only allowed together with "
                         "stream=true")
+    if self.structured_outputs is not None and self._format_constraint() is not None:
+      raise field_error("structured_outputs", "structured_outputs and a response_format other "
+                        "than text both constrain the output; send one of them")
+
+  def _format_constraint(self) -> dict | None:
+    return None if self.response_format is None else self.response_format.structured_outputs()
+
+  def constraint(self) -> dict | None:
+    """`SamplingParams.structured_outputs` of this request, from either field."""
+    return self._format_constraint() or self.structured_outputs
 
   def _check_sampling(self, max_tokens: int | None) -> None:
     """`sampling_params` for a limit of `max_tokens` (None: any), its `SamplingParamError`
@@ -131,7 +212,12 @@ class _SamplingRequest(BaseModel):
     try:
       self.sampling_params(max(1, self.min_tokens) if max_tokens is None else max_tokens)
     except SamplingParamError as e:
-      raise field_error(self.request_field(e.field), str(e)) from None
+      field, message = self.request_field(e.field), str(e)
+      if e.field == "structured_outputs" and self._format_constraint() is not None:
+        field = "response_format"
+        message = message.replace("structured_outputs.json_object", "response_format").replace(
+            "structured_outputs.json", "response_format.json_schema.schema")
+      raise field_error(field, message) from None
 
   def request_field(self, field: str) -> str:
     """The request field that holds `SamplingParams` field `field`."""
@@ -148,6 +234,7 @@ class _SamplingRequest(BaseModel):
     """
     logprobs, prompt_logprobs = self.logprob_counts()
     bias = None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
+    constraint = self.constraint()
     return [SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                            top_k=-1 if self.top_k is None else self.top_k,
                            seed=None if self.seed is None else (self.seed + j) % 2**32,
@@ -159,7 +246,8 @@ class _SamplingRequest(BaseModel):
                            presence_penalty=_or(self.presence_penalty, 0.0),
                            min_p=_or(self.min_p, 0.0), logit_bias=bias,
                            allowed_token_ids=self.allowed_token_ids,
-                           bad_words=self.bad_words or (), min_tokens=self.min_tokens)
+                           bad_words=self.bad_words or (), min_tokens=self.min_tokens,
+                           structured_outputs=constraint)
             for j in range(self.n)]
 
   def logprob_counts(self) -> tuple[int | None, int | None]:
@@ -224,26 +312,57 @@ class TextPart(BaseModel):
   text: str
 
 
-class ChatMessage(BaseModel):
+class CalledFunction(BaseModel):
   model_config = ConfigDict(extra="forbid")
-  role: Literal["system", "developer", "user", "assistant"]
-  content: str | list[TextPart]
+  name: str
+  arguments: str
+
+
+class ToolCall(BaseModel):
+  """A call an earlier assistant message made (OpenAI's shape)."""
+  model_config = ConfigDict(extra="forbid")
+  id: str
+  type: Literal["function"]
+  function: CalledFunction
+
+
+class ChatMessage(BaseModel):
+  """A message: text from a system, developer, user or assistant; an assistant's tool calls
+  (content may then be null); or a tool's result (`tool_call_id` names the call)."""
+  model_config = ConfigDict(extra="forbid")
+  role: Literal["system", "developer", "user", "assistant", "tool"]
+  content: str | list[TextPart] | None
+  tool_calls: list[ToolCall] | None = None
+  tool_call_id: str | None = None
 
   @pydantic.field_validator("content")
   @classmethod
-  def _content_text(cls, value: str | list[TextPart]) -> str | list[TextPart]:
-    _valid_texts(value if isinstance(value, str) else [p.text for p in value], item="part")
+  def _content_text(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
+    if value is not None:
+      _valid_texts(value if isinstance(value, str) else [p.text for p in value], item="part")
     return value
 
-  def as_dict(self) -> dict[str, str]:
-    """The message as the chat template takes it (text parts joined)."""
-    text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-    return {"role": self.role, "content": text}
+  @pydantic.model_validator(mode="after")
+  def _tool_fields(self) -> "ChatMessage":
+    if self.tool_calls is not None and self.role != "assistant":
+      raise ValueError("tool_calls is only allowed in assistant messages")
+    if (self.role == "tool") != (self.tool_call_id is not None):
+      raise ValueError("tool messages need a tool_call_id, and only they may have one")
+    if self.content is None and not self.tool_calls:
+      raise ValueError("content may be null only in an assistant message with tool_calls")
+    return self
 
-
-class ResponseFormat(BaseModel):
-  model_config = ConfigDict(extra="allow")
-  type: str
+  def as_dict(self) -> dict:
+    """The message as the chat template takes it (text parts joined; tool calls and the call id
+    as OpenAI sends them)."""
+    content = self.content or ""
+    text = content if isinstance(content, str) else "".join(p.text for p in content)
+    out = {"role": self.role, "content": text}
+    if self.tool_calls:
+      out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+    if self.tool_call_id is not None:
+      out["tool_call_id"] = self.tool_call_id
+    return out
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -252,10 +371,9 @@ class ChatCompletionRequest(_SamplingRequest):
   max_completion_tokens: int | None = None
   logprobs: bool = False
   top_logprobs: int | None = None
-  tools: list[dict] | None = None
-  tool_choice: str | dict | None = None
+  tools: list[ToolSpec] | None = None
+  tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
   parallel_tool_calls: bool | None = None
-  response_format: ResponseFormat | None = None
   # Accepted and ignored (see the module docstring).
   metadata: dict[str, str] | None = None
   store: bool | None = None
@@ -273,15 +391,10 @@ class ChatCompletionRequest(_SamplingRequest):
     if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
       raise field_error("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
                         f"got {self.top_logprobs}")
-    if self.tools or self.tool_choice not in (None, "none"):
-      raise field_error("tools" if self.tools else "tool_choice",
-                        "tools and tool_choice are not supported")
+    self._check_tools()
     if self.modalities is not None and self.modalities != ["text"]:
       raise field_error("modalities", f"modalities {self.modalities} are not supported; only "
                         "['text'] is")
-    if self.response_format is not None and self.response_format.type != "text":
-      raise field_error("response_format", f"response_format type {self.response_format.type!r} "
-                        "is not supported; only 'text' is")
     if (self.max_tokens is not None and self.max_completion_tokens is not None
         and self.max_tokens != self.max_completion_tokens):
       raise field_error("max_completion_tokens", "max_tokens and max_completion_tokens disagree; "
@@ -289,7 +402,54 @@ class ChatCompletionRequest(_SamplingRequest):
     self._check_sampling(self.token_limit())
     return self
 
+  def _check_tools(self) -> None:
+    choice = self.tool_choice
+    if choice not in (None, "none") and not self.tools:
+      raise field_error("tool_choice", f"tool_choice {self._choice_text()} needs tools")
+    names = [t.function.name for t in self.tools or ()]
+    if len(set(names)) != len(names):
+      raise field_error("tools", "tools have duplicate function names")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+      raise field_error("tool_choice", f"tool_choice names the function "
+                        f"{choice.function.name!r}, which is not in tools {names}")
+    if self.tool_constraint() is not None and (self.structured_outputs is not None
+                                               or self._format_constraint() is not None):
+      raise field_error("tool_choice", f"tool_choice {self._choice_text()} constrains the reply, "
+                        "and so does response_format or structured_outputs; send one of them")
+    for i, tool in enumerate(self.tools or ()):
+      try:
+        SamplingParams(structured_outputs={"json": tools_lib.parameters(self.tool_dicts()[i])})
+      except SamplingParamError as e:
+        raise field_error("tools", f"tools {i} ({tool.function.name}): parameters is not a "
+                          f"usable JSON schema: {e}") from None
+
+  def _choice_text(self) -> str:
+    choice = self.tool_choice
+    return (f"{{'function': {choice.function.name!r}}}" if isinstance(choice, NamedToolChoice)
+            else repr(choice))
+
+  def effective_tool_choice(self) -> str | dict:
+    """The tool choice as `jaxtier.server.tools` takes it ("auto" with tools by default)."""
+    if self.tool_choice is None:
+      return "auto" if self.tools else "none"
+    return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
+  def tool_dicts(self) -> list[dict]:
+    """The tools as JSON objects (unset fields left out)."""
+    return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+  def tool_constraint(self) -> dict | None:
+    if not self.tools:
+      return None
+    return tools_lib.constraint(self.tool_dicts(), self.effective_tool_choice(),
+                                parallel=self.parallel_tool_calls is not False)
+
+  def constraint(self) -> dict | None:
+    return self.tool_constraint() or super().constraint()
+
   def request_field(self, field: str) -> str:
+    if field == "structured_outputs" and self.tool_constraint() is not None:
+      return "tools"
     if field == "max_tokens" and self.max_completion_tokens is not None:
       return "max_completion_tokens"
     return "top_logprobs" if field == "logprobs" else field

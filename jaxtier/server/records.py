@@ -1,6 +1,8 @@
 """Records of the batch job (`scripts/batch_infer.py`), checked by the rules of the HTTP server.
 
-A record is one JSON object per line: `{"id", "prompt"}` or `{"id", "messages"}`. An id is a
+A record is one JSON object per line: `{"id", "prompt"}` or `{"id", "messages"}`, optionally with
+a constraint on its output: vLLM's `structured_outputs` or OpenAI's `response_format`, as the
+server takes them (a bad schema, regex or grammar rejects the record). An id is a
 non-empty string or an integer. A prompt is a non-empty string or a non-empty list of token ids
 (integers >= 0; booleans are not integers here). Messages are the server's `ChatMessage`s, so a
 record's messages are accepted exactly when `/v1/chat/completions` would accept them. Unknown
@@ -14,7 +16,8 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxtier.server.protocol import ChatMessage, error_messages
+from jaxtier.sampling import SamplingParamError, SamplingParams
+from jaxtier.server.protocol import ChatMessage, ResponseFormat, error_messages
 
 _JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",
                     str: "a string", list: "a list", dict: "an object"}
@@ -30,6 +33,8 @@ class BatchRecord(BaseModel):
   id: str | int
   prompt: Any = None
   messages: list[ChatMessage] = Field(None, min_length=1)
+  structured_outputs: dict | None = None
+  response_format: ResponseFormat | None = None
 
   @pydantic.model_validator(mode="before")
   @classmethod
@@ -69,6 +74,22 @@ class BatchRecord(BaseModel):
     if ("prompt" in self.model_fields_set) == ("messages" in self.model_fields_set):
       raise ValueError("expected exactly one of 'prompt' or 'messages'")
     return self
+
+  @pydantic.model_validator(mode="after")
+  def _constraint(self) -> "BatchRecord":
+    if self.structured_outputs is not None and self.response_format is not None:
+      raise ValueError("expected at most one of 'structured_outputs' or 'response_format'")
+    try:
+      SamplingParams(structured_outputs=self.constraint())
+    except SamplingParamError as e:
+      raise ValueError(str(e)) from None
+    return self
+
+  def constraint(self) -> dict | None:
+    """The record's `SamplingParams.structured_outputs` (None: unconstrained)."""
+    if self.response_format is not None:
+      return self.response_format.structured_outputs()
+    return self.structured_outputs
 
   @property
   def key(self) -> str:

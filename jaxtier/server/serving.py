@@ -3,7 +3,8 @@
 import asyncio
 import dataclasses
 import json
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator
 
 from jaxtier.engine.engine import RequestUpdate
@@ -32,6 +33,9 @@ class Choices:
   echo: list["Echo"] | None = None  # per choice, the prompt its text starts with
   generated: bool = True  # False: the prompt is only scored (max_tokens=0), its token dropped
   per_prompt: int = 1  # choices of each prompt (n); the streams are prompt-major
+  # chat with tools: a reply's text -> (content, tool calls), or None when it holds no call
+  tool_calls: Callable[[str], tuple[str | None, list[dict]] | None] | None = None
+  named_tool: str | None = None  # the function a named tool_choice calls: streamed as it comes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +147,12 @@ def response_body(choices: Choices, completions: list[Completion], tokenizer: To
     text, tokens = _whole_choice(choices, i, c, tokenizer)
     finish_reason = c.finish_reason if choices.generated else "length"
     if choices.chat:
-      items.append({"index": i, "message": {"role": "assistant", "content": text},
+      message = {"role": "assistant", "content": text}
+      calls = None if choices.tool_calls is None else choices.tool_calls(text)
+      if calls is not None:
+        message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
+        finish_reason = "tool_calls"
+      items.append({"index": i, "message": message,
                     "logprobs": _logprobs(choices, tokens), "finish_reason": finish_reason})
     else:
       items.append({"index": i, "text": text, "logprobs": _logprobs(choices, tokens),
@@ -154,10 +163,13 @@ def response_body(choices: Choices, completions: list[Completion], tokenizer: To
 
 
 def _chunk(choices: Choices, index: int, text: str, finish_reason: str | None,
-           tokens: list[TokenLogprobs] | None = None, role: bool = False) -> dict[str, Any]:
+           tokens: list[TokenLogprobs] | None = None, role: bool = False,
+           tool_calls: list[dict] | None = None) -> dict[str, Any]:
   logprobs = _logprobs(choices, tokens)
   if choices.chat:
     delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+    if tool_calls is not None:
+      delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(tool_calls)]
     item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
   else:
     item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -218,26 +230,67 @@ async def events(choices: Choices, tokenizer: Tokenizer, include_usage: bool
   update arrives; a chunk's logprobs are those of its tokens (`logprobs.TokenTracker`); every
   choice ends with a chunk carrying its finish_reason; with `include_usage` a last chunk (no
   choices) carries the usage. A failed batch is reported as an `error` event before `[DONE]`.
+  With a named tool choice (`Choices.named_tool`) the reply is the call's arguments: the first
+  chunk of a choice opens the call (`index` 0, id, type, name, empty arguments) and each text
+  delta is sent as an arguments fragment, as OpenAI streams calls; finish_reason "tool_calls"
+  (or "length" when cut short). With other tools (`Choices.tool_calls`) a choice's text is held
+  back until it ends, then sent in one chunk: its tool calls (each whole, with its `index`, id,
+  name and arguments) and the content before them, finish_reason "tool_calls"; or, with no call,
+  the text as content.
   """
   streamed = [_StreamedChoice(choices, i, tokenizer) for i in range(len(choices.streams))]
   if choices.chat:
     for i in range(len(choices.streams)):
       yield sse(_chunk(choices, i, "", None, role=True))
   finished: dict[int, Completion] = {}
+  held: dict[int, tuple[list[str], list]] = {}  # with tools: each choice's text and tokens so far
+  opened: set[int] = set()  # choices whose named call was opened
   try:
     async for index, update in merge(choices.streams):
       echo = streamed[index].echo(update)
       if echo is not None:
         yield sse(_chunk(choices, index, echo[0], None, echo[1]))
+      if choices.named_tool is not None:
+        if index not in opened:
+          opened.add(index)
+          call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                  "function": {"name": choices.named_tool, "arguments": ""}}
+          yield sse(_chunk(choices, index, "", None, tool_calls=[call]))
+        if update.completion is None:
+          text, tokens = streamed[index].push(update)
+          reason = None
+        else:
+          finished[index] = update.completion
+          text, tokens = streamed[index].finish(update)
+          reason = update.completion.finish_reason
+          reason = "tool_calls" if reason == "stop" else reason
+        if text or reason is not None:
+          fragment = [{"function": {"arguments": text}}] if text else None
+          yield sse(_chunk(choices, index, "", reason, tokens, tool_calls=fragment))
+        continue
       if update.completion is None:
         text, tokens = streamed[index].push(update)
-        if text:
+        if choices.tool_calls is not None:
+          texts, all_tokens = held.setdefault(index, ([], []))
+          texts.append(text)
+          all_tokens += tokens or []
+        elif text:
           yield sse(_chunk(choices, index, text, None, tokens))
       else:
         finished[index] = update.completion
         text, tokens = streamed[index].finish(update)
         reason = update.completion.finish_reason if choices.generated else "length"
-        yield sse(_chunk(choices, index, text, reason, tokens))
+        calls = None
+        if choices.tool_calls is not None:
+          texts, all_tokens = held.pop(index, ([], []))
+          text = "".join(texts) + text
+          tokens = None if tokens is None else all_tokens + tokens
+          calls = choices.tool_calls(text)
+        if calls is not None:
+          yield sse(_chunk(choices, index, calls[0] or "", "tool_calls", tokens,
+                           tool_calls=calls[1]))
+        else:
+          yield sse(_chunk(choices, index, text, reason, tokens))
   except EngineError as e:
     yield sse(error_body(str(e), "server_error"))
   else:
