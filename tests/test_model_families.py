@@ -141,6 +141,68 @@ def test_orbax_round_trip_is_exact(name, tmp_path):
                                 np.asarray(forward(model, cache(), ids, pos)))
 
 
+def write_qwen3_gguf(path: str) -> None:
+  """The tiny Qwen3 as llama.cpp's converter names it (arch qwen3, q/k rows as in HF, float32)."""
+  import gguf  # pylint: disable=import-outside-toplevel
+  from jaxtier.checkpoint import hf  # pylint: disable=import-outside-toplevel
+  directory = fixture_path("tiny_qwen3")
+  config = hf.read_config(directory)
+  params = hf.read_params(directory, config)
+  with open(fixture_path("tiny_qwen3", "tokenizer.json")) as f:
+    tok = json.load(f)
+  writer = gguf.GGUFWriter(path, "qwen3")
+  writer.add_block_count(config.num_layers)
+  writer.add_context_length(config.max_position_embeddings)
+  writer.add_embedding_length(config.hidden_size)
+  writer.add_feed_forward_length(config.intermediate_size)
+  writer.add_head_count(config.num_heads)
+  writer.add_head_count_kv(config.num_kv_heads)
+  writer.add_key_length(config.head_dim)
+  writer.add_value_length(config.head_dim)
+  writer.add_rope_freq_base(config.rope_theta)
+  writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+  writer.add_tokenizer_model("gpt2")
+  vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+  writer.add_token_list([t for t, _ in vocab])
+  writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                           for m in tok["model"]["merges"]])
+  writer.add_token_types([gguf.TokenType.CONTROL if t in ("<s>", "</s>")
+                          else gguf.TokenType.NORMAL for t, _ in vocab])
+  writer.add_eos_token_id(tok["model"]["vocab"]["</s>"])
+  names = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+           "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+  norms = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q_norm": "q_norm",
+           "attn_k_norm": "k_norm"}
+  for i in range(config.num_layers):
+    for g, ours in names.items():
+      writer.add_tensor(f"blk.{i}.{g}.weight",
+                        np.ascontiguousarray(params[("layers", ours, "kernel")][i].T))
+    for g, ours in norms.items():
+      writer.add_tensor(f"blk.{i}.{g}.weight", params[("layers", ours, "scale")][i])
+  writer.add_tensor("token_embd.weight", params[("embed", "embedding")])
+  writer.add_tensor("output_norm.weight", params[("final_norm", "scale")])
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def test_qwen3_gguf_matches_hugging_face(tmp_path):
+  path = str(tmp_path / "tiny_qwen3.gguf")
+  write_qwen3_gguf(path)
+  loaded = checkpoint.load(path)
+  assert loaded.kind == "gguf"
+  c = loaded.model.config
+  assert (c.architecture, c.qk_norm, c.head_dim, c.tie_word_embeddings) == ("qwen3", True, 32, True)
+  ref = hf_reference("tiny_qwen3")
+  ids = jnp.asarray(ref["ids_a"])[None]
+  cache = ContiguousKVCache.create(c.num_layers, 1, 48, c.num_kv_heads, c.head_dim, jnp.float32)
+  got = np.asarray(forward(loaded.model, cache, ids, jnp.arange(48, dtype=jnp.int32)[None]))[0]
+  np.testing.assert_allclose(got, ref["logits_a"], atol=ATOL, rtol=0)
+  llm = jaxtier.LLM(path, **ENGINE)  # placed from the file: unrolled fused layers on CPU
+  greedy_against_reference(llm, prompts_of((6, 14), c.vocab_size, seed=5))
+
+
 # The configs: what each family's options come from, and what is refused.
 
 

@@ -2,7 +2,10 @@
 (or read as their blocks, for the types the CPU kernels multiply as stored: `block_parts`).
 
 llama.cpp's converter permutes the rows of the Llama q/k projections (interleaved rotary pairs);
-`unpermute_rotary` undoes it so the weights match the Hugging Face `rotate_half` convention.
+`unpermute_rotary` undoes it so the weights match the Hugging Face `rotate_half` convention. Qwen2
+and Qwen3 files keep Hugging Face's rows (llama.cpp runs them with NeoX-style rotary); Qwen3's
+per-head q/k norms are `attn_q_norm` and `attn_k_norm`. (llama.cpp writes Mistral checkpoints as
+`llama` files; Phi-3 files are not read yet.)
 """
 
 import os
@@ -25,11 +28,14 @@ _LAYER_NAMES: dict[str, Path] = {
     "attn_q.bias": ("layers", "q_proj", "bias"),
     "attn_k.bias": ("layers", "k_proj", "bias"),
     "attn_v.bias": ("layers", "v_proj", "bias"),
+    "attn_q_norm.weight": ("layers", "q_norm", "scale"),
+    "attn_k_norm.weight": ("layers", "k_norm", "scale"),
     "ffn_norm.weight": ("layers", "mlp_norm", "scale"),
     "ffn_gate.weight": ("layers", "gate_proj", "kernel"),
     "ffn_up.weight": ("layers", "up_proj", "kernel"),
     "ffn_down.weight": ("layers", "down_proj", "kernel"),
 }
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # `general.architecture` values read
 _GLOBAL_NAMES: dict[str, Path] = {
     "token_embd.weight": ("embed", "embedding"),
     "output_norm.weight": ("final_norm", "scale"),
@@ -85,8 +91,9 @@ def _field(reader: gguf.GGUFReader, key: str, default=None):
 def read_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
   """ModelConfig from GGUF metadata."""
   arch = _field(reader, "general.architecture")
-  if arch not in ("llama", "qwen2"):
-    raise ValueError(f"{path}: architecture {arch!r} is not supported; expected 'llama' or 'qwen2'")
+  if arch not in GGUF_ARCHITECTURES:
+    raise ValueError(f"{path}: architecture {arch!r} is not supported; expected one of "
+                     f"{GGUF_ARCHITECTURES}")
   if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
     raise ValueError(f"{path}: rope scaling {_field(reader, f'{arch}.rope.scaling.type')!r} in "
                      "GGUF files is not supported")
@@ -104,6 +111,7 @@ def read_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         max_position_embeddings=_field(reader, f"{arch}.context_length", 2048))
   except TypeError:
     raise ValueError(f"{path}: metadata lacks the {arch} shape fields (embedding_length, "
