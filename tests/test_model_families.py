@@ -4,6 +4,7 @@ CPU path (unrolled fused layers, the CPU kernels where built) and on the scan pa
 attention; greedy generation through the engine against the padded reference driver; the configs'
 family options and refusals."""
 
+import dataclasses
 import json
 import shutil
 
@@ -141,16 +142,18 @@ def test_orbax_round_trip_is_exact(name, tmp_path):
                                 np.asarray(forward(model, cache(), ids, pos)))
 
 
-def write_qwen3_gguf(path: str) -> None:
-  """The tiny Qwen3 as llama.cpp's converter names it (arch qwen3, q/k rows as in HF, float32)."""
+def write_family_gguf(path: str, name: str, types: dict | None = None) -> None:
+  """A tiny fixture as llama.cpp's converter names it: q/k rows as in HF (Qwen3 and Phi-3 run
+  NeoX-style rotary), Phi-3's q/k/v fused in attn_qkv and gate/up in ffn_up; each tensor float32
+  unless `types` gives a GGML type for its name (e.g. {"attn_qkv": Q8_0})."""
   import gguf  # pylint: disable=import-outside-toplevel
   from jaxtier.checkpoint import hf  # pylint: disable=import-outside-toplevel
-  directory = fixture_path("tiny_qwen3")
+  directory = fixture_path(name)
   config = hf.read_config(directory)
   params = hf.read_params(directory, config)
-  with open(fixture_path("tiny_qwen3", "tokenizer.json")) as f:
+  with open(fixture_path(name, "tokenizer.json")) as f:
     tok = json.load(f)
-  writer = gguf.GGUFWriter(path, "qwen3")
+  writer = gguf.GGUFWriter(path, config.architecture)
   writer.add_block_count(config.num_layers)
   writer.add_context_length(config.max_position_embeddings)
   writer.add_embedding_length(config.hidden_size)
@@ -159,6 +162,7 @@ def write_qwen3_gguf(path: str) -> None:
   writer.add_head_count_kv(config.num_kv_heads)
   writer.add_key_length(config.head_dim)
   writer.add_value_length(config.head_dim)
+  writer.add_rope_dimension_count(config.head_dim)
   writer.add_rope_freq_base(config.rope_theta)
   writer.add_layer_norm_rms_eps(config.rms_norm_eps)
   writer.add_tokenizer_model("gpt2")
@@ -169,38 +173,77 @@ def write_qwen3_gguf(path: str) -> None:
   writer.add_token_types([gguf.TokenType.CONTROL if t in ("<s>", "</s>")
                           else gguf.TokenType.NORMAL for t, _ in vocab])
   writer.add_eos_token_id(tok["model"]["vocab"]["</s>"])
-  names = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
-           "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
-  norms = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q_norm": "q_norm",
-           "attn_k_norm": "k_norm"}
+  if config.architecture == "phi3":
+    names = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "attn_output": ("o_proj",),
+             "ffn_up": ("gate_proj", "up_proj"), "ffn_down": ("down_proj",)}
+  else:
+    names = {"attn_q": ("q_proj",), "attn_k": ("k_proj",), "attn_v": ("v_proj",),
+             "attn_output": ("o_proj",), "ffn_gate": ("gate_proj",), "ffn_up": ("up_proj",),
+             "ffn_down": ("down_proj",)}
+  norms = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm"}
+  if config.qk_norm:
+    norms.update(attn_q_norm="q_norm", attn_k_norm="k_norm")
   for i in range(config.num_layers):
     for g, ours in names.items():
-      writer.add_tensor(f"blk.{i}.{g}.weight",
-                        np.ascontiguousarray(params[("layers", ours, "kernel")][i].T))
+      w = np.concatenate([params[("layers", p, "kernel")][i].T for p in ours])  # [out, in]
+      qtype = (types or {}).get(g)
+      if qtype is None:
+        writer.add_tensor(f"blk.{i}.{g}.weight", np.ascontiguousarray(w))
+      else:
+        writer.add_tensor(f"blk.{i}.{g}.weight", gguf.quants.quantize(w, qtype),
+                          raw_dtype=qtype)
     for g, ours in norms.items():
       writer.add_tensor(f"blk.{i}.{g}.weight", params[("layers", ours, "scale")][i])
   writer.add_tensor("token_embd.weight", params[("embed", "embedding")])
   writer.add_tensor("output_norm.weight", params[("final_norm", "scale")])
+  if not config.tie_word_embeddings:
+    writer.add_tensor("output.weight", params[("lm_head",)])
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
 
 
-def test_qwen3_gguf_matches_hugging_face(tmp_path):
-  path = str(tmp_path / "tiny_qwen3.gguf")
-  write_qwen3_gguf(path)
+@pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_phi3"])
+def test_gguf_matches_hugging_face(name, tmp_path):
+  path = str(tmp_path / f"{name}.gguf")
+  write_family_gguf(path, name)
   loaded = checkpoint.load(path)
   assert loaded.kind == "gguf"
   c = loaded.model.config
-  assert (c.architecture, c.qk_norm, c.head_dim, c.tie_word_embeddings) == ("qwen3", True, 32, True)
-  ref = hf_reference("tiny_qwen3")
+  want = config_from_hf(hf_config(name))
+  assert c.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)  # stored as float32
+  assert c == dataclasses.replace(want, rms_norm_eps=c.rms_norm_eps)
+  ref = hf_reference(name)
   ids = jnp.asarray(ref["ids_a"])[None]
   cache = ContiguousKVCache.create(c.num_layers, 1, 48, c.num_kv_heads, c.head_dim, jnp.float32)
   got = np.asarray(forward(loaded.model, cache, ids, jnp.arange(48, dtype=jnp.int32)[None]))[0]
   np.testing.assert_allclose(got, ref["logits_a"], atol=ATOL, rtol=0)
   llm = jaxtier.LLM(path, **ENGINE)  # placed from the file: unrolled fused layers on CPU
   greedy_against_reference(llm, prompts_of((6, 14), c.vocab_size, seed=5))
+
+
+def test_phi3_gguf_fused_blocks_kept_equal_the_dequantized_model(tmp_path):
+  """Phi-3's fused Q8_0 tensors, split by rows, kept in blocks by the CPU layers: the same
+  products as the dequantized weights."""
+  import gguf  # pylint: disable=import-outside-toplevel
+  path = str(tmp_path / "tiny_phi3_q8.gguf")
+  q8 = gguf.GGMLQuantizationType.Q8_0
+  write_family_gguf(path, "tiny_phi3", {"attn_qkv": q8, "ffn_up": q8})
+  llm = jaxtier.LLM(path, block_activations="float32", layer_execution="unrolled", **ENGINE)
+  if cpu_kernels.available():
+    for layer in llm.loaded.model.groups[0].layers:  # blocks, not float32 panels
+      assert layer.qkv_kernel[...].dtype != jnp.float32
+      assert layer.gate_up_kernel[...].dtype != jnp.float32
+      assert layer.o_kernel[...].dtype == jnp.float32
+  model, _ = checkpoint.load_model(path)  # dequantized, stacked
+  ids = hf_reference("tiny_phi3")["ids_b"]
+  c = model.config
+  cache = ContiguousKVCache.create(c.num_layers, 1, 48, c.num_kv_heads, c.head_dim, jnp.float32)
+  logits = np.asarray(forward(model, cache, jnp.asarray(ids)[None],
+                              jnp.arange(48, dtype=jnp.int32)[None]))[0]
+  want = log_softmax(logits.astype(np.float64))[np.arange(47), ids[1:]]
+  np.testing.assert_allclose(prompt_logprobs(llm, ids), want, atol=1e-4, rtol=0)
 
 
 # The configs: what each family's options come from, and what is refused.
