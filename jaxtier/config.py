@@ -118,10 +118,10 @@ def _rope_scaling_from_hf(raw: Mapping[str, Any] | None, source: str) -> RopeSca
 def _sliding_window(hf: Mapping[str, Any], model_type: str) -> int | None:
   """The attention window as the family's transformers model applies it (None: full)."""
   window = hf.get("sliding_window")
-  if model_type not in ("mistral", "phi3", "qwen3") or not window:
+  if model_type == "llama" or not window:
     return None
-  if model_type == "qwen3" and not hf.get("use_sliding_window", False):
-    return None  # Qwen3 writes a window but attends fully unless use_sliding_window
+  if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    return None  # Qwen writes a window but attends fully unless use_sliding_window
   if "layer_types" in hf and "sliding_attention" not in hf["layer_types"]:
     return None  # transformers 5 names each layer's attention; none slides
   return int(window)

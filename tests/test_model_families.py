@@ -291,8 +291,9 @@ def test_sliding_window_shorter_than_the_context_is_refused():
   ModelConfig(**{**config.__dict__, "sliding_window": None}).check_sliding_window(256)
 
 
-def test_qwen3_window_applies_only_with_use_sliding_window():
-  raw = dict(hf_config("tiny_qwen3"), sliding_window=16)
+@pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_qwen3"])
+def test_qwen_window_applies_only_with_use_sliding_window(name):
+  raw = dict(hf_config(name), sliding_window=16)
   assert config_from_hf(raw).sliding_window is None
   raw.update(use_sliding_window=True, layer_types=["sliding_attention"] * 2)
   assert config_from_hf(raw).sliding_window == 16
