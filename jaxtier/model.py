@@ -1,4 +1,7 @@
-"""A Llama-family decoder (Llama, Qwen2) in Flax NNX, with layers stacked along a leading axis.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) in Flax NNX, with layers stacked
+along a leading axis. The families differ only by `ModelConfig` options: q/k/v biases
+(`attention_bias`), per-head q/k norms (`qk_norm`); Phi-3's fused checkpoint projections are split
+on load (`jaxtier.checkpoint.hf`).
 
 The forward pass embeds tokens, scans the stacked decoder layers with `jax.lax.scan`, and projects to
 the vocabulary. The KV cache is an explicit argument (any object with `update_and_attend`, see
@@ -33,7 +36,8 @@ class RMSNorm(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  """Pre-norm attention block and SwiGLU MLP block."""
+  """Pre-norm attention block and SwiGLU MLP block; with `qk_norm`, q and k are RMS-normed per
+  head (`q_norm`, `k_norm` over the head dim) before the rotary embedding."""
 
   def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
     c = config
@@ -52,6 +56,8 @@ class DecoderLayer(nnx.Module):
     self.gate_proj = linear(h, f)
     self.up_proj = linear(h, f)
     self.down_proj = linear(f, h)
+    self.q_norm = RMSNorm(d, c.rms_norm_eps, dtype) if c.qk_norm else None
+    self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype) if c.qk_norm else None
     self.shape = (n, k, d)
 
   def project_qkv(self, y_bth):
@@ -62,13 +68,16 @@ class DecoderLayer(nnx.Module):
     return self.project_qkv(self.attn_norm(x_bth))
 
   def rotated_qkv(self, x_bth, cos_btd, sin_btd):
-    """q [b, t, n, d], k and v [b, t, k, d] of the attention block: `normed_qkv`, then the rotary
-    embedding of q and k."""
+    """q [b, t, n, d], k and v [b, t, k, d] of the attention block: `normed_qkv`, the per-head
+    q/k norms where the model has them, then the rotary embedding of q and k."""
     n, k, d = self.shape
     b, t, _ = x_bth.shape
     q, k_new, v_new = self.normed_qkv(x_bth)
-    return (apply_rotary(q.reshape(b, t, n, d), cos_btd, sin_btd),
-            apply_rotary(k_new.reshape(b, t, k, d), cos_btd, sin_btd), v_new.reshape(b, t, k, d))
+    q_btnd, k_btkd = q.reshape(b, t, n, d), k_new.reshape(b, t, k, d)
+    if self.q_norm is not None:
+      q_btnd, k_btkd = self.q_norm(q_btnd), self.k_norm(k_btkd)
+    return (apply_rotary(q_btnd, cos_btd, sin_btd), apply_rotary(k_btkd, cos_btd, sin_btd),
+            v_new.reshape(b, t, k, d))
 
   def normed_gate_up(self, x_bth):
     """gate and up of the MLP block: its norm, then `project_gate_up`."""
@@ -107,8 +116,9 @@ class FusedDecoderLayer(DecoderLayer):
   `packed` stores the four kernels in column panels (`jaxtier.matmul`) and multiplies with the
   CPU kernel, which streams them once per step at the batch sizes of decoding; the q/k/v and
   gate/up products take their pre-norm in the same call (`matmul.norm_packed_matmul`), q/k/v its
-  bias and rotary embedding too (`matmul.norm_rope_packed_matmul`), and the down projection its
-  SwiGLU gating (`matmul.glu_packed_matmul`). The default packs float32 layers built for CPU
+  bias and rotary embedding too (`matmul.norm_rope_packed_matmul`; with per-head q/k norms,
+  which the kernel does not apply, the rotary embedding runs after them in XLA), and the down
+  projection its SwiGLU gating (`matmul.glu_packed_matmul`). The default packs float32 layers built for CPU
   when the kernel is available (`jaxtier.cpu_kernels`) and every kernel's width is a multiple of
   the panel width (no padding, so the same bytes), and keeps the [in, out] layout elsewhere.
   `formats` keeps the named kernels packed in a block format instead ({kernel: "q4_1", "q8_0" or
@@ -135,6 +145,7 @@ class FusedDecoderLayer(DecoderLayer):
                activations: str = "float32", formats: Mapping[str, str] | None = None):
     self.shape = layer.shape
     self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
+    self.q_norm, self.k_norm = layer.q_norm, layer.k_norm
     projections = (layer.q_proj, layer.k_proj, layer.v_proj)
     kernels = {
         "qkv_kernel": jnp.concatenate([p.kernel[...] for p in projections], axis=1),
@@ -198,8 +209,8 @@ class FusedDecoderLayer(DecoderLayer):
 
   def rotated_qkv(self, x_bth, cos_btd, sin_btd):
     """Packed: the bias and rotary embedding in the projection's kernel call
-    (`matmul.norm_rope_packed_matmul`)."""
-    if not self.packed:
+    (`matmul.norm_rope_packed_matmul`), except with q/k norms, which come between them."""
+    if not self.packed or self.q_norm is not None:
       return super().rotated_qkv(x_bth, cos_btd, sin_btd)
     n, k, d = self.shape
     b, t, _ = x_bth.shape

@@ -50,6 +50,8 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("k_proj", "bias"): ("kv_heads",),
     ("v_proj", "kernel"): ("embed", "kv_heads"),
     ("v_proj", "bias"): ("kv_heads",),
+    ("q_norm", "scale"): ("head_dim",),
+    ("k_norm", "scale"): ("head_dim",),
     ("o_proj", "kernel"): ("heads", "embed"),
     ("gate_proj", "kernel"): ("embed", "mlp"),
     ("up_proj", "kernel"): ("embed", "mlp"),

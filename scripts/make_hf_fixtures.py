@@ -4,6 +4,12 @@ Writes:
   tests/fixtures/tiny_llama/   a random Llama checkpoint (llama3 rope scaling, untied embeddings, several
                                safetensors shards with an index), tokenizer, and hf_logits.npz
   tests/fixtures/tiny_qwen2/   a random Qwen2 checkpoint (q/k/v biases, tied embeddings), same files
+  tests/fixtures/tiny_qwen3/, tiny_mistral/, tiny_phi3/  random checkpoints of the other dense
+                               families (Qwen3: per-head q/k norms, head_dim apart from
+                               hidden / heads, tied embeddings; Mistral: a sliding window wider than
+                               the tests' contexts; Phi-3: fused qkv_proj and gate_up_proj) and HF's
+                               logits over two 48-token sequences (`--only_families` writes these
+                               three alone)
   tests/fixtures/tiny_llama_chat/  a random Llama checkpoint and tokenizer as `save_pretrained` of
                                this transformers writes them (the chat template in
                                chat_template.jinja), and hf_chat.json: chat-templated prompts, their
@@ -38,6 +44,8 @@ flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "..", "tests"
 flags.DEFINE_integer("top_k", 20, "how many last-position logits to keep per prompt")
 flags.DEFINE_integer("continuation", 24, "greedy continuation length")
 flags.DEFINE_bool("only_chat_template", False, "write tests/fixtures/tiny_llama_chat alone")
+flags.DEFINE_bool("only_families", False,
+                  "write tests/fixtures/tiny_qwen3, tiny_mistral and tiny_phi3 alone")
 flags.DEFINE_bool("only_repetition_penalty", False,
                   "add the repetition-penalty continuations to smollm2_hf.json alone")
 REPETITION_PENALTY = 1.3
@@ -79,7 +87,8 @@ def tiny_tokenizer(directory: str) -> None:
     json.dump({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}, f, indent=1)
 
 
-def tiny_model(directory: str, config: transformers.PretrainedConfig, cls, shard: str | None):
+def tiny_model(directory: str, config: transformers.PretrainedConfig, cls, shard: str | None,
+               lengths: tuple[int, int] = (7, 13)):
   shutil.rmtree(directory, ignore_errors=True)
   os.makedirs(directory)
   torch.manual_seed(0)
@@ -92,7 +101,8 @@ def tiny_model(directory: str, config: transformers.PretrainedConfig, cls, shard
   model.save_pretrained(directory, safe_serialization=True, **kwargs)
   tiny_tokenizer(directory)
   rng = np.random.default_rng(0)
-  inputs = {"ids_a": rng.integers(0, config.vocab_size, 7), "ids_b": rng.integers(0, config.vocab_size, 13)}
+  inputs = {"ids_a": rng.integers(0, config.vocab_size, lengths[0]),
+            "ids_b": rng.integers(0, config.vocab_size, lengths[1])}
   out = {}
   with torch.no_grad():
     for name, ids in inputs.items():
@@ -235,9 +245,35 @@ def tiny_llama_chat(directory: str, new_tokens: int = 12) -> None:
                "max_new_tokens": new_tokens, "cases": cases}, f, indent=1)
 
 
+def family_fixtures(out: str) -> None:
+  """tiny_qwen3, tiny_mistral and tiny_phi3: hidden 64 with widths that pack exactly into the CPU
+  kernels' panels (so the tests run the kernel path), HF's logits over two 48-token sequences."""
+  common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                initializer_range=0.1, bos_token_id=0, eos_token_id=1)
+  families = [
+      ("tiny_qwen3", transformers.Qwen3Config(
+          head_dim=32, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+          **common), transformers.Qwen3ForCausalLM),
+      ("tiny_mistral", transformers.MistralConfig(
+          head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+          sliding_window=128, **common), transformers.MistralForCausalLM),
+      ("tiny_phi3", transformers.Phi3Config(
+          rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=None,
+          original_max_position_embeddings=256, **common), transformers.Phi3ForCausalLM),
+  ]
+  for name, config, cls in families:
+    config.torch_dtype = "float32"
+    tiny_model(os.path.join(out, name), config, cls, None, lengths=(48, 48))
+
+
 def main(argv):
   del argv
   out = os.path.abspath(FLAGS.out)
+  if FLAGS.only_families:
+    family_fixtures(out)
+    print(f"fixtures tiny_qwen3, tiny_mistral, tiny_phi3 written to {out}", file=sys.stderr)
+    return
   if FLAGS.only_chat_template:
     tiny_llama_chat(os.path.join(out, "tiny_llama_chat"))
     print(f"fixture written to {out}/tiny_llama_chat", file=sys.stderr)
@@ -258,6 +294,7 @@ def main(argv):
       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
   tiny_model(os.path.join(out, "tiny_qwen2"), qwen2, transformers.Qwen2ForCausalLM, None)
+  family_fixtures(out)
   smollm_fixture(os.path.join(out, "smollm2_hf.json"))
   print(f"fixtures written to {out}", file=sys.stderr)
 

@@ -5,9 +5,10 @@ machine that has JAX but not jaxtier's other dependencies):
 - `env`: JAX and its devices, each device's memory kinds and limit.
 - `link`: host <-> device copy rates with `pinned_host` buffers at 4, 64 and 512 MiB, and the device's
   own copy rate (bytes read plus written), which bounds a decode step.
-- `hf_tiny`: the tiny Hugging Face fixtures' logits (committed, computed by transformers in float32)
-  against jaxtier's at the highest matmul precision, at the platform's default precision (TF32 on
-  NVIDIA GPUs) and with bfloat16 weights: worst absolute error and greedy (argmax) agreement.
+- `hf_tiny`: the tiny Hugging Face fixtures' logits (committed, computed by transformers in float32;
+  one per family: Llama, Qwen2, Qwen3, Mistral, Phi-3) against jaxtier's at the highest matmul
+  precision, at the platform's default precision (TF32 on NVIDIA GPUs) and with bfloat16 weights:
+  worst absolute error and greedy (argmax) agreement.
 - `engine_tiny`: `jaxtier.LLM` on the tiny Llama fixture: greedy tokens of the contiguous-cache
   reference driver, the resident engine, the engine with offloaded tail layers, and the engine
   under a device pool small enough to swap, which must all be identical; swap bytes and seconds.
@@ -126,12 +127,15 @@ def _logit_errors(model, ref, ids_key, logits_key) -> tuple[float, float]:
   return float(np.abs(got - want).max()), float((got.argmax(-1) == want.argmax(-1)).mean())
 
 
+HF_TINY = ("tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral", "tiny_phi3")
+
+
 def section_hf_tiny() -> dict:
   import jax
   import numpy as np
   from jaxtier import checkpoint
   out = {}
-  for name in ("tiny_llama", "tiny_qwen2"):
+  for name in HF_TINY:
     directory = os.path.join(FIXTURES, name)
     ref = dict(np.load(os.path.join(directory, "hf_logits.npz")))
     entry = {}
@@ -145,7 +149,7 @@ def section_hf_tiny() -> dict:
                       "argmax_agreement": min(a for _, a in errors)}
     out[name] = entry
   out["float32_highest_ok"] = all(
-      out[n]["float32_highest"]["max_abs_err"] < 1e-4 for n in ("tiny_llama", "tiny_qwen2"))
+      out[n]["float32_highest"]["max_abs_err"] < 1e-4 for n in HF_TINY)
   return out
 
 

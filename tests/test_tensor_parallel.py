@@ -140,3 +140,11 @@ def test_logical_axes_cover_every_arrangement_of_the_parameters():
 def jax_spec(*axes):
   from jax.sharding import PartitionSpec  # pylint: disable=import-outside-toplevel
   return PartitionSpec(*axes)
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_phi3"])
+def test_tp2_other_families_equal_tp1(name):
+  """Qwen3's q/k norms (replicated over the head dim) and Phi-3's split fused projections."""
+  rows = run_worker(fixture_path(name), 2, "plain", "scan", max_tokens=12)
+  for case in ("plain", "scan"):
+    assert rows[case]["tp2"]["tokens"] == rows[case]["tp1"]["tokens"], case

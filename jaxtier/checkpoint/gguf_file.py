@@ -2,7 +2,11 @@
 (or read as their blocks, for the types the CPU kernels multiply as stored: `block_parts`).
 
 llama.cpp's converter permutes the rows of the Llama q/k projections (interleaved rotary pairs);
-`unpermute_rotary` undoes it so the weights match the Hugging Face `rotate_half` convention.
+`unpermute_rotary` undoes it so the weights match the Hugging Face `rotate_half` convention. Qwen2
+and Qwen3 files keep Hugging Face's rows (llama.cpp runs them with NeoX-style rotary); Qwen3's
+per-head q/k norms are `attn_q_norm` and `attn_k_norm`. Phi-3 files hold q/k/v fused
+(`attn_qkv`) and gate/up fused in `ffn_up`, split into the model's projections by rows as they
+are read (`_FUSED_LAYER_NAMES`). llama.cpp writes Mistral checkpoints as `llama` files.
 """
 
 import os
@@ -25,10 +29,19 @@ _LAYER_NAMES: dict[str, Path] = {
     "attn_q.bias": ("layers", "q_proj", "bias"),
     "attn_k.bias": ("layers", "k_proj", "bias"),
     "attn_v.bias": ("layers", "v_proj", "bias"),
+    "attn_q_norm.weight": ("layers", "q_norm", "scale"),
+    "attn_k_norm.weight": ("layers", "k_norm", "scale"),
     "ffn_norm.weight": ("layers", "mlp_norm", "scale"),
     "ffn_gate.weight": ("layers", "gate_proj", "kernel"),
     "ffn_up.weight": ("layers", "up_proj", "kernel"),
     "ffn_down.weight": ("layers", "down_proj", "kernel"),
+}
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")  # `general.architecture` values read
+# Phi-3's fused layer tensors and the parameters their output rows split into, in order.
+_FUSED_LAYER_NAMES: dict[str, tuple[Path, ...]] = {
+    "attn_qkv.weight": (("layers", "q_proj", "kernel"), ("layers", "k_proj", "kernel"),
+                        ("layers", "v_proj", "kernel")),
+    "ffn_up.weight": (("layers", "gate_proj", "kernel"), ("layers", "up_proj", "kernel")),
 }
 _GLOBAL_NAMES: dict[str, Path] = {
     "token_embd.weight": ("embed", "embedding"),
@@ -85,25 +98,35 @@ def _field(reader: gguf.GGUFReader, key: str, default=None):
 def read_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
   """ModelConfig from GGUF metadata."""
   arch = _field(reader, "general.architecture")
-  if arch not in ("llama", "qwen2"):
-    raise ValueError(f"{path}: architecture {arch!r} is not supported; expected 'llama' or 'qwen2'")
+  if arch not in GGUF_ARCHITECTURES:
+    raise ValueError(f"{path}: architecture {arch!r} is not supported; expected one of "
+                     f"{GGUF_ARCHITECTURES}")
+  names = {t.name for t in reader.tensors}
+  if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
+    raise ValueError(f"{path}: rope scaling 'longrope' (rope_factors_long/short) is not supported")
   if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
     raise ValueError(f"{path}: rope scaling {_field(reader, f'{arch}.rope.scaling.type')!r} in "
                      "GGUF files is not supported")
-  names = {t.name for t in reader.tensors}
   try:
     hidden, heads = _field(reader, f"{arch}.embedding_length"), _field(reader, f"{arch}.attention.head_count")
+    head_dim = _field(reader, f"{arch}.attention.key_length", hidden // heads)
+    rotary = _field(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rotary != head_dim:
+      raise ValueError(f"{path}: rotary embeddings over {rotary} of the head's {head_dim} "
+                       "dimensions (a partial rotary factor) are not supported")
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     return ModelConfig(
         architecture=arch, vocab_size=vocab, hidden_size=hidden,
         intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
         num_layers=_field(reader, f"{arch}.block_count"), num_heads=heads,
         num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", heads),
-        head_dim=_field(reader, f"{arch}.attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sliding_window=_field(reader, f"{arch}.attention.sliding_window") or None,
         max_position_embeddings=_field(reader, f"{arch}.context_length", 2048))
   except TypeError:
     raise ValueError(f"{path}: metadata lacks the {arch} shape fields (embedding_length, "
@@ -223,15 +246,26 @@ class GGUFSource(TensorSource):
       shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
       if name.startswith("blk."):
         _, layer, sub = name.split(".", 2)
-        if sub not in _LAYER_NAMES:
+        fused = config.architecture == "phi3" and sub in _FUSED_LAYER_NAMES
+        if sub not in _LAYER_NAMES and not fused:
           raise ValueError(f"{path}: unexpected tensor {name!r}")
         if not 0 <= int(layer) < config.num_layers:
           raise ValueError(f"{path}: tensor {name} is for layer {layer}, but the file has "
                            f"{config.num_layers} layers")
-        model_path = _LAYER_NAMES[sub]
-        per_layer.setdefault(model_path, [None] * config.num_layers)[int(layer)] = (sub, tensor)
-        self._shapes[model_path] = (config.num_layers,) + (shape[::-1] if len(shape) == 2
-                                                           and sub.endswith("weight") else shape)
+        if fused:
+          rows = _fused_rows(sub, config)
+          if shape[0] != rows[-1][1]:
+            raise ValueError(f"{path}: tensor {name} has {shape[0]} rows; the config's parts "
+                             f"need {rows[-1][1]}")
+          parts = list(zip(_FUSED_LAYER_NAMES[sub], rows))
+        else:
+          parts = [(_LAYER_NAMES[sub], None)]
+        for model_path, rows_of in parts:
+          part = shape if rows_of is None else (rows_of[1] - rows_of[0],) + shape[1:]
+          per_layer.setdefault(model_path, [None] * config.num_layers)[int(layer)] = (
+              sub, tensor, rows_of)
+          self._shapes[model_path] = (config.num_layers,) + (
+              part[::-1] if len(part) == 2 and sub.endswith("weight") else part)
       elif name in _GLOBAL_NAMES:
         self._globals[_GLOBAL_NAMES[name]] = tensor
         self._shapes[_GLOBAL_NAMES[name]] = shape
@@ -243,8 +277,10 @@ class GGUFSource(TensorSource):
   def shapes(self) -> dict[Path, tuple[int, ...]]:
     return dict(self._shapes)
 
-  def _layer(self, sub: str, tensor) -> np.ndarray:
+  def _layer(self, sub: str, tensor, rows: tuple[int, int] | None) -> np.ndarray:
     array = _dequantize(tensor, self.where)
+    if rows is not None:
+      array = array[rows[0]:rows[1]]
     if self._config.architecture == "llama" and sub.startswith(("attn_q", "attn_k")):
       array = unpermute_rotary(array, self._config.num_heads if sub.startswith("attn_q")
                                else self._config.num_kv_heads)
@@ -255,17 +291,20 @@ class GGUFSource(TensorSource):
   def quantization(self, path: Path, layer: int | None = None) -> str | None:
     if is_layer_path(path):
       slots = self._layers.get(path) or ()
-      tensors = [t for _, t in (slots if layer is None else slots[layer:layer + 1])]
+      tensors = [t for _, t, _ in (slots if layer is None else slots[layer:layer + 1])]
     else:
       tensors = [self._globals[path]] if path in self._globals else []
     return _held(tensors)
 
-  def _blocks(self, sub: str | None, tensor, fmt: str) -> tuple[np.ndarray, ...]:
-    """A tensor [out, in] as its blocks in format `fmt`, transposed to [in, out] (q/k rows
-    unpermuted)."""
+  def _blocks(self, sub: str | None, tensor, rows: tuple[int, int] | None, fmt: str
+              ) -> tuple[np.ndarray, ...]:
+    """A tensor [out, in] (its output `rows` only, if given) as its blocks in format `fmt`,
+    transposed to [in, out] (q/k rows unpermuted)."""
     n, k = (int(v) for v in reversed(tensor.shape))
     parts = (block_parts_q8_16 if fmt == "q8_16" else block_parts)(
         tensor.tensor_type, np.asarray(tensor.data), n, k)
+    if rows is not None:
+      parts = tuple(a[rows[0]:rows[1]] for a in parts)
     if (sub is not None and self._config.architecture == "llama"
         and sub.startswith(("attn_q", "attn_k"))):
       heads = self._config.num_heads if sub.startswith("attn_q") else self._config.num_kv_heads
@@ -278,7 +317,7 @@ class GGUFSource(TensorSource):
       kind = self.quantization(path)
       if kind is None or fmt not in (None, kind, "q8_16"):
         return super().read_blocks(path, layers, fmt)
-      return self._blocks(None, self._globals[path], fmt or kind)
+      return self._blocks(None, self._globals[path], None, fmt or kind)
     slots = self._layers[path]
     layers = range(len(slots)) if layers is None else layers
     held = _held([slots[i][1] for i in layers])
@@ -296,6 +335,15 @@ class GGUFSource(TensorSource):
 
   def close(self) -> None:
     self._globals, self._layers = {}, {}  # the reader's memory map closes once it is collected
+
+
+def _fused_rows(sub: str, config: ModelConfig) -> list[tuple[int, int]]:
+  """The [start, stop) output rows of each part of a fused Phi-3 tensor (`_FUSED_LAYER_NAMES`)."""
+  if sub == "attn_qkv.weight":
+    n, k, d = config.num_heads, config.num_kv_heads, config.head_dim
+    return [(0, n * d), (n * d, (n + k) * d), ((n + k) * d, (n + 2 * k) * d)]
+  f = config.intermediate_size
+  return [(0, f), (f, 2 * f)]
 
 
 def _kind(tensor) -> str | None:

@@ -7,8 +7,9 @@ import re
 import numpy as np
 import safetensors
 
-from jaxtier.checkpoint.params import (HF_GLOBAL_NAMES, HF_LAYER_NAMES, Path, TensorSource,
-                                       check_layers_present, is_layer_path)
+from jaxtier.checkpoint.params import (HF_FUSED_LAYER_NAMES, HF_GLOBAL_NAMES, HF_LAYER_NAMES,
+                                       Path, TensorSource, check_layers_present,
+                                       fused_row_splits, is_layer_path)
 from jaxtier.config import ModelConfig, config_from_hf
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -50,7 +51,8 @@ def _layer_tensor(name: str, array: np.ndarray) -> np.ndarray:
 
 class HFSource(TensorSource):
   """The tensors of a Hugging Face directory's safetensors shards, read one at a time (memory
-  mapped); linear weights are transposed to [in, out]."""
+  mapped); linear weights are transposed to [in, out]. A fused projection (Phi-3's `qkv_proj`,
+  `gate_up_proj`) is read as the model's parameters it splits into, each its rows of the tensor."""
   kind = "hf"
 
   def __init__(self, directory: str, config: ModelConfig):
@@ -67,20 +69,30 @@ class HFSource(TensorSource):
       for name in handle.keys():
         shape = tuple(handle.get_slice(name).get_shape())
         match = _LAYER_RE.match(name)
-        if match and match.group(2) in HF_LAYER_NAMES:
+        if match and (match.group(2) in HF_LAYER_NAMES or match.group(2) in HF_FUSED_LAYER_NAMES):
           layer, sub = int(match.group(1)), match.group(2)
           if layer >= config.num_layers:
             self.close()
             raise ValueError(f"{shard}: tensor {name} is for layer {layer}, but the config has "
                              f"{config.num_layers} layers")
-          path = HF_LAYER_NAMES[sub]
-          per_layer.setdefault(path, [None] * config.num_layers)[layer] = (handle, name)
-          self._shapes[path] = (config.num_layers,) + (shape[::-1] if sub.endswith("proj.weight")
-                                                       else shape)
+          if sub in HF_FUSED_LAYER_NAMES:
+            rows = fused_row_splits(sub, config)
+            if shape[0] != rows[-1][1]:
+              self.close()
+              raise ValueError(f"{shard}: tensor {name} has {shape[0]} rows; the config's "
+                               f"parts need {rows[-1][1]}")
+            parts = [(path, rows_of) for path, rows_of in zip(HF_FUSED_LAYER_NAMES[sub], rows)]
+          else:
+            parts = [(HF_LAYER_NAMES[sub], None)]
+          for path, rows_of in parts:
+            part_shape = shape if rows_of is None else (rows_of[1] - rows_of[0],) + shape[1:]
+            per_layer.setdefault(path, [None] * config.num_layers)[layer] = (handle, name, rows_of)
+            self._shapes[path] = (config.num_layers,) + (
+                part_shape[::-1] if sub.endswith("proj.weight") else part_shape)
         elif name in HF_GLOBAL_NAMES:
           if config.tie_word_embeddings and HF_GLOBAL_NAMES[name] == ("lm_head",):
             continue
-          self._names[HF_GLOBAL_NAMES[name]] = (handle, name)
+          self._names[HF_GLOBAL_NAMES[name]] = (handle, name, None)
           self._shapes[HF_GLOBAL_NAMES[name]] = shape
         elif not name.endswith("rotary_emb.inv_freq"):
           self.close()
@@ -95,8 +107,10 @@ class HFSource(TensorSource):
   def shapes(self) -> dict[Path, tuple[int, ...]]:
     return dict(self._shapes)
 
-  def _get(self, handle, name: str) -> np.ndarray:
-    array = np.asarray(handle.get_tensor(name), dtype=np.float32)
+  def _get(self, handle, name: str, rows: tuple[int, int] | None) -> np.ndarray:
+    array = (handle.get_tensor(name) if rows is None
+             else handle.get_slice(name)[rows[0]:rows[1]])
+    array = np.asarray(array, dtype=np.float32)
     return _layer_tensor(name, array) if _LAYER_RE.match(name) else array
 
   def read(self, path: Path, layers=None) -> np.ndarray:

@@ -31,10 +31,20 @@ HF_LAYER_NAMES: dict[str, Path] = {
     "self_attn.q_proj.bias": ("layers", "q_proj", "bias"),
     "self_attn.k_proj.bias": ("layers", "k_proj", "bias"),
     "self_attn.v_proj.bias": ("layers", "v_proj", "bias"),
+    "self_attn.q_norm.weight": ("layers", "q_norm", "scale"),
+    "self_attn.k_norm.weight": ("layers", "k_norm", "scale"),
     "post_attention_layernorm.weight": ("layers", "mlp_norm", "scale"),
     "mlp.gate_proj.weight": ("layers", "gate_proj", "kernel"),
     "mlp.up_proj.weight": ("layers", "up_proj", "kernel"),
     "mlp.down_proj.weight": ("layers", "down_proj", "kernel"),
+}
+# Fused per-layer tensors (Phi-3) and the model parameters their output rows split into, in order:
+# q/k/v by heads (`config.num_heads`, `num_kv_heads`, `num_kv_heads` times `head_dim` rows), gate
+# and up in halves.
+HF_FUSED_LAYER_NAMES: dict[str, tuple[Path, ...]] = {
+    "self_attn.qkv_proj.weight": (("layers", "q_proj", "kernel"), ("layers", "k_proj", "kernel"),
+                                  ("layers", "v_proj", "kernel")),
+    "mlp.gate_up_proj.weight": (("layers", "gate_proj", "kernel"), ("layers", "up_proj", "kernel")),
 }
 HF_GLOBAL_NAMES: dict[str, Path] = {
     "model.embed_tokens.weight": ("embed", "embedding"),
@@ -101,6 +111,16 @@ class TensorSource:
 
   def __exit__(self, *exc):
     self.close()
+
+
+def fused_row_splits(name: str, config: ModelConfig) -> list[tuple[int, int]]:
+  """The [start, stop) output rows of each part of the fused HF tensor `name`
+  (`HF_FUSED_LAYER_NAMES`)."""
+  if name == "self_attn.qkv_proj.weight":
+    n, k, d = config.num_heads, config.num_kv_heads, config.head_dim
+    return [(0, n * d), (n * d, (n + k) * d), ((n + k) * d, (n + 2 * k) * d)]
+  f = config.intermediate_size
+  return [(0, f), (f, 2 * f)]
 
 
 def is_layer_path(path: Path) -> bool:
