@@ -34,15 +34,21 @@ def _encode(w_oi, qtype):
   return data, None, data.astype(np.float32)
 
 
-def llama_gguf_writer(path: str, config) -> gguf.GGUFWriter:
-  """A GGUF writer for a Llama `config`, its shape metadata and a gpt2 tokenizer model added."""
-  writer = gguf.GGUFWriter(path, "llama")
+def llama_gguf_writer(path: str, config, architecture: str = "llama",
+                      head_dims: bool = False) -> gguf.GGUFWriter:
+  """A GGUF writer for a Llama-family `config` (as `architecture`), its shape metadata (with
+  `head_dims`, the key, value and rotary widths too) and a gpt2 tokenizer model added."""
+  writer = gguf.GGUFWriter(path, architecture)
   writer.add_block_count(config.num_layers)
   writer.add_context_length(config.max_position_embeddings)
   writer.add_embedding_length(config.hidden_size)
   writer.add_feed_forward_length(config.intermediate_size)
   writer.add_head_count(config.num_heads)
   writer.add_head_count_kv(config.num_kv_heads)
+  if head_dims:
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
   writer.add_rope_freq_base(config.rope_theta)
   writer.add_layer_norm_rms_eps(config.rms_norm_eps)
   writer.add_tokenizer_model("gpt2")
