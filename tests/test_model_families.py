@@ -25,7 +25,8 @@ FAMILIES = ["tiny_qwen3", "tiny_mistral", "tiny_phi3"]
 ATOL = 5e-3  # float32 against Hugging Face's float32
 PATHS = {
     "cpu": dict(layer_execution="unrolled"),  # attention_impl auto: the CPU kernels when built
-    "scan": dict(layer_execution="scan", attention_impl="xla"),
+    # what a GPU or TPU runs: scanned layers, XLA attention, XLA's argmax, nothing packed
+    "portable": dict(kernels="portable"),
 }
 ENGINE = dict(max_model_len=64, max_num_seqs=4, block_size=8)
 GREEDY = jaxtier.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
