@@ -453,3 +453,22 @@ def test_random_workloads_equal_the_reference_and_free_every_block(tiny, data):
       assert out[i].token_ids == expected[i]
   assert_all_free(engine)
   assert_variants_are_warmed(engine)
+
+
+def test_swap_timer_thread_starts_at_the_first_swap_and_ends_with_its_timer():
+  """An engine that never swaps starts no thread, and a collected timer's thread ends: a process
+  that builds many engines (a test run, a notebook) does not collect one idle thread per engine."""
+  import gc, threading  # pylint: disable=import-outside-toplevel,multiple-imports
+  from jaxtier.engine.runner import SwapTimer  # pylint: disable=import-outside-toplevel
+  timer = SwapTimer()
+  assert timer._thread is None  # pylint: disable=protected-access
+  timer.submit("out", jnp.zeros(()), 0.0, blocks=3)
+  timer.drain()
+  assert timer.blocks["out"] == 3 and timer.seconds["out"] > 0
+  thread = timer._thread  # pylint: disable=protected-access
+  assert thread.is_alive()
+  del timer
+  gc.collect()
+  thread.join(timeout=10)
+  assert not thread.is_alive()
+  assert threading.active_count() < 100

@@ -23,6 +23,7 @@ import itertools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -140,10 +141,17 @@ class SwapTimer:
     self.blocks = {"out": 0, "in": 0}  # blocks of the swaps measured so far
     self._sums = [0, 0.0, 0.0, 0.0, 0.0]  # n, sum blocks, sum seconds, sum blocks^2, sum blocks*s
     self._last_ready = 0.0
-    self._thread = threading.Thread(target=self._wait, name="jaxtier-swap-timer", daemon=True)
-    self._thread.start()
+    self._thread: threading.Thread | None = None
 
   def submit(self, direction: str, marker: jax.Array, dispatched: float, blocks: int = 0) -> None:
+    if self._thread is None:
+      # Started by the first swap (most engines never swap), holding only the queue and a weak
+      # reference: when the timer is collected, the finalizer's None ends the thread.
+      self._thread = threading.Thread(target=_wait_for_swaps,
+                                      args=(self._queue, weakref.ref(self)),
+                                      name="jaxtier-swap-timer", daemon=True)
+      self._thread.start()
+      weakref.finalize(self, self._queue.put, None)
     self._queue.put((direction, marker, dispatched, blocks))
 
   def fit(self) -> tuple[float, float] | None:
@@ -171,23 +179,33 @@ class SwapTimer:
     """Waits until every submitted swap is measured."""
     self._queue.join()
 
-  def _wait(self) -> None:
-    while True:
-      direction, marker, dispatched, blocks = self._queue.get()
-      try:
-        marker.block_until_ready()
-        ready = time.perf_counter()
-        with self._lock:
-          seconds = ready - max(dispatched, self._last_ready)
-          self.seconds[direction] += seconds
-          self.blocks[direction] += blocks
-          for i, value in enumerate((1, blocks, seconds, blocks * blocks, blocks * seconds)):
-            self._sums[i] += value
-          self._last_ready = ready
-      except Exception:  # pylint: disable=broad-except  (a failed swap fails its step instead)
-        logging.exception("could not time a swap")
-      finally:
-        self._queue.task_done()
+  def _record(self, direction: str, marker: jax.Array, dispatched: float, blocks: int) -> None:
+    marker.block_until_ready()
+    ready = time.perf_counter()
+    with self._lock:
+      seconds = ready - max(dispatched, self._last_ready)
+      self.seconds[direction] += seconds
+      self.blocks[direction] += blocks
+      for i, value in enumerate((1, blocks, seconds, blocks * blocks, blocks * seconds)):
+        self._sums[i] += value
+      self._last_ready = ready
+
+
+def _wait_for_swaps(swaps: queue.Queue, timer_ref) -> None:
+  """The timer's thread: records each submitted swap once its marker is ready; ends at None."""
+  while True:
+    item = swaps.get()
+    try:
+      if item is None:
+        return
+      timer = timer_ref()
+      if timer is not None:
+        timer._record(*item)  # pylint: disable=protected-access
+      del timer
+    except Exception:  # pylint: disable=broad-except  (a failed swap fails its step instead)
+      logging.exception("could not time a swap")
+    finally:
+      swaps.task_done()
 
 
 _PROGRAMS: dict[tuple, Any] = {}  # compiled programs of this process, by layout id and shape
