@@ -56,6 +56,7 @@ _SYMBOLS = {ATTENTION_TARGET: "JaxtierPagedDecodeAttention",
             NORM_MATMUL_TARGET: "JaxtierNormPackedMatmul",
             NORM_ROPE_MATMUL_TARGET: "JaxtierNormRopePackedMatmul",
             GLU_MATMUL_TARGET: "JaxtierGluPackedMatmul", ARGMAX_TARGET: "JaxtierArgmax"}
+TARGETS = tuple(_SYMBOLS)  # every custom-call target the kernels register
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 

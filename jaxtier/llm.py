@@ -106,6 +106,27 @@ def _size(args: EngineArgs, machine: sizing.Machine, opened, keep_quantized: boo
   return sizing.size(args, config, machine, weights=weights, timing=timing)
 
 
+def layout_of(s: sizing.Sizing, num_layers: int, mesh) -> placed.Layout:
+  """How a model sized `s` is arranged and placed (`placed.build`, `placed.abstract`)."""
+  return placed.Layout.of(num_layers, s.offload.offload_tail_layers, s.offload.prefetch_depth or 1,
+                          s.layer_execution, mesh, keep_quantized=s.keep_quantized,
+                          block_activations=s.block_activations, portable=s.kernels == "portable")
+
+
+def engine_config_of(args: EngineArgs, s: sizing.Sizing) -> EngineConfig:
+  """The engine's sizes and policies: the sizing's resolved values and the arguments' policies."""
+  return EngineConfig(
+      max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
+      max_num_batched_tokens=s.max_num_batched_tokens, block_size=s.block_size,
+      num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks,
+      kv_cache_dtype=s.kv_cache_dtype, preemption_mode=args.preemption_mode,
+      watermark=args.watermark, victim_policy=args.victim_policy,
+      enable_prefix_caching=args.enable_prefix_caching,
+      host_prefix_caching=args.host_prefix_caching, trace_path=args.trace_path,
+      attention_impl=s.attention_impl, kernels=s.kernels,
+      async_scheduling=args.async_scheduling)
+
+
 def dry_run(model: str, **engine_args) -> dict:
   """The plan `LLM(model, **engine_args)` would run, without loading a weight: the resolved
   dtypes and layer execution, both KV pools, the offloaded layers and prefetch depth, and the
@@ -159,11 +180,7 @@ class LLM:
       self.config = opened.config
       self.sizing = _size(args, self.machine, opened, keep_quantized)
       s = self.sizing
-      self.layout = placed.Layout.of(self.config.num_layers, s.offload.offload_tail_layers,
-                                     s.offload.prefetch_depth or 1, s.layer_execution, self.mesh,
-                                     keep_quantized=s.keep_quantized,
-                                     block_activations=s.block_activations,
-                                     portable=s.kernels == "portable")
+      self.layout = layout_of(s, self.config.num_layers, self.mesh)
     except BaseException:
       opened.close()
       raise
@@ -179,16 +196,7 @@ class LLM:
       logging.warning("block_activations='int16' has no effect: no GGUF blocks are kept (they are "
                       "kept for a GGUF file of quantized layers, with weight_format='auto', "
                       "unrolled layers on one device and the CPU kernels built)")
-    self.engine_config = EngineConfig(
-        max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
-        max_num_batched_tokens=s.max_num_batched_tokens, block_size=s.block_size,
-        num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks,
-        kv_cache_dtype=s.kv_cache_dtype, preemption_mode=args.preemption_mode,
-        watermark=args.watermark, victim_policy=args.victim_policy,
-        enable_prefix_caching=args.enable_prefix_caching,
-        host_prefix_caching=args.host_prefix_caching, trace_path=args.trace_path,
-        attention_impl=s.attention_impl, kernels=s.kernels,
-        async_scheduling=args.async_scheduling)
+    self.engine_config = engine_config_of(args, s)
     self._engine: Engine | None = None
     self._rng = np.random.default_rng(args.seed)
     self._next_id = 0

@@ -66,7 +66,8 @@ def _open_path(path: str) -> Opened:
                           "nor an existing file or directory")
 
 
-def _registered(manifest: registry.Manifest, keep_quantized: bool = False) -> Opened:
+def _registered(manifest: registry.Manifest, keep_quantized: bool = False,
+                convert: bool = True) -> Opened:
   """A registered model's Orbax copy in the cache; the first open fetches the weights and converts
   them (in host memory, never on a device), holding the entry's lock (a process that waited for it
   finds the copy made). With `keep_quantized`, a GGUF file with layer kernels the loader keeps in
@@ -79,6 +80,8 @@ def _registered(manifest: registry.Manifest, keep_quantized: bool = False) -> Op
     opened.close()
   path = os.path.join(registry.model_dir(manifest), "orbax")
   converted_from = None
+  if not convert and not orbax_io.is_orbax_dir(path):
+    return _open_path(registry.fetch(manifest))
   if not orbax_io.is_orbax_dir(path):
     with registry.entry_lock(manifest):
       if not orbax_io.is_orbax_dir(path):
@@ -102,13 +105,16 @@ def _registered(manifest: registry.Manifest, keep_quantized: bool = False) -> Op
   return opened
 
 
-def open_checkpoint(source: str, keep_quantized: bool = False) -> Opened:
+def open_checkpoint(source: str, keep_quantized: bool = False, convert: bool = True) -> Opened:
   """Opens a registry name (its weights are fetched and checksummed once, converted to an Orbax
   copy once, and later opens read that copy; with `keep_quantized`, a GGUF file with layer
   weights the loader keeps in blocks is read itself), a Hugging Face directory, a .gguf file, or a
-  directory written by `orbax_io.save`. Reads metadata only; close it (or `load` from it)."""
+  directory written by `orbax_io.save`. Reads metadata only; close it (or `load` from it).
+  `convert=False`: a registry model without its Orbax copy opens its fetched file instead of
+  converting it (for callers that read the config and shapes, not the tensors)."""
   manifest = registry.find_manifest(source)
-  return _open_path(source) if manifest is None else _registered(manifest, keep_quantized)
+  return (_open_path(source) if manifest is None
+          else _registered(manifest, keep_quantized, convert))
 
 
 def load(source: str, dtype="float32", layout: placed.Layout | None = None,

@@ -133,6 +133,9 @@ class _Placer:
       self.observe("/".join(name), array)
     return array
 
+  def place_groups(self, groups: list["_Group"], num_layers: int) -> None:
+    _place_groups(self, groups, num_layers)
+
   def fill(self, module: nnx.Module, recipe: Callable[[Path], _Read | np.ndarray],
            kind: str = placement.DEVICE, prefix: Path = ()) -> nnx.Module:
     """`module` (abstract) with every parameter placed from `recipe(path)`."""
@@ -141,6 +144,21 @@ class _Placer:
               for p, s in _flatten(nnx.to_pure_dict(state)).items()}
     nnx.replace_by_pure_dict(state, _unflatten(values))
     return nnx.merge(graphdef, state)
+
+
+class _AbstractPlacer(_Placer):
+  """Places nothing: each parameter becomes the `jax.ShapeDtypeStruct` of the array `_Placer`
+  would place, with its sharding and memory kind. Reads no tensor."""
+
+  def place(self, name: Path, read, spec, kind: str) -> jax.ShapeDtypeStruct:
+    target = sharding.param_sharding(self.mesh, name, spec.shape, kind)
+    return jax.ShapeDtypeStruct(tuple(spec.shape), spec.dtype, sharding=target)
+
+  def place_groups(self, groups: list["_Group"], num_layers: int) -> None:
+    for group in groups:
+      for j, values in enumerate(group.values):
+        for sub, spec in group.specs_of(j).items():
+          values[sub] = self.place(("layers",) + sub, None, spec, group.kind)
 
 
 def _whole(config: ModelConfig):
@@ -304,9 +322,12 @@ def _packed_head_blocks(placer: _Placer, config: ModelConfig, dtype, layout: Lay
                         ) -> jax.Array | None:
   """The LM head packed from the table's blocks and placed (`_head_blocks`), or None."""
   path = _head_path(config)
-  kind = _head_blocks(config, placer.source, dtype, layout)
+  kind = None if placer.source is None else _head_blocks(config, placer.source, dtype, layout)
   if kind is None:
     return None
+  if isinstance(placer, _AbstractPlacer):
+    raise NotImplementedError("an abstract model whose LM head keeps a GGUF file's blocks: its "
+                              "packed shape is known only once the blocks are packed")
   blocks = placer.source.read_blocks(path)
   host = matmul.pack_blocks(kind, blocks, layout.block_activations)
   del blocks
@@ -351,8 +372,30 @@ def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
                      f"has {config.num_layers}")
   check_shapes(config, source.shapes(), dtype, source.where)
   mesh = layout.mesh if layout.mesh is not None else sharding.make_mesh(1)
-  sharding.check_tensor_parallel(config, sharding.tp_size(mesh))
-  placer = _Placer(source, mesh, dtype, observe)
+  return _arrange(config, dtype, layout, _Placer(source, mesh, dtype, observe))
+
+
+def abstract(config: ModelConfig, dtype, layout: Layout, source: TensorSource | None = None
+             ) -> Transformer:
+  """The model `build` would return, arranged the same way, each parameter the
+  `jax.ShapeDtypeStruct` of the array `build` would place (shape, dtype, sharding and memory
+  kind: pinned host for an offloaded tail), and no tensor read: the argument of programs traced
+  or exported without weights (`nnx.split` it for the state). `source` is asked only which
+  kernels keep a GGUF file's blocks (`Layout.keep_quantized`; an LM head kept in blocks is not
+  supported here); None: none do."""
+  if layout.num_layers != config.num_layers:
+    raise ValueError(f"layout groups {layout.groups} cover {layout.num_layers} layers; the model "
+                     f"has {config.num_layers}")
+  mesh = layout.mesh if layout.mesh is not None else sharding.make_mesh(1)
+  if source is None:
+    layout = dataclasses.replace(layout, keep_quantized=False)
+  return _arrange(config, dtype, layout, _AbstractPlacer(source, mesh, dtype, None))
+
+
+def _arrange(config: ModelConfig, dtype, layout: Layout, placer: _Placer) -> Transformer:
+  """`build`'s model, each parameter from `placer`."""
+  source = placer.source
+  sharding.check_tensor_parallel(config, sharding.tp_size(placer.mesh))
   shell = nnx.eval_shape(lambda: Transformer(config, dtype, rngs=nnx.Rngs(0)))
   if layout.plain:
     return placer.fill(shell, _whole(config))
@@ -363,6 +406,12 @@ def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
     return make(value)
 
   packed_head = _packed_head_blocks(placer, config, dtype, layout)
+  if (packed_head is None and isinstance(placer, _AbstractPlacer) and layout.fused
+      and packs_by_default(dtype) and matmul.packs_exactly(config.vocab_size)):
+    # the head `GroupedTransformer` packs from the float table, which an abstract table cannot be
+    table = shell.embed.embedding if config.tie_word_embeddings else shell.lm_head
+    packed = jax.eval_shape(lambda t: matmul.pack(t.T), jax.ShapeDtypeStruct(table.shape, dtype))
+    packed_head = placer.place(("packed_head",), None, packed, placement.DEVICE)
   embed = (None if packed_head is not None and config.tie_word_embeddings  # held packed only
            else placer.fill(shell.embed, lambda p: whole(("embed",) + p), prefix=("embed",)))
   parts = _Globals(
@@ -379,7 +428,7 @@ def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
     pending.append(_abstract_group(config, dtype, mode, range(first, first + n), layout.fused,
                                    blocks, layout.block_activations))
     first += n
-  _place_groups(placer, pending, config.num_layers)
+  placer.place_groups(pending, config.num_layers)
   groups = []
   for group in pending:
     first = group.layers.start

@@ -130,6 +130,16 @@ def warmup_programs(config: EngineConfig) -> list[tuple]:
   return program_keys(shapes, swap_sizes, MAX_LOGPROBS)
 
 
+def cache_config(model_config, config: EngineConfig) -> PagedCacheConfig:
+  """The paged cache of an engine of `config` for a model of `model_config` (its KV shape)."""
+  c = model_config
+  return PagedCacheConfig(
+      num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+      num_device_blocks=config.num_device_blocks, block_size=config.block_size,
+      num_host_blocks=config.num_host_blocks, kv_cache_dtype=config.kv_cache_dtype,
+      attention_impl=config.attention_impl)
+
+
 class Engine:
   """Continuous batching on a paged KV cache; see the module docstring.
 
@@ -143,11 +153,7 @@ class Engine:
   def __init__(self, model: nnx.Module, tokenizer: Tokenizer, config: EngineConfig):
     c = model.config
     self.config, self.tokenizer = config, tokenizer
-    self.cache_config = PagedCacheConfig(
-        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-        num_device_blocks=config.num_device_blocks, block_size=config.block_size,
-        num_host_blocks=config.num_host_blocks, kv_cache_dtype=config.kv_cache_dtype,
-        attention_impl=config.attention_impl)
+    self.cache_config = cache_config(c, config)
     self.block_bytes = kv_block_bytes(c.num_layers, c.num_kv_heads, c.head_dim,
                                       config.kv_cache_dtype, config.block_size)
     self.scheduler_config = scheduler.SchedulerConfig(

@@ -136,6 +136,12 @@ class Sizing:
         "device_kv_bytes_per_device": self.device_kv_bytes // tp}
 
 
+def resolved_kernels(args: EngineArgs, machine: Machine) -> str:
+  """`kernels`, with "auto" "portable" off CPU: the CPU kernels run on a CPU only, so an
+  accelerator runs what "portable" names (scanned layers, XLA attention, float weights)."""
+  return args.kernels if machine.platform == "cpu" else "portable"
+
+
 def execution(args: EngineArgs, machine: Machine) -> tuple[str, bool, str]:
   """(layer_execution, keep_quantized, block_activations): how layers run and whether resident
   layers keep a GGUF file's blocks, which the loader must know before it opens the checkpoint.
@@ -143,7 +149,7 @@ def execution(args: EngineArgs, machine: Machine) -> tuple[str, bool, str]:
   `kernels="portable"` runs scanned layers, as an accelerator does. Blocks are kept by unrolled
   layers on one device (the CPU kernels multiply them) with `weight_format="auto"`; `block_activations` "auto" is int16 where the kernels multiply int16 in
   vector instructions. Where no blocks are kept it is "float32" (it has no effect there)."""
-  portable = args.kernels == "portable"
+  portable = resolved_kernels(args, machine) == "portable"
   layer_execution = args.layer_execution
   if layer_execution == "auto":
     layer_execution = "unrolled" if machine.platform == "cpu" and not portable else "scan"
@@ -255,6 +261,7 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
   """
   _check_model(args, config)
   tp = args.tensor_parallel_size
+  kernels = resolved_kernels(args, machine)
   layer_execution, keep, activations = execution(args, machine)
   max_model_len = args.max_model_len or config.max_position_embeddings
   dtype, kv_dtype = model_dtype(args, machine), kv_cache_dtype(args, machine)
@@ -296,8 +303,8 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
   host = _host_blocks(args, machine, device, host, block_bytes, host_weights * tp)
   whole = weights if tp == 1 else ModelBytes.from_config(config, dtype, kv_dtype)
   return Sizing(
-      dtype=dtype, kv_cache_dtype=kv_dtype, kernels=args.kernels,
-      attention_impl=("xla" if args.kernels == "portable" and args.attention_impl == "auto"
+      dtype=dtype, kv_cache_dtype=kv_dtype, kernels=kernels,
+      attention_impl=("xla" if kernels == "portable" and args.attention_impl == "auto"
                       else args.attention_impl),
       layer_execution=layer_execution,
       keep_quantized=keep, block_activations=activations,
@@ -341,18 +348,35 @@ def host_memory_bytes() -> int | None:
     return None
 
 
-def detect_machine(args: EngineArgs) -> Machine:
+def platform_name(platform: str) -> str:
+  """`Machine.platform` of a JAX platform name ("cuda" and "rocm" are "gpu")."""
+  platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform={platform!r}: expected one of {PLATFORMS} (or 'cuda', 'rocm')")
+  return platform
+
+
+def detect_machine(args: EngineArgs, platform: str | None = None) -> Machine:
   """This process's machine, as `size` takes it: the platform and devices JAX sees, the first
   device's memory limit (None on CPU, whose backend reports none), the host's RAM, and on CPU
   whether the C++ kernels are built (building them on first use) and multiply int16 in vector
-  instructions. `args.host_memory_gb` replaces the measured host RAM."""
+  instructions. `args.host_memory_gb` replaces the measured host RAM.
+
+  `platform` ("cpu", "gpu", "tpu", "cuda", "rocm"): plan for that platform instead, as a program
+  exported for it runs there (`jax.export`). Where it is not this process's platform, nothing
+  of this machine is measured: `tensor_parallel_size` devices of unknown memory (or
+  `args.device_memory_gb`, which `size` reads) and a host of `args.host_memory_gb` (None:
+  unbounded)."""
   import jax  # pylint: disable=import-outside-toplevel
   devices = jax.local_devices()
-  platform = devices[0].platform
-  platform = platform if platform in PLATFORMS else "gpu"  # "cuda" / "rocm" plugins
+  local = devices[0].platform
+  local = local if local in PLATFORMS else "gpu"  # "cuda" / "rocm" plugins
+  given = None if args.host_memory_gb is None else int(args.host_memory_gb * GB)
+  if platform is not None and platform_name(platform) != local:
+    return Machine(platform_name(platform), args.tensor_parallel_size, None, given)
+  platform = local
   stats = devices[0].memory_stats() or {}
-  host = (int(args.host_memory_gb * GB) if args.host_memory_gb is not None
-          else host_memory_bytes())
+  host = given if given is not None else host_memory_bytes()
   kernels = dots = False
   if platform == "cpu" and args.kernels != "portable":  # portable never builds the kernels
     from jaxtier import cpu_kernels  # pylint: disable=import-outside-toplevel

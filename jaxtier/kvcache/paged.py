@@ -140,11 +140,18 @@ def _scale_sharding(values):
   return values
 
 
-def _allocate(leading: tuple[int, ...], config: PagedCacheConfig, target) -> KVBlocks:
+def _abstract(shape, dtype, target) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=target)
+
+
+def _allocate(leading: tuple[int, ...], config: PagedCacheConfig, target, platform: str,
+              make=_zeros) -> KVBlocks:
+  """K and V (and int8 scales) of one pool, each `make(shape, dtype, sharding)`, stored in the
+  dtype `platform` stores them in."""
   shape = leading + (config.block_size,)
-  value_dtype = storage_dtype(config.kv_cache_dtype, _platform(target))
-  values = [_zeros(shape + (config.head_dim,), value_dtype, target) for _ in range(2)]
-  scales = [_zeros(shape, SCALE_DTYPE, _scale_sharding(target)) if config.quantized else None
+  value_dtype = storage_dtype(config.kv_cache_dtype, platform)
+  values = [make(shape + (config.head_dim,), value_dtype, target) for _ in range(2)]
+  scales = [make(shape, SCALE_DTYPE, _scale_sharding(target)) if config.quantized else None
             for _ in range(2)]
   return KVBlocks(*values, *scales)
 
@@ -172,16 +179,31 @@ class PagedKVCache:
     and kept in the returned cache's config. Raises ValueError when the kv heads do not split
     over the mesh.
     """
+    return cls._build(config, device, mesh, None, _zeros)
+
+  @classmethod
+  def abstract(cls, config: PagedCacheConfig, mesh: jax.sharding.Mesh | None = None,
+               platform: str | None = None) -> "PagedKVCache":
+    """The cache `create` would allocate, its pools `jax.ShapeDtypeStruct`s with the same
+    shardings and memory kinds (nothing is allocated): the argument of a program traced or
+    exported (`jax.export`) without running it. `platform` ("cpu", "gpu", "tpu"; default: the
+    mesh's): the platform whose storage dtype and "auto" attention the cache takes, for a
+    program exported for another platform than this process's."""
+    return cls._build(config, None, mesh, platform, _abstract)
+
+  @classmethod
+  def _build(cls, config: PagedCacheConfig, device, mesh, platform, make) -> "PagedKVCache":
     if mesh is None:
       mesh = sharding.make_mesh(1, [device or jax.local_devices()[0]])
+    platform = platform or mesh.devices.flat[0].platform
     config = dataclasses.replace(
-        config, attention_impl=resolve_attention_impl(config.attention_impl, mesh))
+        config, attention_impl=resolve_attention_impl(config.attention_impl, mesh, platform))
     k, l = config.num_kv_heads, config.num_layers
     if k % sharding.tp_size(mesh):
       raise ValueError(f"num_kv_heads={k} does not split over {sharding.tp_size(mesh)} devices")
     dev, host = sharding.kv_pool_shardings(mesh)
-    return cls(_allocate((k, l, config.num_device_blocks), config, dev),
-               _allocate((config.num_host_blocks, k, l), config, host), config)
+    return cls(_allocate((k, l, config.num_device_blocks), config, dev, platform, make),
+               _allocate((config.num_host_blocks, k, l), config, host, platform, make), config)
 
   def update_and_attend(self, layer: jax.Array, q_btnd: jax.Array, k_btkd: jax.Array,
                         v_btkd: jax.Array, pos_bt: jax.Array, meta: PagedMetadata
@@ -210,14 +232,17 @@ class PagedKVCache:
     return cache, attend(cache, layer, q_btnd, pos_bt, meta)
 
 
-def resolve_attention_impl(impl: str, mesh: jax.sharding.Mesh) -> str:
+def resolve_attention_impl(impl: str, mesh: jax.sharding.Mesh, platform: str | None = None
+                           ) -> str:
   """The attention path a pool on `mesh` runs; "auto" picks the CPU kernel where it applies.
 
   The CPU kernel is a custom call XLA cannot split, so it serves pools on one CPU device; a pool
   split over several devices, or one on an accelerator, runs the XLA path. Asking for "cpu"
-  where it cannot run, or for "pallas" off a GPU, is a ValueError.
+  where it cannot run, or for "pallas" off a GPU, is a ValueError. `platform`: the platform the
+  program runs on, where it is not the mesh's (a program exported for another platform).
   """
-  platform = mesh.devices.flat[0].platform
+  platform = platform or mesh.devices.flat[0].platform
+  platform = "gpu" if platform in ("cuda", "rocm") else platform
   if impl == "pallas" and platform != "gpu":
     raise ValueError(f"attention_impl='pallas' needs a GPU, got a {platform} device "
                      "(use 'pallas_interpret' to run the kernel on CPU)")

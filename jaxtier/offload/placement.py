@@ -26,8 +26,14 @@ def check_memory_kind(kind: str, name: str = "memory_kind") -> str:
 
 
 def to_memory_kind(tree: Any, kind: str) -> Any:
-  """Copies every array leaf of `tree` into memory kind `kind`, keeping its sharding otherwise."""
-  return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind(kind)), tree)
+  """Copies every array leaf of `tree` into memory kind `kind`, keeping its sharding otherwise;
+  an abstract leaf (`jax.ShapeDtypeStruct`) gets that sharding."""
+  def move(a):
+    target = a.sharding.with_memory_kind(kind)
+    if isinstance(a, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target)
+    return jax.device_put(a, target)
+  return jax.tree.map(move, tree)
 
 
 def memory_kinds(tree: Any) -> set[str]:

@@ -8,10 +8,19 @@ module (through calls and `while` loops) and tracks where each value comes from:
   loops around it, the host-kind arguments it reads from, and how far ahead of its first use it is
   issued ("layers_ahead": how many uses of other transfers from the same host argument happen in
   between, following the value through the loop carry into later iterations);
-- any op other than slicing, reshaping or a sharding constraint that reads a host-kind value is
-  reported in `host_compute` (the device would compute on host memory).
+- any op other than slicing, reshaping, a bitcast or a sharding constraint that reads a
+  host-kind value is reported in `host_compute` (the device would compute on host memory); a
+  `dynamic_update_slice` into a host-kind value is one (it reads the value it updates).
+
+A loop whose trip count is not a constant (a `fori_loop` up to an argument) has trip count None:
+its transfers' bytes per call need the trip count from the caller (`transfer_bytes`).
+
+`custom_call_targets(text)` counts every custom call of a module by target, which `cpu_only`
+and `is_kernel` sort into calls only a CPU can run (jaxtier's C++ kernels, LAPACK, ...) and
+hand-written kernels (Pallas' Triton and Mosaic calls).
 """
 
+import collections
 import dataclasses
 import math
 import re
@@ -24,7 +33,14 @@ from jax._src.interpreters.mlir import make_ir_context
 from jax._src.lib.mlir import ir
 
 MOVES = frozenset({"stablehlo.dynamic_slice", "stablehlo.slice", "stablehlo.reshape",
-                   "sdy.sharding_constraint"})
+                   "stablehlo.bitcast_convert", "sdy.sharding_constraint"})
+# Custom-call targets only a CPU runs: jaxtier's C++ kernels (`jaxtier.cpu_kernels`) and the CPU
+# builds of jaxlib's LAPACK, FFT (DUCC) and host callbacks.
+CPU_ONLY_PREFIXES = ("jaxtier_", "lapack_", "ducc_", "xla_python_cpu_callback",
+                     "xla_ffi_python_cpu_callback")
+# Custom-call targets of hand-written kernels: Pallas on GPU (Triton, Mosaic GPU) and TPU (Mosaic).
+KERNEL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call", "mosaic_gpu", "mosaic_gpu_v2",
+                  "tpu_custom_call")
 TERMINATORS = frozenset({"stablehlo.return", "func.return"})
 BRANCHES = frozenset({"stablehlo.case", "stablehlo.if"})
 
@@ -41,7 +57,15 @@ class Transfer:
 
   @property
   def bytes_per_call(self) -> int:
-    return self.nbytes * math.prod(self.loops)
+    return self.bytes_assuming(None)
+
+  def bytes_assuming(self, unknown_trips: int | None) -> int:
+    """Bytes per call, a loop of unknown trip count running `unknown_trips` times (None: such a
+    loop is a ValueError)."""
+    if None in self.loops and unknown_trips is None:
+      raise ValueError(f"a transfer of {self.nbytes} bytes sits in a loop of unknown trip count "
+                       f"(loops {self.loops}): give the trip count")
+    return self.nbytes * math.prod(unknown_trips if n is None else n for n in self.loops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +83,12 @@ class PlacementReport:
 
   def to_device_bytes_per_call(self) -> int:
     return sum(t.bytes_per_call for t in self.to_device())
+
+  def transfer_bytes(self, to_device: bool, unknown_trips: int | None = None) -> int:
+    """Bytes one call moves to the device (`to_device`) or from it to a host memory kind, loops
+    of unknown trip count running `unknown_trips` times (see `Transfer.bytes_assuming`)."""
+    return sum(t.bytes_assuming(unknown_trips) for t in self.transfers
+               if (t.destination == "device") == to_device)
 
   def to_device_bytes_per_device(self) -> int:
     """Bytes one device receives per call: each transfer slices one host argument along its
@@ -133,11 +163,13 @@ class _Walker:
   def run_main(self) -> dict[int, int]:
     """Walks @main; returns {index: bytes} of its host-kind arguments."""
     main = self.funcs["main"]
-    arg_attrs = ir.ArrayAttr(main.attributes["arg_attrs"])
+    # a module whose arguments carry no attributes (no sharding or memory kind) has none at all
+    arg_attrs = (ir.ArrayAttr(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes
+                 else None)
     block = main.regions[0].blocks[0]
     tags, host = [], {}
     for i, arg in enumerate(block.arguments):
-      attrs = ir.DictAttr(arg_attrs[i])
+      attrs = ir.DictAttr(arg_attrs[i]) if arg_attrs is not None else ir.DictAttr.get({})
       if "mhlo.memory_kind" in attrs and ir.StringAttr(attrs["mhlo.memory_kind"]).value != "device":
         host[i] = _nbytes(arg)[1]
         if "sdy.sharding" in attrs:
@@ -251,6 +283,34 @@ def _shard_count(sharding: str, mesh_axes: dict[str, int]) -> int:
   axes its dimensions name."""
   dims = sharding[sharding.index("[") + 1:sharding.rindex("]")]
   return math.prod(mesh_axes.get(name, 1) for name in re.findall(r'"(\w+)"', dims))
+
+
+def custom_call_targets(mlir_text: str) -> collections.Counter:
+  """{target: count} of every custom call in the module (in every function, loop and branch),
+  the placement annotations included."""
+  counts = collections.Counter()
+
+  def walk(operation):
+    for region in operation.regions:
+      for block in region.blocks:
+        for op in block.operations:
+          if op.operation.name == "stablehlo.custom_call":
+            counts[_string_attr(op, "call_target_name")] += 1
+          walk(op.operation)
+
+  with make_ir_context():
+    walk(ir.Module.parse(mlir_text).operation)
+  return counts
+
+
+def cpu_only(target: str) -> bool:
+  """Whether a custom-call target runs on a CPU only (`CPU_ONLY_PREFIXES`)."""
+  return target.startswith(CPU_ONLY_PREFIXES)
+
+
+def is_kernel(target: str) -> bool:
+  """Whether a custom-call target is a hand-written kernel (Pallas: `KERNEL_TARGETS`)."""
+  return target in KERNEL_TARGETS
 
 
 def placement_report(mlir_text: str) -> PlacementReport:

@@ -1,0 +1,202 @@
+"""The programs an engine runs, exported for a platform (`jax.export`) without weights, and what
+each asks of that platform, read from its StableHLO.
+
+`export_programs(model, platform, **engine_args)` plans the engine for `platform` (every "auto" of
+the engine arguments resolved for it, not for this process's machine: `sizing.detect_machine`
+with `platform`), builds the model's state and the paged cache from abstract values with the
+shardings and memory kinds loading would give them (`placed.abstract`: the offloaded tail in
+pinned host memory; `PagedKVCache.abstract`: the host pool in pinned host memory), and exports
+the programs the engine's `Runner` builds (`Runner._build_each`, the same functions and
+arguments its warm-up compiles), one representative shape each:
+
+- "decode": ("step", rows, 1, width), the most rows a decode call has; "sample", "follow" and
+  "logprobs" at those rows;
+- "prefill": ("step", rows, tokens, width), the call of the most token slots; "prompt_logprobs" of
+  it;
+- "swap_out", "swap_in": ("swap", direction, x) at one padded block count x.
+
+No tensor is read: the checkpoint gives its config (a registry model is not converted). Each
+program's entry holds:
+
+- `ok`, `error`: whether it exported (a failure is recorded, never raised);
+- `cpu_custom_calls`: custom calls only a CPU runs (`hlo.cpu_only`: jaxtier's C++ kernels and
+  others);
+- `host_compute_ops`: operations on host-memory values other than data movement
+  (`hlo.placement_report`'s `host_compute`, listed in `host_compute`);
+- `h2d_bytes`, `d2h_bytes`: bytes one call moves to and from the device (a swap of x blocks: all
+  x of them; a decode step with offloaded layers: every offloaded weight once);
+- `pallas_kernels`: Pallas (Triton, Mosaic) custom calls;
+- `key`: the `Runner` program it is.
+
+The "sample_transformed" sampler (logit transforms; not warmed up) is not exported.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxtier import checkpoint, cpu_kernels, llm, sharding
+from jaxtier.checkpoint import placed
+from jaxtier.engine import sizing
+from jaxtier.engine.engine import cache_config, warmup_programs
+from jaxtier.engine.runner import Runner
+from jaxtier.engine_args import EngineArgs
+from jaxtier.kvcache import PagedKVCache
+from jaxtier.logprobs import MAX_LOGPROBS
+from jaxtier.offload import hardware, placement
+from jaxtier.offload.planner import ModelBytes
+from jaxtier.tools import hlo
+
+PROGRAMS = ("prefill", "decode", "sample", "follow", "logprobs", "prompt_logprobs", "swap_out",
+            "swap_in")
+EXPORT_PLATFORMS = ("cuda", "rocm", "tpu", "cpu")  # jax.export's names
+DEFAULT_PRESET = "h100-80gb-pcie4"  # the planner's link and layer time, where it runs
+SWAP_BLOCKS = 4  # the padded block count the swaps are exported at (fewer where the pools hold fewer)
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractEngine:
+  """An engine's programs' arguments, abstract: what `Engine` would build for the sizing."""
+  sizing: sizing.Sizing
+  engine_config: Any  # EngineConfig
+  runner: Runner
+  cache: PagedKVCache
+  host_weight_bytes: int  # the state's bytes in a host memory kind
+
+
+def abstract_engine(model: str, platform: str, hardware_preset: str = DEFAULT_PRESET,
+                    **engine_args) -> AbstractEngine:
+  """The engine `jaxtier.LLM(model, **engine_args)` would build on `platform` (a `jax.export`
+  platform name), sized for that platform, its state and cache abstract (see the module
+  docstring). Where the offload planner runs (a prefetch depth or offload left "auto"), its link
+  rate and layer time are `hardware_preset`'s (`jaxtier.offload.hardware`), not measured. Raises
+  ValueError as `LLM` would for arguments the platform cannot run."""
+  args = EngineArgs(model=model, **engine_args)
+  machine = sizing.detect_machine(args, platform)
+  _, keep_quantized, _ = sizing.execution(args, machine)
+  opened = checkpoint.open_checkpoint(model, keep_quantized=keep_quantized, convert=False)
+  with opened.source:
+    config = opened.config
+
+    def timing(batch: int, context: int) -> tuple[float, float]:
+      hw = hardware.preset(hardware_preset)
+      weights = ModelBytes.from_config(config, sizing.model_dtype(args, machine),
+                                       sizing.kv_cache_dtype(args, machine))
+      return hw.link_bytes_per_s, hardware.layer_seconds(weights, hw, batch, 1, context)
+
+    s = sizing.size(args, config, machine, timing=timing)
+    mesh = sharding.make_mesh(args.tensor_parallel_size)
+    layout = llm.layout_of(s, config.num_layers, mesh)
+    model_abstract = placed.abstract(config, checkpoint.resolve_dtype(s.dtype), layout,
+                                     opened.source)
+  graphdef, state = nnx.split(model_abstract)
+  engine_config = llm.engine_config_of(args, s)
+  cache = PagedKVCache.abstract(cache_config(config, engine_config), mesh, machine.platform)
+  runner = Runner(graphdef, state, cache, portable=s.kernels == "portable")
+  host = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state)
+             if a.sharding.memory_kind != placement.DEVICE)
+  return AbstractEngine(s, engine_config, runner, cache, host)
+
+
+def representative_programs(engine_config) -> dict[str, tuple]:
+  """{name: `Runner` key} of the programs exported (see the module docstring), from the keys the
+  engine's warm-up compiles (`warmup_programs`)."""
+  keys = warmup_programs(engine_config)
+  steps = [k for k in keys if k[0] == "step"]
+  decode = max((k for k in steps if k[2] == 1), key=lambda k: k[1])
+  prefill = max((k for k in steps if k[2] > 1), key=lambda k: (k[1] * k[2], k[2]))
+  swaps = sorted({k[2] for k in keys if k[0] == "swap"})
+  out = {"decode": decode, "sample": ("sample", decode[1]), "follow": ("follow", decode[1]),
+         "logprobs": ("logprobs", decode[1], MAX_LOGPROBS), "prefill": prefill,
+         "prompt_logprobs": ("prompt_logprobs", prefill[1], prefill[2], MAX_LOGPROBS)}
+  if swaps:
+    x = max(s for s in swaps if s <= SWAP_BLOCKS) if swaps[0] <= SWAP_BLOCKS else swaps[0]
+    out.update(swap_out=("swap", "out", x), swap_in=("swap", "in", x))
+  return out
+
+
+# jaxtier's CPU kernels carry no compatibility guarantee, which `jax.export` refuses by default:
+# exported anyway, so that a program calling them is counted (`cpu_custom_calls`), not lost.
+_UNCHECKED = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in cpu_kernels.TARGETS)
+
+# Programs exported together: a program after the ones whose outputs it takes (`_build_each`).
+_GROUPS = (("decode", "sample", "follow", "logprobs"), ("prefill", "prompt_logprobs"),
+           ("swap_out",), ("swap_in",))
+
+
+def program_facts(mlir_text: str, unknown_trips: int | None = None) -> dict:
+  """What an exported program asks of its platform (see the module docstring); a loop of unknown
+  trip count runs `unknown_trips` times."""
+  report = hlo.placement_report(mlir_text)
+  targets = hlo.custom_call_targets(mlir_text)
+  return {"cpu_custom_calls": sum(n for t, n in targets.items() if hlo.cpu_only(t)),
+          "host_compute_ops": len(report.host_compute),
+          "h2d_bytes": report.transfer_bytes(True, unknown_trips),
+          "d2h_bytes": report.transfer_bytes(False, unknown_trips),
+          "pallas_kernels": sum(n for t, n in targets.items() if hlo.is_kernel(t)),
+          "host_compute": list(report.host_compute)}
+
+
+def _message(e: Exception, most: int = 2000) -> str:
+  """An error's type and message, cut to `most` characters (an export error quotes whole ops)."""
+  text = f"{type(e).__name__}: {e}"
+  return text if len(text) <= most else text[:most] + " ..."
+
+
+def _failed(key: tuple, error: str) -> dict:
+  return {"ok": False, "error": error, "cpu_custom_calls": None, "host_compute_ops": None,
+          "h2d_bytes": None, "d2h_bytes": None, "pallas_kernels": None, "host_compute": None,
+          "key": list(key)}
+
+
+def export_engine_programs(engine: AbstractEngine, platform: str) -> dict[str, dict]:
+  """{name: facts} of the representative programs of `engine` exported for `platform`."""
+  if platform not in EXPORT_PLATFORMS:
+    raise ValueError(f"platform={platform!r}: expected one of {EXPORT_PLATFORMS}")
+  wanted = representative_programs(engine.engine_config)
+  names = {key: name for name, key in wanted.items()}
+  results: dict[str, dict] = {}
+
+  def build(key, jitted, args, static):
+    name = names[key]
+    try:
+      exported = jax.export.export(jitted, platforms=[platform],
+                                   disabled_checks=_UNCHECKED)(*args, **static)
+      trips = key[2] if key[0] == "swap" else None  # a swap's loop runs `count` (<= x) times
+      results[name] = {"ok": True, "error": None,
+                       **program_facts(exported.mlir_module(), trips), "key": list(key)}
+      return jax.tree.unflatten(exported.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                                    for a in exported.out_avals])
+    except Exception as e:  # pylint: disable=broad-except  (recorded: the others still export)
+      results[name] = _failed(key, _message(e))
+      # the outputs a later program of the group takes, if tracing alone works
+      return jax.eval_shape(functools.partial(jitted, **static), *args)
+
+  for group in _GROUPS:
+    keys = [wanted[name] for name in group if name in wanted]
+    try:
+      engine.runner._build_each(engine.cache, keys, build)  # pylint: disable=protected-access
+    except Exception as e:  # pylint: disable=broad-except
+      for key in keys:
+        if names[key] not in results:
+          results[names[key]] = _failed(key, "not exported: a program it takes outputs from "
+                                        f"could not be traced ({_message(e)})")
+  return {name: results[name] for name in PROGRAMS if name in results}
+
+
+def export_programs(model: str, platform: str = "cuda", hardware_preset: str = DEFAULT_PRESET,
+                    **engine_args) -> dict:
+  """The engine of `jaxtier.LLM(model, **engine_args)` planned for `platform` ("cuda", "tpu",
+  ...) and its programs exported for it: {"platform", "model", "host_weight_bytes", "plan"
+  (`Sizing.memory_plan`), "planner_preset" (the preset the offload planner ran with, or None
+  where it did not run), "programs": {name: facts}} (see the module docstring)."""
+  if platform not in EXPORT_PLATFORMS:
+    raise ValueError(f"platform={platform!r}: expected one of {EXPORT_PLATFORMS}")
+  engine = abstract_engine(model, platform, hardware_preset, **engine_args)
+  planned = engine.sizing.offload.plan is not None
+  return {"platform": platform, "model": model, "host_weight_bytes": engine.host_weight_bytes,
+          "plan": engine.sizing.memory_plan(), "planner_preset": hardware_preset if planned else None,
+          "programs": export_engine_programs(engine, platform)}
