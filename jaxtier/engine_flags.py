@@ -28,6 +28,10 @@ flags.DEFINE_bool("dry_run", False, "print the plan the engine flags resolve to 
                   "weight bytes on the device and in pinned host memory; memory_report()'s keys) "
                   "as one JSON line, the last on stdout, and exit without loading weights; with "
                   "--device_memory_gb and --host_memory_gb, for another machine")
+flags.DEFINE_enum("platform", None, ["cpu", "gpu", "tpu", "cuda", "rocm"], "plan for this "
+                  "platform (its dtype and kernels for every \"auto\") instead of this machine's: "
+                  "with --dry_run, and in scripts/export_programs.py (default cuda there); give "
+                  "its memories with --device_memory_gb and --host_memory_gb")
 
 
 def _flag_kind(field: dataclasses.Field) -> str:
@@ -118,7 +122,7 @@ def print_plan_and_exit() -> NoReturn:
   arguments cannot make (too little memory, a pool the host cannot pin) is a usage error."""
   from jaxtier import llm  # pylint: disable=g-import-not-at-top  (JAX loads only once a script runs)
   try:
-    plan = llm.dry_run(**llm_kwargs())
+    plan = llm.dry_run(**llm_kwargs(), platform=FLAGS.platform)
   except ValueError as e:
     usage_error(str(e))
   print(json.dumps(plan), flush=True)

@@ -18,7 +18,7 @@ from jaxtier.checks import check_prompt_ids
 from jaxtier.engine_args import EngineArgs
 from jaxtier.generate import Completion, StepUpdate, generate_batch
 from jaxtier.logprobs import LogprobDict
-from jaxtier.offload import measure
+from jaxtier.offload import hardware, measure
 from jaxtier.offload.planner import ModelBytes
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler import Request
@@ -81,11 +81,12 @@ def _bytes_by_format(tree) -> dict[str, int]:
 
 
 def _size(args: EngineArgs, machine: sizing.Machine, opened, keep_quantized: bool,
-          exact: bool = False) -> sizing.Sizing:
+          exact: bool = False, preset: str | None = None) -> sizing.Sizing:
   """`sizing.size` for an opened checkpoint: with the loader's exact bytes where resident layers
   keep the file's blocks (smaller than their floats; offloaded layers stay floats), counted
   (a second or two on the default model) when the sizing needs weight bytes or `exact` asks for
-  them, and the planner's timing measured only if it runs."""
+  them, and the planner's timing measured only if it runs, or with `preset` taken from that
+  hardware preset (`jaxtier.offload.hardware`)."""
   config, dtype = opened.config, sizing.model_dtype(args, machine)
   weights = None
   if keep_quantized and (exact or sizing.needs_weight_bytes(args, machine)):
@@ -103,6 +104,9 @@ def _size(args: EngineArgs, machine: sizing.Machine, opened, keep_quantized: boo
     return (measure.link_bytes_per_s(),
             measure.layer_compute_s(config, dtype, batch, 1, context))
 
+  if preset is not None:
+    timing = hardware.preset_timing(preset, ModelBytes.from_config(
+        config, dtype, sizing.kv_cache_dtype(args, machine)))
   return sizing.size(args, config, machine, weights=weights, timing=timing)
 
 
@@ -127,19 +131,24 @@ def engine_config_of(args: EngineArgs, s: sizing.Sizing) -> EngineConfig:
       async_scheduling=args.async_scheduling)
 
 
-def dry_run(model: str, **engine_args) -> dict:
+def dry_run(model: str, platform: str | None = None, **engine_args) -> dict:
   """The plan `LLM(model, **engine_args)` would run, without loading a weight: the resolved
   dtypes and layer execution, both KV pools, the offloaded layers and prefetch depth, and the
   bytes on the device and in pinned host memory, in `LLM.memory_report()`'s keys
   (`sizing.Sizing.memory_plan`). Reads the checkpoint's metadata only and builds no mesh, so it
   plans tensor parallelism, or with `device_memory_gb` / `host_memory_gb` another machine, from
-  any process. Raises ValueError as `LLM` would."""
+  any process; with `platform` ("cpu", "gpu", "tpu", "cuda", "rocm"), for that platform's
+  defaults (`sizing.detect_machine`): a CPU plans a GPU's bfloat16 model. Raises ValueError as
+  `LLM` would."""
   args = EngineArgs(model=model, **engine_args)
-  machine = sizing.detect_machine(args)
+  machine = sizing.detect_machine(args, platform)
   _, keep_quantized, _ = sizing.execution(args, machine)
   opened = checkpoint.open_checkpoint(model, keep_quantized=keep_quantized)
   try:
-    return _size(args, machine, opened, keep_quantized, exact=True).memory_plan()
+    foreign = platform is not None and machine.platform != jax.default_backend()
+    preset = hardware.PLATFORM_PRESETS.get(machine.platform) if foreign else None
+    return _size(args, machine, opened, keep_quantized, exact=True,
+                 preset=preset).memory_plan()
   finally:
     opened.close()
 

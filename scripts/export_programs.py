@@ -2,7 +2,8 @@
 what each asks of that platform, read from its StableHLO, as one JSON object.
 
 The engine flags are `scripts/batch_infer.py`'s (`jaxtier.engine_flags`); every "auto" is resolved
-for `--platform` (bfloat16, the portable kernels, scanned layers), not for this machine. The
+for `--platform` (default cuda; bfloat16, the portable kernels, scanned layers), not for this
+machine. The
 model's state and KV cache are abstract, with the shardings and memory kinds loading would give
 them (the offloaded tail and the host KV pool in pinned host memory); only the checkpoint's
 config is read. For the prefill step, the decode step, sampling, `follow`, log-probabilities and
@@ -26,8 +27,6 @@ from jaxtier import engine_flags
 from jaxtier.engine_args import EngineArgs
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("platform", "cuda", ["cuda", "rocm", "tpu", "cpu"],
-                  "the platform the programs are exported for (jax.export's name)")
 flags.DEFINE_string("json", None, "also write the JSON object to this file")
 flags.DEFINE_string("hardware", "h100-80gb-pcie4", "the offload planner's link rate and layer "
                     "time, where it runs (offload or prefetch depth left 'auto'): a preset of "
@@ -54,7 +53,9 @@ def main(argv):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from jaxtier.tools import export  # pylint: disable=import-outside-toplevel  (imports JAX)
   try:
-    result = export.export_programs(platform=FLAGS.platform, hardware_preset=FLAGS.hardware,
+    # --platform is the engine flags' (--dry_run plans for it too); "gpu" exports for CUDA
+    platform = {None: "cuda", "gpu": "cuda"}.get(FLAGS.platform, FLAGS.platform)
+    result = export.export_programs(platform=platform, hardware_preset=FLAGS.hardware,
                                     **kwargs)
   except ValueError as e:
     engine_flags.usage_error(str(e))

@@ -66,3 +66,31 @@ def test_batch_infer_dry_run_reads_no_input_and_a_host_too_small_is_a_usage_erro
                     "--host_memory_gb=128", *files)
   assert proc.returncode == 2
   assert "need 200.000 GB of pinned host memory; the host has 128.000 GB" in proc.stderr
+
+
+def test_dry_run_for_a_gpu_plans_its_defaults_from_a_cpu(monkeypatch):
+  """`--platform=cuda` plans what a GPU would run from this CPU: bfloat16 weights and KV, the
+  portable kernels and scanned layers; the offload planner runs on the GPU preset's link and
+  compute, never measuring this machine's."""
+  proc = run_script("serve.py", "--dry_run", "--platform=cuda", f"--model={TINY}",
+                    "--device_memory_gb=80", "--host_memory_gb=128", "--max_model_len=256")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  plan = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert (plan["dtype"], plan["kv_cache_dtype"], plan["kernels"], plan["layer_execution"]) == (
+      "bfloat16", "bfloat16", "portable", "scan")
+  on_cpu = dry_run(TINY, max_model_len=256, device_memory_gb=80, host_memory_gb=128)
+  assert on_cpu["dtype"] == "float32"
+  # bfloat16 weights are half of float32's (the rotary frequencies stay float32)
+  assert 0.49 < plan["device_weight_bytes"] / on_cpu["device_weight_bytes"] < 0.51
+  assert plan["kv_block_bytes"] * 2 == on_cpu["kv_block_bytes"]
+
+  def measured(*_):
+    raise AssertionError("measured this machine")
+  from jaxtier.offload import measure  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(measure, "link_bytes_per_s", measured)
+  kwargs = dict(offload_tail_layers=1, prefetch_depth="auto", max_model_len=64, max_num_seqs=2)
+  assert dry_run(TINY, platform="gpu", **kwargs)["prefetch_depth"] >= 1
+  from jaxtier.offload import hardware  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(hardware, "PLATFORM_PRESETS", {})  # no preset: the planner measures
+  with pytest.raises(AssertionError, match="measured this machine"):
+    dry_run(TINY, platform="gpu", **kwargs)

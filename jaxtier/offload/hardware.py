@@ -63,12 +63,25 @@ PRESETS: types.MappingProxyType[str, Hardware] = types.MappingProxyType({
 })
 
 
+# The preset that plans a platform other than this machine's (a dry run for a GPU on a laptop):
+# no TPU preset exists yet, so the H100's stands in for it.
+PLATFORM_PRESETS = types.MappingProxyType({"gpu": "h100-80gb-pcie4", "tpu": "h100-80gb-pcie4"})
+
+
 def preset(name: str) -> Hardware:
   """The preset called `name`; ValueError listing the presets otherwise."""
   if name not in PRESETS:
     raise ValueError(f"hardware={name!r} is not a preset; expected one of {sorted(PRESETS)}")
   return PRESETS[name]
 
+
+def preset_timing(name: str, model: ModelBytes):
+  """The offload planner's timing (`jaxtier.engine.sizing.Timing`: (batch, context) -> (link
+  bytes/s, one layer's decode seconds)) from the preset called `name` instead of a measurement:
+  for planning a machine other than this one."""
+  hardware = preset(name)
+  return lambda batch, context: (hardware.link_bytes_per_s,
+                                 layer_seconds(model, hardware, batch, 1, context))
 
 
 def layer_seconds(model: ModelBytes, hardware: Hardware, batch: int, tokens: int,

@@ -81,12 +81,8 @@ def abstract_engine(model: str, platform: str, hardware_preset: str = DEFAULT_PR
   with opened.source:
     config = opened.config
 
-    def timing(batch: int, context: int) -> tuple[float, float]:
-      hw = hardware.preset(hardware_preset)
-      weights = ModelBytes.from_config(config, sizing.model_dtype(args, machine),
-                                       sizing.kv_cache_dtype(args, machine))
-      return hw.link_bytes_per_s, hardware.layer_seconds(weights, hw, batch, 1, context)
-
+    timing = hardware.preset_timing(hardware_preset, ModelBytes.from_config(
+        config, sizing.model_dtype(args, machine), sizing.kv_cache_dtype(args, machine)))
     s = sizing.size(args, config, machine, timing=timing)
     mesh = sharding.make_mesh(args.tensor_parallel_size)
     layout = llm.layout_of(s, config.num_layers, mesh)
