@@ -136,6 +136,7 @@ class AsyncEngine:
     self._working = False  # the engine thread is between taking the inbox and publishing
     self._taken = 0  # arrivals the engine thread took that the published stats do not count yet
     self._accepting, self._closed, self._ending = True, False, False
+    self._drained = 0  # requests the engine thread ended because `drain` timed out
     self._stats = self._snapshot(ready=False)
     self._ready = threading.Event()
     self._warmed = threading.Event()  # warm-up is over, whether it succeeded or not
@@ -207,12 +208,13 @@ class AsyncEngine:
       self._accepting = False
       while self._busy() and time.monotonic() < deadline:
         self._cond.wait(deadline - time.monotonic())
-      ended = len(self._inbox) + self._num_live if self._busy() else 0
+      # The engine thread counts what it ends: mid-iteration, the requests it took from the inbox
+      # are in neither the inbox nor the live count published at the end of its last iteration.
       self._ending = True
       self._cond.notify_all()
       while self._busy():
         self._cond.wait()
-    return ended
+      return self._drained
 
   def close(self) -> None:
     """Stops the thread after its current step; requests still queued or running fail with
@@ -283,6 +285,7 @@ class AsyncEngine:
       items = self._admit(arrivals)
       if ending:  # `drain` timed out: end every request, telling its client
         aborts += [(request_id, True) for request_id in self._live]
+        drained = len(self._live)
       items += self._abort(aborts)
       if self.engine.has_unfinished():
         items += self._step()
@@ -290,6 +293,8 @@ class AsyncEngine:
       with self._cond:
         self._stats = self._snapshot(ready=ready)
         self._num_live, self._working, self._taken = len(self._live), False, 0
+        if ending:
+          self._drained += drained
         self._cond.notify_all()  # for `drain`
 
   def _admit(self, arrivals: list[_Entry]) -> list[tuple[_Entry, EngineError]]:
