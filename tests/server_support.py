@@ -1,5 +1,5 @@
-"""What the server tests share: a free loopback port, uvicorn serving an app in a thread, and a
-warmed-up engine."""
+"""What the server tests share: a free loopback port, uvicorn serving an app in a thread, waiting
+for a server process to answer /health, and a warmed-up engine."""
 
 import contextlib
 import socket
@@ -32,6 +32,20 @@ def uvicorn_on_localhost(app):
   finally:
     server.should_exit = True
     thread.join(timeout=30)
+
+
+def wait_until_healthy(proc, url: str, timeout_s: float = 240) -> None:
+  """Waits until the server process `proc` (scripts/serve.py) answers 200 at `url`/health."""
+  import httpx  # pylint: disable=g-import-not-at-top
+  deadline = time.monotonic() + timeout_s
+  while True:
+    assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+    try:
+      if httpx.get(f"{url}/health").status_code == 200:
+        return
+    except httpx.TransportError:
+      pass
+    time.sleep(0.2)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import jaxtier
 from conftest import fixture_path
-from server_support import free_port, uvicorn_on_localhost, warm_engine
+from server_support import free_port, uvicorn_on_localhost, wait_until_healthy, warm_engine
 from jaxtier.server import AsyncEngine, EngineError, create_app
 from jaxtier.server.detokenize import IncrementalDetokenizer, stop_prefix_len
 
@@ -619,15 +619,7 @@ def test_sigterm_drains_and_exits_0(tmp_path):
        "--shutdown_timeout_s=0"], env=env, stderr=subprocess.PIPE, text=True)
   url = f"http://127.0.0.1:{port}"
   try:
-    deadline = time.monotonic() + 240
-    while True:
-      assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-      try:
-        if httpx.get(f"{url}/health").status_code == 200:
-          break
-      except httpx.TransportError:
-        pass
-      time.sleep(0.2)
+    wait_until_healthy(proc, url)
     body = {"prompt": "A tiny model", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:

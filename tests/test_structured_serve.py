@@ -6,14 +6,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 import pytest
 
 from conftest import fixture_path
-from server_support import free_port
+from server_support import free_port, wait_until_healthy
 
 SERVE = os.path.join(os.path.dirname(__file__), "..", "scripts", "serve.py")
 # A template that renders tools (compactly: the fixture's tokenizer spends a token per character).
@@ -44,15 +42,7 @@ def api(tmp_path_factory):
       env=env, stderr=subprocess.DEVNULL, text=True)
   url = f"http://127.0.0.1:{port}"
   try:
-    deadline = time.monotonic() + 240
-    while True:
-      assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-      try:
-        if httpx.get(f"{url}/health").status_code == 200:
-          break
-      except httpx.TransportError:
-        pass
-      time.sleep(0.2)
+    wait_until_healthy(proc, url)
     yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
   finally:
     proc.terminate()
