@@ -295,6 +295,16 @@ class LogitsArrays:
             self.grammar_bw.shape[1])
 
   @classmethod
+  def neutral(cls, b: int, n: int, k: int, a: int, w: int) -> "LogitsArrays":
+    """The arrays of `b` rows without transforms at widths (n, k, a, w) (`widths`): what tracing
+    and exporting the transformed sampler take."""
+    def ids(width):
+      return np.full((b, width), -1, np.int32)
+    return cls(ids(n), np.zeros(b, np.int32), np.ones(b, np.float32), np.zeros(b, np.float32),
+               np.zeros(b, np.float32), ids(k), np.zeros((b, k), np.float32), ids(a),
+               np.zeros(b, bool), ids(w))
+
+  @classmethod
   def from_rows(cls, rows: Sequence[tuple | None]) -> "LogitsArrays":
     """The arrays of a batch: per row (rules or None, token ids so far, how many of them are
     output[, its grammar's [w] bitmask or None]), or None for a row without transforms."""

@@ -3,8 +3,9 @@
 Prints JSON: for each batch size, decode tokens/s of free requests against the same requests
 constrained by a JSON schema (outputs checked to parse; they end sooner, so compare the step
 times), and against requests under a regex that cannot end before max_tokens (every row runs
-all its tokens, as the free ones do with ignore_eos: the per-token cost of the constraint), the
-host time spent computing grammar masks per constrained token and per step, and llguidance's
+all its tokens, as the free ones do with ignore_eos: the per-token cost of the constraint), and
+against a batch mixing the two (odd rows constrained by that regex, even rows free), the host
+time spent computing grammar masks per constrained token and per step, and llguidance's
 tokenizer build time. Each pass
 starts with an empty prefix cache; the first pass of each kind compiles and is not timed.
 
@@ -77,8 +78,12 @@ def main(argv):
                                   structured_outputs={"json": SCHEMA}) for i in range(b)]
     full = [SamplingParams(max_tokens=FLAGS.new_tokens, temperature=0.7, seed=i, ignore_eos=True,
                            structured_outputs={"regex": "[a-zA-Z ,.]{4000}"}) for i in range(b)]
+    # free and regex_full rows alternating in the same batch: what a constrained request costs
+    # the free requests that share its steps
+    mixed = [full[i] if i % 2 else free[i] for i in range(b)]
     row = {"batch": b}
-    for name, params in (("free", free), ("json_schema", constrained), ("regex_full", full)):
+    for name, params in (("free", free), ("json_schema", constrained), ("regex_full", full),
+                         ("mixed", mixed)):
       _run(llm, conversations, params)  # compiles
       steps_before = llm.engine.stats()["steps"]
       timer.calls, timer.seconds = 0, 0.0
@@ -86,6 +91,8 @@ def main(argv):
       steps = llm.engine.stats()["steps"] - steps_before
       row[name] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
                    "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1)}
+      if name == "mixed":
+        row[name]["constrained_rows"] = b // 2
       if name != "free":
         row[name].update(mask_calls=timer.calls,
                          mask_ms_per_token=1e3 * timer.seconds / max(timer.calls, 1),
@@ -100,8 +107,8 @@ def main(argv):
             pass  # cut by max_tokens
         row[name].update(parsed=valid,
                          finished=sum(o.outputs[0].finish_reason == "stop" for o in outs))
-    row["regex_full_tokens_per_s_ratio"] = (row["regex_full"]["tokens_per_s"]
-                                            / row["free"]["tokens_per_s"])
+    for name in ("regex_full", "mixed"):
+      row[f"{name}_tokens_per_s_ratio"] = row[name]["tokens_per_s"] / row["free"]["tokens_per_s"]
     results["batches"].append(row)
   print(json.dumps(results))
 

@@ -25,8 +25,8 @@ from conftest import DEFAULT_MODEL, fixture_path
 TINY = fixture_path("tiny_llama")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BF16 = 2  # bytes: "auto" resolves to bfloat16 on gpu and tpu
-ACCELERATOR_SAFE = ("prefill", "decode", "sample", "follow", "logprobs", "prompt_logprobs",
-                    "swap_in")
+ACCELERATOR_SAFE = ("prefill", "decode", "sample", "sample_transformed", "follow", "logprobs",
+                    "prompt_logprobs", "swap_in")
 
 
 def layer_bytes(config) -> int:
@@ -76,7 +76,7 @@ def check_accelerator_facts(result: dict, config, offloaded: int) -> None:
   assert decode["key"][2] == 1 and prefill["key"][2] > 1
   assert (decode["h2d_bytes"], decode["d2h_bytes"]) == (host, 0)
   assert (prefill["h2d_bytes"], prefill["d2h_bytes"]) == (host, 0)
-  for name in ("sample", "follow", "logprobs", "prompt_logprobs"):
+  for name in ("sample", "sample_transformed", "follow", "logprobs", "prompt_logprobs"):
     assert (programs[name]["h2d_bytes"], programs[name]["d2h_bytes"]) == (0, 0), name
 
   blocks = out["key"][2]

@@ -38,7 +38,7 @@ from jaxtier.engine.batch import GREEDY, StepArrays
 from jaxtier.kvcache import PagedKVCache, PagedMetadata
 from jaxtier.kvcache.swap import swap_in_padded, swap_out_padded
 from jaxtier.logprobs import TopLogprobs, top_logprobs
-from jaxtier.sampling import SamplingArrays, sample, sample_transformed
+from jaxtier.sampling import LogitsArrays, SamplingArrays, sample, sample_transformed
 
 
 class EngineModel(Protocol):
@@ -349,6 +349,11 @@ class Runner:
         b = key[1]
         sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
         jitted, args, static = _sample, (logits[b], sampling), {"portable": self.portable}
+      elif kind == "sample_transformed":
+        _, b, *widths = key
+        sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
+        jitted, static = _sample_transformed, {"portable": self.portable}
+        args = (logits[b], sampling, LogitsArrays.neutral(b, *widths))
       elif kind == "follow":
         b = key[1]
         jitted = _follow

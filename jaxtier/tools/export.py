@@ -28,7 +28,9 @@ program's entry holds:
 - `pallas_kernels`: Pallas (Triton, Mosaic) custom calls;
 - `key`: the `Runner` program it is.
 
-The "sample_transformed" sampler (logit transforms; not warmed up) is not exported.
+"sample_transformed", the sampler of rows with logit transforms (penalties, biases, allowed ids,
+a structured output's grammar mask), is exported at the decode rows and its narrowest widths
+with a whole-vocabulary grammar mask.
 """
 
 import dataclasses
@@ -38,7 +40,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxtier import checkpoint, cpu_kernels, llm, sharding
+from jaxtier import checkpoint, cpu_kernels, llm, sharding, structured
 from jaxtier.checkpoint import placed
 from jaxtier.engine import sizing
 from jaxtier.engine.engine import cache_config, warmup_programs
@@ -46,12 +48,13 @@ from jaxtier.engine.runner import Runner
 from jaxtier.engine_args import EngineArgs
 from jaxtier.kvcache import PagedKVCache
 from jaxtier.logprobs import MAX_LOGPROBS
+from jaxtier.sampling import MIN_HISTORY, MIN_IDS
 from jaxtier.offload import hardware, placement
 from jaxtier.offload.planner import ModelBytes
 from jaxtier.tools import hlo
 
-PROGRAMS = ("prefill", "decode", "sample", "follow", "logprobs", "prompt_logprobs", "swap_out",
-            "swap_in")
+PROGRAMS = ("prefill", "decode", "sample", "sample_transformed", "follow", "logprobs",
+            "prompt_logprobs", "swap_out", "swap_in")
 EXPORT_PLATFORMS = ("cuda", "rocm", "tpu", "cpu")  # jax.export's names
 DEFAULT_PRESET = "h100-80gb-pcie4"  # the planner's link and layer time, where it runs
 SWAP_BLOCKS = 4  # the padded block count the swaps are exported at (fewer where the pools hold fewer)
@@ -65,6 +68,7 @@ class AbstractEngine:
   runner: Runner
   cache: PagedKVCache
   host_weight_bytes: int  # the state's bytes in a host memory kind
+  vocab_size: int
 
 
 def abstract_engine(model: str, platform: str, hardware_preset: str = DEFAULT_PRESET,
@@ -94,18 +98,22 @@ def abstract_engine(model: str, platform: str, hardware_preset: str = DEFAULT_PR
   runner = Runner(graphdef, state, cache, portable=s.kernels == "portable")
   host = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state)
              if a.sharding.memory_kind != placement.DEVICE)
-  return AbstractEngine(s, engine_config, runner, cache, host)
+  return AbstractEngine(s, engine_config, runner, cache, host, config.vocab_size)
 
 
-def representative_programs(engine_config) -> dict[str, tuple]:
+def representative_programs(engine_config, vocab_size: int) -> dict[str, tuple]:
   """{name: `Runner` key} of the programs exported (see the module docstring), from the keys the
-  engine's warm-up compiles (`warmup_programs`)."""
+  engine's warm-up compiles (`warmup_programs`), and the transformed sampler for a vocabulary of
+  `vocab_size`."""
   keys = warmup_programs(engine_config)
   steps = [k for k in keys if k[0] == "step"]
   decode = max((k for k in steps if k[2] == 1), key=lambda k: k[1])
   prefill = max((k for k in steps if k[2] > 1), key=lambda k: (k[1] * k[2], k[2]))
   swaps = sorted({k[2] for k in keys if k[0] == "swap"})
-  out = {"decode": decode, "sample": ("sample", decode[1]), "follow": ("follow", decode[1]),
+  out = {"decode": decode, "sample": ("sample", decode[1]),
+         "sample_transformed": ("sample_transformed", decode[1], MIN_HISTORY, MIN_IDS, MIN_IDS,
+                                structured.mask_words(vocab_size)),
+         "follow": ("follow", decode[1]),
          "logprobs": ("logprobs", decode[1], MAX_LOGPROBS), "prefill": prefill,
          "prompt_logprobs": ("prompt_logprobs", prefill[1], prefill[2], MAX_LOGPROBS)}
   if swaps:
@@ -119,7 +127,8 @@ def representative_programs(engine_config) -> dict[str, tuple]:
 _UNCHECKED = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in cpu_kernels.TARGETS)
 
 # Programs exported together: a program after the ones whose outputs it takes (`_build_each`).
-_GROUPS = (("decode", "sample", "follow", "logprobs"), ("prefill", "prompt_logprobs"),
+_GROUPS = (("decode", "sample", "sample_transformed", "follow", "logprobs"),
+           ("prefill", "prompt_logprobs"),
            ("swap_out",), ("swap_in",))
 
 
@@ -152,7 +161,7 @@ def export_engine_programs(engine: AbstractEngine, platform: str) -> dict[str, d
   """{name: facts} of the representative programs of `engine` exported for `platform`."""
   if platform not in EXPORT_PLATFORMS:
     raise ValueError(f"platform={platform!r}: expected one of {EXPORT_PLATFORMS}")
-  wanted = representative_programs(engine.engine_config)
+  wanted = representative_programs(engine.engine_config, engine.vocab_size)
   names = {key: name for name, key in wanted.items()}
   results: dict[str, dict] = {}
 
