@@ -42,18 +42,10 @@ def built_cpu_kernels():
 
 @pytest.fixture(scope="module", autouse=True)
 def release_compiled_programs():
-  """After each test file, drops the programs compiled for it (the engine's program table, the
-  swaps' and JAX's own caches). Each XLA:CPU executable keeps its code in dozens of memory
-  mappings (a tiny model's engine: ~240), and a process may hold at most vm.max_map_count of
-  them (65,530 by default): kept for the whole run, the suite's programs pass that bound and
-  the next executable loaded crashes the process. A later file that needs a program compiles it
-  again."""
+  """After each test file, drops the programs compiled for it (`runner.release_programs`). Kept
+  for the whole run, their executables' memory mappings passed vm.max_map_count near the end of
+  the suite and the next executable loaded crashed the process. A later file that needs a
+  program compiles it again."""
   yield
-  import gc  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
   from jaxtier.engine import runner  # pylint: disable=import-outside-toplevel
-  from jaxtier.kvcache import swap  # pylint: disable=import-outside-toplevel
-  runner._PROGRAMS.clear()  # pylint: disable=protected-access
-  swap._COMPILED.clear()  # pylint: disable=protected-access
-  jax.clear_caches()
-  gc.collect()
+  runner.release_programs()

@@ -472,3 +472,23 @@ def test_swap_timer_thread_starts_at_the_first_swap_and_ends_with_its_timer():
   thread.join(timeout=10)
   assert not thread.is_alive()
   assert threading.active_count() < 100
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts Linux memory mappings")
+def test_release_programs_gives_back_the_executables_memory_mappings():
+  """`runner.release_programs` frees what the compiled programs hold: the memory mappings an
+  engine's executables took come back, and the engine still runs (compiling again)."""
+  from jaxtier.engine import runner  # pylint: disable=import-outside-toplevel
+
+  def mappings():
+    with open("/proc/self/maps", encoding="ascii") as f:
+      return sum(1 for _ in f)
+  runner.release_programs()
+  before = mappings()
+  llm = jaxtier.LLM(fixture_path("tiny_llama"), max_num_seqs=2, max_model_len=48, seed=11)
+  first = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+  built = mappings()
+  runner.release_programs()
+  released = mappings()
+  assert built - before > 50 and released - before < (built - before) / 4
+  assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids == first

@@ -19,6 +19,7 @@ Shape legend: b rows, t tokens, h hidden size, v vocab, m table width, x padded 
 
 import dataclasses
 import functools
+import gc
 import itertools
 import queue
 import threading
@@ -36,6 +37,7 @@ from flax import nnx
 from jaxtier.buckets import pow2_bucket
 from jaxtier.engine.batch import GREEDY, StepArrays
 from jaxtier.kvcache import PagedKVCache, PagedMetadata
+from jaxtier.kvcache import swap
 from jaxtier.kvcache.swap import swap_in_padded, swap_out_padded
 from jaxtier.logprobs import TopLogprobs, top_logprobs
 from jaxtier.sampling import LogitsArrays, SamplingArrays, sample, sample_transformed
@@ -210,6 +212,21 @@ def _wait_for_swaps(swaps: queue.Queue, timer_ref) -> None:
 
 _PROGRAMS: dict[tuple, Any] = {}  # compiled programs of this process, by layout id and shape
 _LAYOUT_IDS: dict[tuple, int] = {}  # (graphdef, state, cache) -> a small id, hashed once
+
+
+def release_programs() -> None:
+  """Drops every compiled program of this process: the engines' table (kept for the process's
+  life, so engines of the same layout share programs), the swaps' and JAX's caches. An engine
+  still in use compiles what it runs next again.
+
+  For long processes that build engines of many layouts (a notebook, a test run): each XLA:CPU
+  executable holds its code in dozens of memory mappings, a process may hold at most
+  vm.max_map_count of them (65,530 by default), and past it the next executable loaded crashes
+  the process."""
+  _PROGRAMS.clear()
+  swap.clear_compiled()
+  jax.clear_caches()
+  gc.collect()
 
 
 @functools.lru_cache(maxsize=16)

@@ -78,6 +78,12 @@ _JITTED = {
 _COMPILED = {}
 
 
+def clear_compiled() -> None:
+  """Drops the compiled swap programs of this process (`jaxtier.engine.runner.release_programs`
+  drops them with the rest)."""
+  _COMPILED.clear()
+
+
 def _ids(name: str, ids, pool_size: int) -> np.ndarray:
   ids = np.asarray(ids)
   if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
