@@ -56,7 +56,7 @@ from jaxtier.tools import hlo
 PROGRAMS = ("prefill", "decode", "sample", "sample_transformed", "follow", "logprobs",
             "prompt_logprobs", "swap_out", "swap_in")
 EXPORT_PLATFORMS = ("cuda", "rocm", "tpu", "cpu")  # jax.export's names
-DEFAULT_PRESET = "h100-80gb-pcie4"  # the planner's link and layer time, where it runs
+DEFAULT_PRESET = hardware.PLATFORM_PRESETS["gpu"]  # the planner's link and layer time
 SWAP_BLOCKS = 4  # the padded block count the swaps are exported at (fewer where the pools hold fewer)
 
 
