@@ -275,7 +275,8 @@ class LLM:
     """Where the weights and the KV cache live, and what crosses the host link every step.
 
     Weight bytes are counted from the placement of the model state; KV bytes are the engine's
-    device and pinned-host pools (blocks x `kv_block_bytes`, allocated on the engine's first use).
+    device pool and pinned-host tier (blocks x `kv_block_bytes`; the device pool is allocated on
+    the engine's first use, the host tier's blocks as they are swapped out, up to its size).
     Totals are over all devices; `*_per_device` are one device's share under tensor parallelism.
     Every step streams all host-resident weights once (`weight_transfer_bytes_per_step`);
     `kv_swap_bytes_per_step` is the mean over the steps run so far (`kv_swap_bytes_max_step` the

@@ -63,9 +63,10 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
 # tensor parallel.
 REPLICATED = ("qkv_kernel", "qkv_bias", "gate_up_kernel", "o_kernel", "down_kernel",
               "packed_head")
-# KV pools (see jaxtier.kvcache.paged): device [k, l, p, c, d], host [h, k, l, c, d].
+# KV blocks (see jaxtier.kvcache.paged and .swap): the device pool [k, l, p, c, d], and one block
+# in the host tier [k, l, c, d].
 DEVICE_POOL_AXES = ("kv_heads", "layers", "blocks", None, "head_dim")
-HOST_POOL_AXES = ("blocks", "kv_heads", "layers", None, "head_dim")
+HOST_BLOCK_AXES = ("kv_heads", "layers", None, "head_dim")
 
 
 def make_mesh(tensor_parallel_size: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -149,13 +150,14 @@ def param_sharding(mesh: Mesh, path: Sequence[str], shape: Sequence[int], memory
 def kv_pool_shardings(mesh: Mesh, device_kind: str = "device", host_kind: str = "pinned_host",
                       rules: dict[str, str | None] | None = None
                       ) -> tuple[NamedSharding, NamedSharding]:
-  """Shardings of the device pool and the host pool (both split over kv heads, so a swap moves
-  each device's own kv-head shard of a block between its device and host memory)."""
+  """Shardings of the device pool and of one block of the host tier (both split over kv heads, so
+  a swap moves each device's own kv-head shard of a block between its device and host memory)."""
   return (NamedSharding(mesh, spec(DEVICE_POOL_AXES, rules), memory_kind=device_kind),
-          NamedSharding(mesh, spec(HOST_POOL_AXES, rules), memory_kind=host_kind))
+          NamedSharding(mesh, spec(HOST_BLOCK_AXES, rules), memory_kind=host_kind))
 
 
 def scale_sharding(values: NamedSharding) -> NamedSharding:
-  """Sharding of int8 scales beside `values` (the same dims without head_dim)."""
-  return NamedSharding(values.mesh, PartitionSpec(*tuple(values.spec)[:4]),
+  """Sharding of int8 scales beside `values` (the same dims without the last, head_dim; `values`
+  names every dim, as `kv_pool_shardings` does)."""
+  return NamedSharding(values.mesh, PartitionSpec(*tuple(values.spec)[:-1]),
                        memory_kind=values.memory_kind)

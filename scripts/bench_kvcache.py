@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxtier.kvcache import (PagedCacheConfig, PagedKVCache, dense_attention, paged_attention,
-                             paged_attention_reference, swap_in, swap_out)
+from jaxtier.kvcache import (HostTier, PagedCacheConfig, PagedKVCache, dense_attention,
+                             paged_attention, paged_attention_reference, swap_in, swap_out)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_layers", 30, "layers in the cache")
@@ -87,16 +87,16 @@ def swap_points(dtype: str) -> list[dict]:
   blocks = [int(b) for b in FLAGS.swap_blocks]
   pool = 2 * max(blocks)
   config = cache_config(dtype, pool, pool)
-  cache = PagedKVCache.create(config)
+  cache, host = PagedKVCache.create(config), HostTier.empty(pool)
   rng = np.random.default_rng(0)
   rows = []
   for n in blocks:
     memcpy = memcpy_gbps(n * config.bytes_per_block)
     reports = {"out": [], "in": []}
     for _ in range(FLAGS.repeats + 1):
-      cache, out = swap_out(cache, rng.choice(pool, n, replace=False),
-                            rng.choice(pool, n, replace=False))
-      cache, back = swap_in(cache, rng.choice(pool, n, replace=False),
+      written = rng.choice(pool, n, replace=False)
+      host, out = swap_out(cache, host, rng.choice(pool, n, replace=False), written)
+      cache, back = swap_in(cache, host, rng.permutation(written),
                             rng.choice(pool, n, replace=False))
       reports["out"].append(out)
       reports["in"].append(back)

@@ -42,6 +42,15 @@ def _spec(array) -> list:
   return [None if a is None else str(a) for a in tuple(array.sharding.spec)]
 
 
+def _host_block(host) -> dict:
+  """Where the host tier's stored blocks live (None before any swap-out)."""
+  stored = [block for block in host.slots if block is not None]
+  if not stored:
+    return {"host_block_spec": None, "host_block_kind": None}
+  return {"host_block_spec": [list(t) for t in sorted({tuple(_spec(b.k)) for b in stored})],
+          "host_block_kind": sorted({b.k.sharding.memory_kind for b in stored})}
+
+
 def _collectives(llm: jaxtier.LLM) -> dict[str, int]:
   """Collective ops in the compiled decode step (batch 2, one token) after partitioning."""
   engine, runner = llm.engine, llm.engine.runner
@@ -92,8 +101,7 @@ def run_case(model: str, tp: int, name: str, max_tokens: int) -> dict:
       row |= {
           "q_proj_spec": _spec(q), "embedding_spec": _spec(embed),
           "device_pool_spec": _spec(llm.engine.cache.device.k),
-          "host_pool_spec": _spec(llm.engine.cache.host.k),
-          "host_pool_kind": llm.engine.cache.host.k.sharding.memory_kind,
+          **_host_block(llm.engine.host),
           "device_pool_devices": len(llm.engine.cache.device.k.sharding.device_set),
           "weight_bytes": offload.bytes_by_memory_kind(llm.state),
           "weight_bytes_per_device": offload.bytes_per_device(llm.state),

@@ -4,9 +4,11 @@ are sized; and the scripts print it as their last stdout line without loading we
 
 import json
 import os
+import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import jaxtier
@@ -94,3 +96,63 @@ def test_dry_run_for_a_gpu_plans_its_defaults_from_a_cpu(monkeypatch):
   monkeypatch.setattr(hardware, "PLATFORM_PRESETS", {})  # no preset: the planner measures
   with pytest.raises(AssertionError, match="measured this machine"):
     dry_run(TINY, platform="gpu", **kwargs)
+
+
+def _header_only_checkpoint(directory, layers: int, hidden: int, heads: int, kv_heads: int,
+                            head_dim: int, mlp: int, vocab: int) -> str:
+  """A Llama checkpoint whose safetensors file has a real header and zero (sparse) data: all a
+  dry run reads is the config and the tensors' shapes."""
+  with open(os.path.join(TINY, "config.json")) as f:
+    config = json.load(f)
+  config.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                head_dim=head_dim, intermediate_size=mlp, num_hidden_layers=layers,
+                vocab_size=vocab, max_position_embeddings=8192, dtype="bfloat16",
+                rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+  os.makedirs(directory)
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(config, f)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    with open(os.path.join(TINY, name)) as src, open(os.path.join(directory, name), "w") as dst:
+      dst.write(src.read())
+  shapes = {"model.embed_tokens.weight": [vocab, hidden], "model.norm.weight": [hidden],
+            "lm_head.weight": [vocab, hidden]}
+  for i in range(layers):
+    p = f"model.layers.{i}."
+    shapes |= {p + "self_attn.q_proj.weight": [heads * head_dim, hidden],
+               p + "self_attn.k_proj.weight": [kv_heads * head_dim, hidden],
+               p + "self_attn.v_proj.weight": [kv_heads * head_dim, hidden],
+               p + "self_attn.o_proj.weight": [hidden, heads * head_dim],
+               p + "mlp.gate_proj.weight": [mlp, hidden], p + "mlp.up_proj.weight": [mlp, hidden],
+               p + "mlp.down_proj.weight": [hidden, mlp],
+               p + "input_layernorm.weight": [hidden],
+               p + "post_attention_layernorm.weight": [hidden]}
+  header, offset = {}, 0
+  for name, shape in shapes.items():
+    size = 2 * int(np.prod(shape))
+    header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+    offset += size
+  text = json.dumps(header).encode()
+  text += b" " * (-len(text) % 8)
+  with open(os.path.join(directory, "model.safetensors"), "wb") as f:
+    f.write(struct.pack("<Q", len(text)) + text)
+    f.truncate(8 + len(text) + offset)
+  return directory
+
+
+def test_dry_run_plans_tensor_parallel_8_on_one_cpu(tmp_path):
+  """Llama-3-8B's shape over 8 GPUs of 80 GB, planned here: each device's share of weights and
+  KV within 95% of its memory, pinned memory within half the host's."""
+  model = _header_only_checkpoint(str(tmp_path / "llama8b"), 32, 4096, 32, 8, 128, 14336, 128256)
+  proc = run_script("serve.py", "--dry_run", "--platform=cuda", f"--model={model}",
+                    "--tensor_parallel_size=8", "--device_memory_gb=80",
+                    "--host_memory_gb=512", "--max_model_len=8192")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  plan = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert plan["tensor_parallel_size"] == 8
+  weights = 2 * (32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096)
+                 + 2 * 128256 * 4096 + 4096)
+  assert plan["device_weight_bytes"] == weights + 128 // 2 * 4  # and the rotary frequencies
+  per_device = plan["device_weight_bytes_per_device"] + plan["device_kv_bytes_per_device"]
+  assert 0.85 * 80e9 < per_device <= 0.95 * 80e9
+  assert plan["kv_block_bytes"] == 2 * 32 * 8 * 16 * 128 * 2  # K and V, all layers, bfloat16
+  assert 0 < plan["host_kv_bytes"] + plan["host_weight_bytes"] <= 0.5 * 512e9

@@ -5,8 +5,8 @@ import pytest
 from jaxtier import kv_bytes, offload
 from jaxtier.config import ModelConfig
 from jaxtier.kv_bytes import kv_block_bytes, kv_bytes_per_token
-from jaxtier.kvcache import (KV_CACHE_DTYPES, PagedCacheConfig, PagedKVCache, device_pool_bytes,
-                             host_pool_bytes)
+from jaxtier.kvcache import (KV_CACHE_DTYPES, HostTier, PagedCacheConfig, PagedKVCache,
+                             device_pool_bytes, host_pool_bytes, swap_out)
 
 DTYPES = ("float32", "bfloat16", "int8")
 L, K, D, C = 3, 2, 8, 4
@@ -24,7 +24,8 @@ def test_block_bytes_match_the_allocated_pools(dtype):
   cache = _cache(dtype)
   block = kv_block_bytes(L, K, D, dtype, C)
   assert device_pool_bytes(cache) == DEVICE_BLOCKS * block
-  assert host_pool_bytes(cache) == HOST_BLOCKS * block
+  host, _ = swap_out(cache, HostTier.empty(HOST_BLOCKS), range(HOST_BLOCKS), range(HOST_BLOCKS))
+  assert host_pool_bytes(cache) == host.bytes_stored() == HOST_BLOCKS * block
   assert cache.config.bytes_per_block == block
 
 

@@ -40,13 +40,12 @@ def test_tp2_outputs_equal_tp1_in_every_case(tiny_tp2):
     assert all(len(t) == 24 for t in rows["tp1"]["tokens"]), case
 
 
-def test_tp2_shards_weights_and_both_kv_pools_over_kv_heads(tiny_tp2):
+def test_tp2_shards_weights_and_the_kv_pool_over_kv_heads(tiny_tp2):
   row = tiny_tp2["plain"]["tp2"]
   assert row["q_proj_spec"] == [None, "tp"]  # unrolled layer kernels [in, heads]: by heads
   assert row["embedding_spec"] == [None, None]  # vocab tables replicated
   assert row["device_pool_spec"][0] == "tp" and row["device_pool_devices"] == 2  # [k, l, p, c, d]
-  assert row["host_pool_spec"][:2] == [None, "tp"]  # [h, k, l, c, d]
-  assert row["host_pool_kind"] == "pinned_host"
+  assert row["host_block_spec"] is None  # nothing swapped: the host tier holds nothing
   assert tiny_tp2["scan"]["tp2"]["q_proj_spec"] == [None, None, "tp"]  # stacked [l, in, heads]
   # Each device holds its half of the projections plus the replicated tables and norms.
   c = hf.read_config(fixture_path("tiny_llama"))
@@ -114,6 +113,10 @@ def test_tp2_swaps_each_shard_under_a_small_pool(tiny_tp2):
   rows = tiny_tp2["pressure"]
   assert rows["tp2"]["swap_out_count"] > 0 and rows["tp2"]["preemptions"]["swap"] > 0
   assert rows["tp2"]["device_blocks_free"] == rows["tp2"]["device_blocks_total"]
+  # each swapped block went to the host as each device's own kv-head shard: [k, l, c, d]
+  specs = rows["tp2"]["host_block_spec"]
+  assert len(specs) == 1 and specs[0][0] == "tp" and not any(specs[0][1:]), specs
+  assert rows["tp2"]["host_block_kind"] == ["pinned_host"]
 
 
 def test_tensor_parallel_size_is_checked_before_loading():

@@ -63,7 +63,9 @@ from jaxtier.engine import logprobs as lp
 from jaxtier.engine.runner import Runner, program_keys
 from jaxtier.engine.stats import Totals, Trace, figures, trace_line
 from jaxtier.kv_bytes import kv_block_bytes
-from jaxtier.kvcache import PagedCacheConfig, PagedKVCache, device_pool_bytes, host_pool_bytes
+from jaxtier.kvcache import (HostTier, PagedCacheConfig, PagedKVCache, device_pool_bytes,
+                             host_pool_bytes)
+from jaxtier.kvcache.swap import MAX_SWAP_BLOCKS
 from jaxtier.logprobs import MAX_LOGPROBS
 from jaxtier.outputs import Completion, RequestUpdate
 from jaxtier.sampling import LogitRules, SamplingParams
@@ -119,13 +121,14 @@ class EngineConfig:
 def warmup_programs(config: EngineConfig) -> list[tuple]:
   """The programs (`Runner.variants` keys) `Engine.warmup` compiles for `config`: every one
   such an engine can run. Its calls' shapes (`batch.step_shapes`), their sampling, the sampled
-  and prompt tokens' log-probabilities at MAX_LOGPROBS, and block swaps of every padded count
-  the smaller pool holds (`runner.program_keys`). Pure, so the list of a configuration can be
-  checked without building its engine (`Runner.trace_programs`)."""
+  and prompt tokens' log-probabilities at MAX_LOGPROBS, and the swap programs of every
+  power-of-two block count up to the smaller pool or `swap.MAX_SWAP_BLOCKS`
+  (`runner.program_keys`). Pure, so the list of a configuration can be checked without building
+  its engine (`Runner.trace_programs`)."""
   c = config
   shapes = batching.step_shapes(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                 batching.table_width(c.max_model_len, c.block_size))
-  most_swapped = min(c.num_device_blocks, c.num_host_blocks)
+  most_swapped = min(c.num_device_blocks, c.num_host_blocks, MAX_SWAP_BLOCKS)
   swap_sizes = pow2_buckets_up_to(most_swapped) if most_swapped else []
   return program_keys(shapes, swap_sizes, MAX_LOGPROBS)
 
@@ -169,6 +172,7 @@ class Engine:
     graphdef, state = nnx.split(model)
     self.mesh = sharding.mesh_of(state)
     self.cache = PagedKVCache.create(self.cache_config, mesh=self.mesh)
+    self.host = HostTier.empty(config.num_host_blocks)  # takes pinned memory as blocks arrive
     self.runner = Runner(graphdef, state, self.cache, portable=config.kernels == "portable")
     self._state = scheduler.initial_state(self.scheduler_config)
     self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
@@ -360,12 +364,10 @@ class Engine:
                if e.status == ABORTED and e.reason != ABORT_CLIENT and e.request_id in self._live]
     for request_id, device, host in plan.hits:
       self._hits.setdefault(request_id, (device, host))  # a readmitted request keeps its first
-    cache = self.cache
     for direction, pairs in (("out", plan.swap_out + plan.writeback), ("in", plan.swap_in),
                              ("in", plan.prefetch)):
       if pairs:
-        cache = self.runner.swap(cache, direction, pairs)
-    self.cache = cache
+        self.cache, self.host = self.runner.swap(self.cache, self.host, direction, pairs)
     calls = []
     if len(plan.prefill):
       calls += [batching.build(rows, self._token_ids, self._sampling, decode=False,
@@ -453,6 +455,7 @@ class Engine:
     self._state = scheduler.reset_prefix_cache(self._state)
     if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
       self.cache = PagedKVCache.create(self.cache_config, mesh=self.mesh)
+    self.host = HostTier.empty(self.config.num_host_blocks)
 
   def _step_logprobs(self, arrays: batching.StepArrays):
     """Dispatches one call whose rows may ask for log-probabilities (the plain step if none
@@ -543,6 +546,7 @@ class Engine:
         "watermark_blocks": self.scheduler_config.watermark_block_count,
         "device_kv_bytes": device_pool_bytes(self.cache),
         "host_kv_bytes": host_pool_bytes(self.cache),
+        "host_kv_bytes_stored": self.host.num_stored * self.block_bytes,
     }
 
   def close(self) -> None:

@@ -14,7 +14,7 @@ marker becoming ready: measured off the engine thread, so no synchronization ent
 The timer also fits those seconds against the blocks of each swap (least squares), which gives the
 link's rate and its fixed cost per swap (`SwapTimer.fit`).
 
-Shape legend: b rows, t tokens, h hidden size, v vocab, m table width, x padded block count.
+Shape legend: b rows, t tokens, h hidden size, v vocab, m table width, x blocks of a swap program.
 """
 
 import dataclasses
@@ -34,11 +34,11 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from jaxtier.buckets import pow2_bucket
 from jaxtier.engine.batch import GREEDY, StepArrays
 from jaxtier.kvcache import PagedKVCache, PagedMetadata
 from jaxtier.kvcache import swap
-from jaxtier.kvcache.swap import swap_in_padded, swap_out_padded
+from jaxtier.kvcache.swap import (HostTier, gather_blocks, host_block_shardings,
+                                  host_block_specs, scatter_blocks, swap_parts)
 from jaxtier.logprobs import TopLogprobs, top_logprobs
 from jaxtier.sampling import LogitsArrays, SamplingArrays, sample, sample_transformed
 
@@ -123,14 +123,18 @@ def _follow(tokens_b, tokens_bt, rows_b):
   return jnp.where(rows_b[:, None] >= 0, previous, tokens_bt)
 
 
-def _marked(core):
-  """A swap core that also returns a marker: an output of the same program, ready when it is."""
-  def run(cache, src_x, dst_x, count):
-    return core(cache, src_x, dst_x, count), count + 1
-  return jax.jit(run, donate_argnums=0)
+def _gather_marked(cache, device_ids_x, places):
+  """`swap.gather_blocks` and a marker: an output of the same program, ready when it is."""
+  return gather_blocks(cache, device_ids_x, places), device_ids_x[0]
 
 
-_SWAPS = {"out": _marked(swap_out_padded), "in": _marked(swap_in_padded)}
+def _scatter_marked(cache, blocks, device_ids_x):
+  """`swap.scatter_blocks` and a marker."""
+  return scatter_blocks(cache, blocks, device_ids_x), device_ids_x[0]
+
+
+_SWAPS = {"out": jax.jit(_gather_marked, static_argnames="places"),
+          "in": jax.jit(_scatter_marked, donate_argnums=0)}
 
 
 class SwapTimer:
@@ -259,7 +263,7 @@ def program_keys(shapes, swap_sizes, logprob_k: int | None = None) -> list[tuple
   program after those whose outputs it takes: for each (rows, tokens, width) in `shapes` its
   model call and sampling, `follow` for a decode call (`step_after`), and with `logprob_k` the
   sampled tokens' log-probabilities and a prefill call's prompt log-probabilities at that
-  top-k width; then swaps in both directions of every padded block count in `swap_sizes`."""
+  top-k width; then swaps in both directions of every block count in `swap_sizes`."""
   keys = []
   for b, t, m in shapes:
     keys += [("step", b, t, m), ("sample", b)]
@@ -384,9 +388,11 @@ class Runner:
         args = (self._leaves, hidden[b, t], np.zeros((b, t), np.int32))
       elif kind == "swap":
         _, direction, x = key
-        index = np.zeros(x, np.int32)
-        jitted = _SWAPS[direction]
-        args = (cache, index, index, np.int32(x))
+        index, jitted = np.arange(x, dtype=np.int32), _SWAPS[direction]
+        if direction == "out":
+          args, static = (cache, index), {"places": host_block_shardings(cache)}
+        else:
+          args = (cache, host_block_specs(cache, x), index)
       else:
         raise ValueError(f"unknown program {key!r}")
       out = build(key, jitted, args, static)
@@ -445,19 +451,26 @@ class Runner:
                                   lp_args, k=sample_k)(*lp_args)
     return tokens_b, cache, sampled_top, prompt_top
 
-  def swap(self, cache: PagedKVCache, direction: str, pairs) -> PagedKVCache:
-    """Dispatches copies of (source, destination) block pairs, "out" (device -> host) or "in"."""
-    config = cache.config
-    sizes = ((config.num_device_blocks, config.num_host_blocks) if direction == "out"
-             else (config.num_host_blocks, config.num_device_blocks))
-    n = len(pairs)
-    x = pow2_bucket(n)
-    src = np.full(x, sizes[0], np.int32)  # padding: out of range, never read
-    dst = np.full(x, sizes[1], np.int32)
-    src[:n], dst[:n] = zip(*pairs)
-    args = (cache, src, dst, np.int32(n))
-    program = self._program(("swap", direction, x), _SWAPS[direction], args)
-    dispatched = time.perf_counter()
-    cache, marker = program(*args)
-    self.timer.submit(direction, marker, dispatched, n)
-    return cache
+  def swap(self, cache: PagedKVCache, host: HostTier, direction: str, pairs
+           ) -> tuple[PagedKVCache, HostTier]:
+    """Dispatches copies of (source, destination) block pairs, "out" (device -> host tier) or
+    "in", one program per part of `swap.swap_parts`; returns the cache and the host tier."""
+    src, dst = (np.asarray(ids, np.int32) for ids in zip(*pairs))
+    places = host_block_shardings(cache) if direction == "out" else None
+    done = 0
+    for x in swap_parts(len(pairs)):
+      part, to = src[done:done + x], dst[done:done + x]
+      done += x
+      if direction == "out":
+        args, static = (cache, part), {"places": places}
+      else:
+        args, static = (cache, host.blocks(part), to), {}
+      program = self._program(("swap", direction, x), _SWAPS[direction], args, **static)
+      dispatched = time.perf_counter()
+      if direction == "out":
+        blocks, marker = program(*args)
+        host = host.stored(to, blocks)
+      else:
+        cache, marker = program(*args)
+      self.timer.submit(direction, marker, dispatched, x)
+    return cache, host

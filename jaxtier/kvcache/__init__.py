@@ -7,10 +7,10 @@ from jaxtier.kvcache.paged import (KVBlocks, PagedCacheConfig, PagedKVCache, Pag
 from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_cpu,
                                              paged_attention_pallas, paged_attention_reference)
 from jaxtier.kvcache.quant import KV_CACHE_DTYPES, dequantize_int8, quantize_int8
-from jaxtier.kvcache.swap import SwapReport, swap_in, swap_out
+from jaxtier.kvcache.swap import HostTier, SwapReport, swap_in, swap_out
 
 __all__ = [
-    "ContiguousKVCache", "KVBlocks", "KV_CACHE_DTYPES", "PagedCacheConfig", "PagedKVCache",
+    "ContiguousKVCache", "HostTier", "KVBlocks", "KV_CACHE_DTYPES", "PagedCacheConfig", "PagedKVCache",
     "PagedMetadata", "SwapReport", "attend", "dense_attention", "dequantize_int8",
     "device_pool_bytes", "host_pool_bytes", "paged_attention", "paged_attention_cpu",
     "paged_attention_pallas", "paged_attention_reference", "quantize_int8", "swap_in", "swap_out",

@@ -1,8 +1,9 @@
-"""A paged KV cache: device block pools for all layers, and a pinned-host pool for swapped blocks.
+"""A paged KV cache: device block pools for all layers (its host tier lives in `swap.HostTier`).
 
 The cache is one pytree. Its device pool holds K and V for every layer, in the flat-page layout the
-attention kernels read (see `paged_attention`); its host pool, allocated once in `pinned_host`
-memory, holds whole blocks (all layers and heads of one block contiguous, the unit a swap moves).
+attention kernels read (see `paged_attention`). Blocks swapped to the host are held apart, outside
+the cache, by `jaxtier.kvcache.swap.HostTier` (one pinned buffer per block): the model's programs
+never take them, and the config's `num_host_blocks` is the tier's capacity.
 Which block belongs to which sequence is not part of the cache: it travels per step in
 `PagedMetadata`, built by whoever allocates blocks. bfloat16 KV is stored as uint16 bit patterns on
 CPU (see `quant.storage_dtype`).
@@ -10,7 +11,7 @@ CPU (see `quant.storage_dtype`).
 `cache.update_and_attend(layer, q, k, v, pos, meta)` is the contract with the model (see
 `contiguous.py`): the new tokens are scattered into their slots (in place when the cache is
 donated), then the layer attends. Every jit that takes and returns the cache must donate it, or XLA
-copies both pools (the host one included) on every call.
+copies the pool on every call.
 
 Shape legend: l layers, k kv heads, p device blocks, h host blocks, c block size, d head dim,
 b batch, t new tokens, n query heads, m blocks per sequence (table width), f flat pages (l * p).
@@ -51,7 +52,7 @@ class PagedCacheConfig:
     num_layers, num_kv_heads, head_dim: the model's KV shape.
     num_device_blocks: blocks in the device pool.
     block_size: tokens per block.
-    num_host_blocks: blocks in the pinned-host pool (0: none).
+    num_host_blocks: blocks the pinned-host tier holds at most (0: none; `swap.HostTier`).
     kv_cache_dtype: one of `quant.KV_CACHE_DTYPES`.
     attention_impl: one of ATTENTION_IMPLS.
   """
@@ -87,8 +88,8 @@ class PagedCacheConfig:
 class KVBlocks:
   """K and V blocks, with float32 scales when the values are int8 (None otherwise).
 
-  The device pool is [k, l, p, c, d] (scales [k, l, p, c]); the host pool is block-major,
-  [h, k, l, c, d] (scales [h, k, l, c]).
+  The device pool is [k, l, p, c, d] (scales [k, l, p, c]); one block of the host tier is
+  [k, l, c, d] (scales [k, l, c]).
   """
   k: jax.Array
   v: jax.Array
@@ -117,21 +118,8 @@ class PagedMetadata:
     return cls(jnp.asarray(tables, jnp.int32))
 
 
-def _platform(target) -> str:
-  return next(iter(target.device_set)).platform
-
-
 def _zeros(shape, dtype, target) -> jax.Array:
-  if target.memory_kind == "device":
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=target)()
-  # A host array made by a jit with host out_shardings carries a device aval in jax 0.10.2 (later
-  # jits would return it in device memory), so it is put from numpy. np.zeros maps untouched zero
-  # pages: the temporary costs no memory. On CPU that put aliases the numpy buffer, which donation
-  # cannot reuse: the first swap would silently reallocate the pool, so copy it once here.
-  host = jax.device_put(np.zeros(shape, dtype), target)
-  if _platform(target) == "cpu":
-    host = jax.device_put(host, target, may_alias=False)
-  return host
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=target)()
 
 
 def _scale_sharding(values):
@@ -158,24 +146,23 @@ def _allocate(leading: tuple[int, ...], config: PagedCacheConfig, target, platfo
 
 @flax.struct.dataclass(frozen=True)
 class PagedKVCache:
-  """Device and host block pools of a paged KV cache (see the module docstring).
+  """The device block pool of a paged KV cache (see the module docstring).
 
   Create it with `PagedKVCache.create(PagedCacheConfig(...))`; each model call takes a
   `PagedMetadata` of block tables. `jaxtier.kvcache.swap_out` / `swap_in` move whole blocks
-  between the pools.
+  between the pool and a `swap.HostTier`.
   """
   device: KVBlocks  # [kv_heads, layers, blocks, block_size, head_dim] in `device` memory
-  host: KVBlocks  # [host_blocks, kv_heads, layers, block_size, head_dim] in `pinned_host` memory
   config: PagedCacheConfig = flax.struct.field(pytree_node=False)
 
   @classmethod
   def create(cls, config: PagedCacheConfig, device: jax.Device | None = None,
              mesh: jax.sharding.Mesh | None = None) -> "PagedKVCache":
-    """Allocates both pools (zeros) over `mesh` (split by kv heads, see `jaxtier.sharding`), or
-    on `device` (default: this process's first device).
+    """Allocates the device pool (zeros) over `mesh` (split by kv heads, see
+    `jaxtier.sharding`), or on `device` (default: this process's first device).
 
-    The device pool holds `config.num_device_blocks` blocks, the pinned-host pool
-    `config.num_host_blocks`; "auto" attention is resolved for the mesh (`resolve_attention_impl`)
+    The pool holds `config.num_device_blocks` blocks (the host tier, `swap.HostTier.empty`,
+    takes memory only as blocks are swapped out); "auto" attention is resolved for the mesh (`resolve_attention_impl`)
     and kept in the returned cache's config. Raises ValueError when the kv heads do not split
     over the mesh.
     """
@@ -184,7 +171,7 @@ class PagedKVCache:
   @classmethod
   def abstract(cls, config: PagedCacheConfig, mesh: jax.sharding.Mesh | None = None,
                platform: str | None = None) -> "PagedKVCache":
-    """The cache `create` would allocate, its pools `jax.ShapeDtypeStruct`s with the same
+    """The cache `create` would allocate, its pool `jax.ShapeDtypeStruct`s with the same
     shardings and memory kinds (nothing is allocated): the argument of a program traced or
     exported (`jax.export`) without running it. `platform` ("cpu", "gpu", "tpu"; default: the
     mesh's): the platform whose storage dtype and "auto" attention the cache takes, for a
@@ -201,9 +188,8 @@ class PagedKVCache:
     k, l = config.num_kv_heads, config.num_layers
     if k % sharding.tp_size(mesh):
       raise ValueError(f"num_kv_heads={k} does not split over {sharding.tp_size(mesh)} devices")
-    dev, host = sharding.kv_pool_shardings(mesh)
-    return cls(_allocate((k, l, config.num_device_blocks), config, dev, platform, make),
-               _allocate((config.num_host_blocks, k, l), config, host, platform, make), config)
+    dev, _ = sharding.kv_pool_shardings(mesh)
+    return cls(_allocate((k, l, config.num_device_blocks), config, dev, platform, make), config)
 
   def update_and_attend(self, layer: jax.Array, q_btnd: jax.Array, k_btkd: jax.Array,
                         v_btkd: jax.Array, pos_bt: jax.Array, meta: PagedMetadata
@@ -381,5 +367,6 @@ def device_pool_bytes(cache: PagedKVCache) -> int:
 
 
 def host_pool_bytes(cache: PagedKVCache) -> int:
-  """Bytes held by the pinned-host pool (values and scales)."""
-  return sum(x.nbytes for x in jax.tree.leaves(cache.host))
+  """Bytes of the pinned-host tier when full (`num_host_blocks` blocks, values and scales, as
+  stored): the most pinned memory it takes."""
+  return device_pool_bytes(cache) // cache.config.num_device_blocks * cache.config.num_host_blocks

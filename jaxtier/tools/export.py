@@ -5,7 +5,8 @@ each asks of that platform, read from its StableHLO.
 the engine arguments resolved for it, not for this process's machine: `sizing.detect_machine`
 with `platform`), builds the model's state and the paged cache from abstract values with the
 shardings and memory kinds loading would give them (`placed.abstract`: the offloaded tail in
-pinned host memory; `PagedKVCache.abstract`: the host pool in pinned host memory), and exports
+pinned host memory; `PagedKVCache.abstract`: the device pool; `swap.host_block_specs`: host
+blocks in pinned host memory), and exports
 the programs the engine's `Runner` builds (`Runner._build_each`, the same functions and
 arguments its warm-up compiles), one representative shape each:
 
@@ -13,7 +14,8 @@ arguments its warm-up compiles), one representative shape each:
   "logprobs" at those rows;
 - "prefill": ("step", rows, tokens, width), the call of the most token slots; "prompt_logprobs" of
   it;
-- "swap_out", "swap_in": ("swap", direction, x) at one padded block count x.
+- "swap_out", "swap_in": ("swap", direction, x) at one block count x (the prefix cache's host
+  tier loads and writes back blocks with the same programs).
 
 No tensor is read: the checkpoint gives its config (a registry model is not converted). Each
 program's entry holds:
@@ -57,7 +59,7 @@ PROGRAMS = ("prefill", "decode", "sample", "sample_transformed", "follow", "logp
             "prompt_logprobs", "swap_out", "swap_in")
 EXPORT_PLATFORMS = ("cuda", "rocm", "tpu", "cpu")  # jax.export's names
 DEFAULT_PRESET = hardware.PLATFORM_PRESETS["gpu"]  # the planner's link and layer time
-SWAP_BLOCKS = 4  # the padded block count the swaps are exported at (fewer where the pools hold fewer)
+SWAP_BLOCKS = 4  # the block count the swaps are exported at (fewer where the pools hold fewer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,9 +172,8 @@ def export_engine_programs(engine: AbstractEngine, platform: str) -> dict[str, d
     try:
       exported = jax.export.export(jitted, platforms=[platform],
                                    disabled_checks=_UNCHECKED)(*args, **static)
-      trips = key[2] if key[0] == "swap" else None  # a swap's loop runs `count` (<= x) times
       results[name] = {"ok": True, "error": None,
-                       **program_facts(exported.mlir_module(), trips), "key": list(key)}
+                       **program_facts(exported.mlir_module()), "key": list(key)}
       return jax.tree.unflatten(exported.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype)
                                                     for a in exported.out_avals])
     except Exception as e:  # pylint: disable=broad-except  (recorded: the others still export)
