@@ -17,11 +17,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxtier import cpu_kernels, matmul
 from jaxtier.config import ModelConfig
 from jaxtier.rotary import apply_rotary, rotary_tables
+from jaxtier.softcap import softcap
 
 
 class RMSNorm(nnx.Module):
@@ -35,9 +37,49 @@ class RMSNorm(nnx.Module):
     return matmul.rms_norm(x, self.scale[...], self.eps)
 
 
+NO_WINDOW = 1 << 30  # a window no context reaches: full attention for a layer of a mixed model
+
+
+def layer_window(windows: tuple[int | None, ...] | None, layer) -> jax.Array | int | None:
+  """The sliding window of `layer` (an int, or traced inside a scan) from a model's per-layer
+  `windows`: None where no layer has one; a constant where all share it; else looked up."""
+  if windows is None:
+    return None
+  if len(set(windows)) == 1 and windows[0] is not None:
+    return windows[0]
+  table = np.array([NO_WINDOW if w is None else w for w in windows], np.int32)
+  return jnp.asarray(table)[layer]
+
+
+def scale_embeddings(config: ModelConfig, x_bth: jax.Array) -> jax.Array:
+  """Embeddings times the family's `embed_scale` (Gemma: sqrt(hidden), in the activations'
+  dtype as Hugging Face rounds it)."""
+  if config.embed_scale == 1.0:
+    return x_bth
+  return x_bth * jnp.asarray(config.embed_scale, x_bth.dtype)
+
+
+def softcap_logits(config: ModelConfig, logits: jax.Array) -> jax.Array:
+  """The LM head's logits soft-capped where the family caps them (`final_softcap`)."""
+  return softcap(logits, config.final_softcap)
+
+
+def layer_rotary(ropes: tuple[int, ...] | None, cos, sin, layer):
+  """The rotary tables of `layer`: the model's [b, t, d] tables, or where its layers rotate
+  differently (`ModelConfig.layer_ropes`), row ropes[layer] of its [r, b, t, d] tables."""
+  if ropes is None:
+    return cos, sin
+  row = jnp.asarray(np.array(ropes, np.int32))[layer]
+  return (jax.lax.dynamic_index_in_dim(cos, row, keepdims=False),
+          jax.lax.dynamic_index_in_dim(sin, row, keepdims=False))
+
+
 class DecoderLayer(nnx.Module):
-  """Pre-norm attention block and SwiGLU MLP block; with `qk_norm`, q and k are RMS-normed per
-  head (`q_norm`, `k_norm` over the head dim) before the rotary embedding."""
+  """Pre-norm attention block and gated MLP block (SwiGLU, or GeGLU for Gemma); with `qk_norm`,
+  q and k are RMS-normed per head (`q_norm`, `k_norm` over the head dim) before the rotary
+  embedding; with sandwich norms (Gemma), each block's output is normed again before its
+  residual add (`post_attn_norm`, `post_mlp_norm`). Sliding windows, the attention scale and
+  the scores' soft cap are static options (`_set_options`)."""
 
   def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
     c = config
@@ -58,7 +100,21 @@ class DecoderLayer(nnx.Module):
     self.down_proj = linear(f, h)
     self.q_norm = RMSNorm(d, c.rms_norm_eps, dtype) if c.qk_norm else None
     self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype) if c.qk_norm else None
+    self.post_attn_norm = RMSNorm(h, c.rms_norm_eps, dtype) if c.sandwich_norms else None
+    self.post_mlp_norm = RMSNorm(h, c.rms_norm_eps, dtype) if c.sandwich_norms else None
     self.shape = (n, k, d)
+    self._set_options(c.layer_windows(), c.hidden_act,
+                      None if c.query_scale is None else c.query_scale / d ** -0.5, c.attn_softcap,
+                      c.layer_ropes())
+
+  def _set_options(self, windows, act: str, q_scale: float | None, softcap: float | None,
+                   ropes: tuple[int, ...] | None):
+    """The layer's static options: each layer's sliding window (or None), the MLP's activation,
+    the factor on q that turns the attention's head_dim ** -0.5 into the family's scale (None:
+    1), the attention scores' soft cap (None: none), and each layer's rotary table (None: the
+    model has one)."""
+    self.windows, self.act, self.q_scale, self.softcap = windows, act, q_scale, softcap
+    self.ropes = ropes
 
   def project_qkv(self, y_bth):
     return self.q_proj(y_bth), self.k_proj(y_bth), self.v_proj(y_bth)
@@ -87,9 +143,11 @@ class DecoderLayer(nnx.Module):
     return self.gate_proj(y_bth), self.up_proj(y_bth)
 
   def mlp(self, x_bth):
-    """The MLP block's output before the residual add: down(silu(gate) * up) of the normed x."""
+    """The MLP block's output before the residual add (and its post-norm, where the family has
+    one): down(act(gate) * up) of the normed x, act SiLU or GELU (tanh form)."""
     gate, up = self.normed_gate_up(x_bth)
-    return self.project_down(jax.nn.silu(gate) * up)
+    act = jax.nn.silu(gate) if self.act == "silu" else jax.nn.gelu(gate, approximate=True)
+    return self.project_down(act * up)
 
   def project_out(self, attn_btf):
     return self.o_proj(attn_btf)
@@ -101,11 +159,21 @@ class DecoderLayer(nnx.Module):
     n, k, d = self.shape
     b, t, _ = x_bth.shape
     with jax.named_scope("attention"):
+      cos_btd, sin_btd = layer_rotary(self.ropes, cos_btd, sin_btd, layer)
       q_btnd, k_btkd, v_btkd = self.rotated_qkv(x_bth, cos_btd, sin_btd)
-      cache, attn_btnd = cache.update_and_attend(layer, q_btnd, k_btkd, v_btkd, pos_bt, meta)
-      x_bth = x_bth + self.project_out(attn_btnd.reshape(b, t, n * d))
+      if self.q_scale is not None:
+        q_btnd = q_btnd * jnp.asarray(self.q_scale, q_btnd.dtype)
+      cache, attn_btnd = cache.update_and_attend(layer, q_btnd, k_btkd, v_btkd, pos_bt, meta,
+                                                 layer_window(self.windows, layer), self.softcap)
+      out_bth = self.project_out(attn_btnd.reshape(b, t, n * d))
+      if self.post_attn_norm is not None:
+        out_bth = self.post_attn_norm(out_bth)
+      x_bth = x_bth + out_bth
     with jax.named_scope("mlp"):
-      x_bth = x_bth + self.mlp(x_bth)
+      out_bth = self.mlp(x_bth)
+      if self.post_mlp_norm is not None:
+        out_bth = self.post_mlp_norm(out_bth)
+      x_bth = x_bth + out_bth
     return x_bth, cache
 
 
@@ -144,7 +212,9 @@ class FusedDecoderLayer(DecoderLayer):
   def __init__(self, layer: DecoderLayer, packed: bool | None = None,
                activations: str = "float32", formats: Mapping[str, str] | None = None):
     self.shape = layer.shape
+    self._set_options(layer.windows, layer.act, layer.q_scale, layer.softcap, layer.ropes)
     self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
+    self.post_attn_norm, self.post_mlp_norm = layer.post_attn_norm, layer.post_mlp_norm
     self.q_norm, self.k_norm = layer.q_norm, layer.k_norm
     projections = (layer.q_proj, layer.k_proj, layer.v_proj)
     kernels = {
@@ -225,8 +295,9 @@ class FusedDecoderLayer(DecoderLayer):
     return self._split_gate_up(self._matmul(y_bth, "gate_up_kernel"))
 
   def mlp(self, x_bth):
-    """Packed: the gating in the down projection's kernel call (`matmul.glu_packed_matmul`)."""
-    if not self.packed:
+    """Packed: the SiLU gating in the down projection's kernel call
+    (`matmul.glu_packed_matmul`); another activation gates in XLA."""
+    if not self.packed or self.act != "silu":
       return super().mlp(x_bth)
     gate_up = self._normed_matmul(x_bth, self.mlp_norm, "gate_up_kernel")
     down = self.down_kernel[...]
@@ -249,11 +320,15 @@ def packs_by_default(dtype) -> bool:
           and cpu_kernels.available())
 
 
-def make_layer_stack(config: ModelConfig, dtype, rngs: nnx.Rngs) -> DecoderLayer:
-  """A DecoderLayer whose every parameter has a leading [num_layers] axis."""
+def make_layer_stack(config: ModelConfig, dtype, rngs: nnx.Rngs, num: int | None = None
+                     ) -> DecoderLayer:
+  """A DecoderLayer whose every parameter has a leading [num] axis (default: all the model's
+  layers). A stack of part of the layers keeps the model's per-layer options (windows, rotary
+  tables), which the layers look up by their index in the whole model."""
+  num = config.num_layers if num is None else num
 
-  @nnx.split_rngs(splits=config.num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.num_layers)
+  @nnx.split_rngs(splits=num)
+  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num)
   def create(rngs):
     return DecoderLayer(config, dtype, rngs)
 
@@ -302,8 +377,8 @@ class Transformer(nnx.Module):
     return self.final_norm(x_bth), cache
 
   def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
-    """Token embeddings [b, t, h]."""
-    return self.embed(tokens_bt)
+    """Token embeddings [b, t, h] (times the family's `embed_scale`)."""
+    return scale_embeddings(self.config, self.embed(tokens_bt))
 
   def run_layers(self, x_bth, cos_btd, sin_btd, cache, pos_bt, meta):
     """All decoder layers: one `lax.scan` over the stacked layers."""
@@ -313,7 +388,7 @@ class Transformer(nnx.Module):
   def logits(self, h_bth: jax.Array) -> jax.Array:
     """Vocabulary logits [..., v] for hidden states [..., h]."""
     table_vh = self.embed.embedding[...] if self.config.tie_word_embeddings else self.lm_head[...]
-    return jnp.einsum("...h,vh->...v", h_bth, table_vh)
+    return softcap_logits(self.config, jnp.einsum("...h,vh->...v", h_bth, table_vh))
 
   def __call__(self, tokens_bt: jax.Array, pos_bt: jax.Array, cache, meta: Any = None):
     """Logits [b, t, v] for every token, and the updated cache."""
@@ -430,12 +505,14 @@ class GroupedTransformer(Transformer):
 
   def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
     if self.config.tie_word_embeddings and self.packed_head is not None:
-      return matmul.packed_columns(self.packed_head[...], tokens_bt)
-    return self.embed(tokens_bt)
+      return scale_embeddings(self.config,
+                              matmul.packed_columns(self.packed_head[...], tokens_bt))
+    return super().embed_tokens(tokens_bt)
 
   def logits(self, h_bth: jax.Array) -> jax.Array:
     if self.packed_head is not None:
-      return matmul.packed_matmul(h_bth, self.packed_head[...], self.config.vocab_size)
+      return softcap_logits(self.config, matmul.packed_matmul(h_bth, self.packed_head[...],
+                                                              self.config.vocab_size))
     return super().logits(h_bth)
 
   def run_layers(self, x_bth, cos_btd, sin_btd, cache, pos_bt, meta):

@@ -9,8 +9,13 @@ import jax.numpy as jnp
 
 
 def rotary_tables(inv_freq_d2: jax.Array, pos_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cos and sin tables [b, t, d] for the given positions (float32)."""
-  angles_btd2 = pos_bt[..., None].astype(jnp.float32) * inv_freq_d2
+  """cos and sin tables [b, t, d] for the given positions (float32); for inverse frequencies
+  [r, d / 2] (a model whose layers rotate differently), tables [r, b, t, d]."""
+  pos = pos_bt[..., None].astype(jnp.float32)
+  if inv_freq_d2.ndim == 2:
+    angles_btd2 = pos[None] * inv_freq_d2[:, None, None, :]
+  else:
+    angles_btd2 = pos * inv_freq_d2
   angles_btd = jnp.concatenate([angles_btd2, angles_btd2], axis=-1)
   return jnp.cos(angles_btd), jnp.sin(angles_btd)
 

@@ -44,6 +44,8 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("final_norm", "scale"): ("embed",),
     ("attn_norm", "scale"): ("embed",),
     ("mlp_norm", "scale"): ("embed",),
+    ("post_attn_norm", "scale"): ("embed",),
+    ("post_mlp_norm", "scale"): ("embed",),
     ("q_proj", "kernel"): ("embed", "heads"),
     ("q_proj", "bias"): ("heads",),
     ("k_proj", "kernel"): ("embed", "kv_heads"),

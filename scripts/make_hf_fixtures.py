@@ -4,12 +4,15 @@ Writes:
   tests/fixtures/tiny_llama/   a random Llama checkpoint (llama3 rope scaling, untied embeddings, several
                                safetensors shards with an index), tokenizer, and hf_logits.npz
   tests/fixtures/tiny_qwen2/   a random Qwen2 checkpoint (q/k/v biases, tied embeddings), same files
-  tests/fixtures/tiny_qwen3/, tiny_mistral/, tiny_phi3/  random checkpoints of the other dense
-                               families (Qwen3: per-head q/k norms, head_dim apart from
-                               hidden / heads, tied embeddings; Mistral: a sliding window wider than
-                               the tests' contexts; Phi-3: fused qkv_proj and gate_up_proj) and HF's
-                               logits over two 48-token sequences (`--only_families` writes these
-                               three alone)
+  tests/fixtures/tiny_qwen3/, tiny_mistral/, tiny_phi3/, tiny_gemma2/, tiny_gemma3/  random
+                               checkpoints of the other dense families (Qwen3: per-head q/k norms, head_dim
+                               apart from hidden / heads, tied embeddings; Mistral: a 16-token
+                               sliding window; Phi-3: fused qkv_proj and gate_up_proj; Gemma 2:
+                               norms around both blocks, GeGLU, a sliding layer then a full one,
+                               soft-capped scores and logits; Gemma 3 text: q/k norms, rotary
+                               bases per layer type, the full layer's scaled) and HF's logits
+                               over two 48-token sequences (`--only_families` writes these five
+                               alone)
   tests/fixtures/tiny_llama_chat/  a random Llama checkpoint and tokenizer as `save_pretrained` of
                                this transformers writes them (the chat template in
                                chat_template.jinja), and hf_chat.json: chat-templated prompts, their
@@ -45,7 +48,7 @@ flags.DEFINE_integer("top_k", 20, "how many last-position logits to keep per pro
 flags.DEFINE_integer("continuation", 24, "greedy continuation length")
 flags.DEFINE_bool("only_chat_template", False, "write tests/fixtures/tiny_llama_chat alone")
 flags.DEFINE_bool("only_families", False,
-                  "write tests/fixtures/tiny_qwen3, tiny_mistral and tiny_phi3 alone")
+                  "write the tiny_qwen3, tiny_mistral, tiny_phi3, tiny_gemma2 and tiny_gemma3 fixtures alone")
 flags.DEFINE_bool("only_repetition_penalty", False,
                   "add the repetition-penalty continuations to smollm2_hf.json alone")
 REPETITION_PENALTY = 1.3
@@ -246,7 +249,7 @@ def tiny_llama_chat(directory: str, new_tokens: int = 12) -> None:
 
 
 def family_fixtures(out: str) -> None:
-  """tiny_qwen3, tiny_mistral and tiny_phi3: hidden 64 with widths that pack exactly into the CPU
+  """tiny_qwen3, tiny_mistral, tiny_phi3, tiny_gemma2 and tiny_gemma3: hidden 64 with widths that pack exactly into the CPU
   kernels' panels (so the tests run the kernel path), HF's logits over two 48-token sequences."""
   common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -257,11 +260,25 @@ def family_fixtures(out: str) -> None:
           **common), transformers.Qwen3ForCausalLM),
       ("tiny_mistral", transformers.MistralConfig(
           head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-          sliding_window=128, **common), transformers.MistralForCausalLM),
+          sliding_window=16, **common), transformers.MistralForCausalLM),
       ("tiny_phi3", transformers.Phi3Config(
           rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=None,
           original_max_position_embeddings=256, **common), transformers.Phi3ForCausalLM),
   ]
+  gemma2 = transformers.Gemma2Config(
+      head_dim=16, query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=2.0,
+      final_logit_softcapping=3.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+      hidden_activation="gelu_pytorch_tanh", pad_token_id=None, **common)
+  gemma2._attn_implementation = "eager"  # soft capping needs the eager attention
+  families.append(("tiny_gemma2", gemma2, transformers.Gemma2ForCausalLM))
+  gemma3 = transformers.Gemma3TextConfig(
+      head_dim=16, query_pre_attn_scalar=24, sliding_window=16, rms_norm_eps=1e-6,
+      tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", pad_token_id=None,
+      layer_types=["sliding_attention", "full_attention"],
+      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                       "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                          "rope_theta": 1000000.0}}, **common)
+  families.append(("tiny_gemma3", gemma3, transformers.Gemma3ForCausalLM))
   for name, config, cls in families:
     config.torch_dtype = "float32"
     tiny_model(os.path.join(out, name), config, cls, None, lengths=(48, 48))
@@ -272,7 +289,8 @@ def main(argv):
   out = os.path.abspath(FLAGS.out)
   if FLAGS.only_families:
     family_fixtures(out)
-    print(f"fixtures tiny_qwen3, tiny_mistral, tiny_phi3 written to {out}", file=sys.stderr)
+    print(f"fixtures tiny_qwen3, tiny_mistral, tiny_phi3, tiny_gemma2, tiny_gemma3 written to "
+          f"{out}", file=sys.stderr)
     return
   if FLAGS.only_chat_template:
     tiny_llama_chat(os.path.join(out, "tiny_llama_chat"))

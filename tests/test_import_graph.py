@@ -40,6 +40,7 @@ LAYER_OF = {
     "jaxtier": "top",
     "jaxtier.config": "leaf",
     "jaxtier.rotary": "leaf",
+    "jaxtier.softcap": "leaf",
     "jaxtier.buckets": "leaf",
     "jaxtier.kv_bytes": "leaf",
     "jaxtier.cache_dirs": "leaf",

@@ -18,10 +18,10 @@ import jaxtier
 from jaxtier import checkpoint, cpu_kernels, sharding
 from jaxtier.config import ModelConfig, config_from_hf
 from jaxtier.kvcache import ContiguousKVCache
-from jaxtier.model import FusedDecoderLayer, UnrolledLayers
+from jaxtier.model import FusedDecoderLayer, Transformer, UnrolledLayers
 from conftest import fixture_path
 
-FAMILIES = ["tiny_qwen3", "tiny_mistral", "tiny_phi3"]
+FAMILIES = ["tiny_qwen3", "tiny_mistral", "tiny_phi3", "tiny_gemma2", "tiny_gemma3"]
 ATOL = 5e-3  # float32 against Hugging Face's float32
 PATHS = {
     "cpu": dict(layer_execution="unrolled"),  # attention_impl auto: the CPU kernels when built
@@ -126,6 +126,17 @@ def test_qwen3_prefix_cache_hits_give_the_same_tokens():
 def test_qwen3_offloaded_tail_equals_the_padded_driver():
   llm = jaxtier.LLM(fixture_path("tiny_qwen3"), offload_tail_layers=1, prefetch_depth=1, **ENGINE)
   greedy_against_reference(llm, prompts_of((9, 17), llm.config.vocab_size, seed=4))
+
+
+def test_gemma3_offloaded_tail_equals_the_padded_driver():
+  """The offloaded stack holds part of the layers and keeps the model's per-layer windows and
+  rotary tables (looked up by each layer's index in the whole model)."""
+  llm = jaxtier.LLM(fixture_path("tiny_gemma3"), offload_tail_layers=1, prefetch_depth=1,
+                    kernels="portable", **ENGINE)
+  prompts = prompts_of((9, 30), llm.config.vocab_size, seed=7)
+  resident = jaxtier.LLM(fixture_path("tiny_gemma3"), kernels="portable", **ENGINE)
+  assert greedy_against_reference(llm, prompts) == [
+      out.outputs[0].token_ids for out in resident.generate(prompts, GREEDY)]
 
 
 @pytest.mark.parametrize("name", ["tiny_qwen3", "tiny_phi3"])
@@ -250,7 +261,26 @@ def test_family_options_from_the_configs():
       True, False, 32, None)
   assert qwen3.rope_theta == 1e6  # from transformers 5's rope_parameters
   mistral = config_from_hf(hf_config("tiny_mistral"))
-  assert (mistral.qk_norm, mistral.sliding_window) == (False, 128)
+  assert (mistral.qk_norm, mistral.sliding_window) == (False, 16)
+  gemma2 = config_from_hf(hf_config("tiny_gemma2"))
+  assert (gemma2.layer_windows(), gemma2.hidden_act, gemma2.sandwich_norms, gemma2.norm_offset,
+          gemma2.embed_scale, gemma2.query_scale, gemma2.attn_softcap, gemma2.final_softcap) == (
+              (16, None), "gelu_pytorch_tanh", True, 1.0, 8.0, 24 ** -0.5, 2.0, 3.0)
+  older = dict(hf_config("tiny_gemma2"), num_hidden_layers=3)  # transformers 4: no layer_types
+  del older["layer_types"]
+  assert config_from_hf(older).layer_windows() == (16, None, 16)
+  gemma3 = config_from_hf(hf_config("tiny_gemma3"))
+  assert (gemma3.qk_norm, gemma3.layer_windows(), gemma3.layer_ropes(), gemma3.rope_theta,
+          gemma3.sliding_rope_theta, gemma3.rope_scaling.rope_type, gemma3.rope_scaling.factor,
+          gemma3.attn_softcap) == (True, (16, None), (1, 0), 1e6, 1e4, "linear", 8.0, None)
+  assert gemma3.inv_freq().shape == (2, 8)
+  older = dict(hf_config("tiny_gemma3"), num_hidden_layers=7, rope_theta=1e6,
+               rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})
+  for key in ("layer_types", "rope_parameters"):  # transformers 4 wrote neither
+    del older[key]
+  older = config_from_hf(older)
+  assert older.layer_ropes() == (1, 1, 1, 1, 1, 0, 1)  # a full layer every sixth
+  assert (older.sliding_rope_theta, older.rope_scaling.factor) == (1e4, 8.0)
   phi3 = config_from_hf(hf_config("tiny_phi3"))
   assert (phi3.qk_norm, phi3.attention_bias, phi3.sliding_window) == (False, False, None)
   older = dict(hf_config("tiny_phi3"), rope_theta=5000.0, rope_scaling=None)  # transformers 4
@@ -271,14 +301,42 @@ def test_q_k_norms_have_logical_axes():
   assert sharding.param_axes(("k_norm", "scale"), 1) == ("head_dim",)
 
 
-def test_sliding_window_shorter_than_the_context_is_refused():
-  with pytest.raises(ValueError, match="sliding-window attention is not supported yet"):
-    jaxtier.LLM(fixture_path("tiny_mistral"), max_model_len=256)
-  with pytest.raises(ValueError, match="sliding window of 128 positions"):
-    jaxtier.LLM(fixture_path("tiny_mistral"))  # max_model_len: the model's 256
-  config = config_from_hf(hf_config("tiny_mistral"))
-  config.check_sliding_window(128)  # a window covering the context is full attention
-  ModelConfig(**{**config.__dict__, "sliding_window": None}).check_sliding_window(256)
+def test_the_sliding_window_is_what_matches_hugging_face():
+  """Mistral's 16-token window over 48-token sequences: without it the logits past the window
+  leave Hugging Face's (so the match above is the window's)."""
+  model, _ = checkpoint.load_model(fixture_path("tiny_mistral"))
+  ref = hf_reference("tiny_mistral")
+  full = dataclasses.replace(model.config, sliding_window=None)
+  unwindowed = Transformer(full, rngs=nnx.Rngs(0))
+  nnx.update(unwindowed, nnx.state(model))
+  ids = jnp.asarray(ref["ids_a"])[None]
+  t, c = ids.shape[1], full
+  cache = ContiguousKVCache.create(c.num_layers, 1, t, c.num_kv_heads, c.head_dim, jnp.float32)
+  got = np.asarray(forward(unwindowed, cache, ids, jnp.arange(t, dtype=jnp.int32)[None]))[0]
+  error = np.abs(got - ref["logits_a"]).max(-1)
+  assert error[:16].max() < ATOL < error[16:].max()
+
+
+@pytest.mark.parametrize("name, path", [("tiny_mistral", "cpu"), ("tiny_mistral", "portable"),
+                                        ("tiny_gemma2", "cpu"), ("tiny_gemma2", "portable"),
+                                        ("tiny_gemma3", "portable")])
+def test_sliding_window_under_swaps_chunked_prefill_and_prefix_hits(name, path):
+  """Prompts longer than the window (Mistral's on every layer, Gemma 2's on every other), prefilled
+  in chunks, preempted by swapping under a small pool, then run again on cached prefixes: the
+  padded driver's tokens every time, every block back."""
+  llm = jaxtier.LLM(fixture_path(name), max_model_len=64, max_num_seqs=4, block_size=4,
+                    num_device_blocks=24, preemption_mode="swap", max_num_batched_tokens=16,
+                    enable_prefix_caching=True, **PATHS[path])
+  shared = prompts_of((20,), llm.config.vocab_size, seed=5)[0]
+  prompts = [shared + tail for tail in prompts_of((11, 3, 14, 9), llm.config.vocab_size, seed=6)]
+  first = greedy_against_reference(llm, prompts)
+  stats = llm.stats()
+  assert stats["preemptions"]["swap"] > 0 and stats["swap_in_count"] == stats["swap_out_count"]
+  again = llm.generate(prompts, GREEDY)
+  assert [out.outputs[0].token_ids for out in again] == first
+  assert any(out.num_cached_tokens >= 16 for out in again)
+  stats = llm.stats()
+  assert stats["device_blocks_free"] == stats["device_blocks_total"]
 
 
 @pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_qwen3"])
@@ -307,3 +365,34 @@ def test_partial_rotary_factor_is_refused():
   raw["rope_parameters"]["partial_rotary_factor"] = 0.5
   with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported"):
     config_from_hf(raw)
+
+
+def test_gemma3_image_and_text_checkpoint_loads_its_text_tower(tmp_path):
+  """A `gemma3` checkpoint as transformers saves Gemma3ForConditionalGeneration: the text
+  config nested, the text tower's tensors under `language_model.`, a vision tower beside."""
+  import safetensors.numpy  # pylint: disable=import-outside-toplevel
+  source = fixture_path("tiny_gemma3")
+  text = hf_config("tiny_gemma3")
+  config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "text_config": text, "vision_config": {"model_type": "siglip_vision_model"},
+            "tie_word_embeddings": True}
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(fixture_path("tiny_gemma3", name), tmp_path / name)
+  tensors = safetensors.numpy.load_file(fixture_path("tiny_gemma3", "model.safetensors"))
+  renamed = {"language_model." + name: value for name, value in tensors.items()}
+  renamed["vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.zeros((4, 3, 2, 2),
+                                                                                     np.float32)
+  renamed["multi_modal_projector.mm_soft_emb_norm.weight"] = np.zeros(4, np.float32)
+  safetensors.numpy.save_file(renamed, str(tmp_path / "model.safetensors"))
+  model, _ = checkpoint.load_model(str(tmp_path))
+  want, _ = checkpoint.load_model(source)
+  assert model.config == want.config
+  ref = hf_reference("tiny_gemma3")
+  ids = jnp.asarray(ref["ids_a"])[None]
+  t, c = ids.shape[1], model.config
+  cache = lambda: ContiguousKVCache.create(c.num_layers, 1, t, c.num_kv_heads, c.head_dim,
+                                           jnp.float32)
+  pos = jnp.arange(t, dtype=jnp.int32)[None]
+  np.testing.assert_allclose(np.asarray(forward(model, cache(), ids, pos))[0], ref["logits_a"],
+                             atol=ATOL, rtol=0)

@@ -6,6 +6,7 @@ c block size, m blocks per sequence, s key slots.
 
 import hypothesis
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,8 +18,9 @@ from jaxtier.kvcache import (dequantize_int8, paged_attention, paged_attention_p
 IMPLS = {"xla": paged_attention, "reference": paged_attention_reference}
 
 
-def numpy_attention(q_btnd, k_bskd, v_bskd, pos_bt):
-  """Causal GQA softmax attention in float64 numpy; padding queries give zeros."""
+def numpy_attention(q_btnd, k_bskd, v_bskd, pos_bt, window=None):
+  """Causal GQA softmax attention in float64 numpy, over keys max(0, p - window + 1)..p with a
+  sliding window; padding queries give zeros."""
   b, t, n, d = q_btnd.shape
   g = n // k_bskd.shape[2]
   out = np.zeros(q_btnd.shape, np.float64)
@@ -27,8 +29,9 @@ def numpy_attention(q_btnd, k_bskd, v_bskd, pos_bt):
       p = pos_bt[i, j]
       if p < 0:
         continue
-      k_snd = np.repeat(k_bskd[i, :p + 1], g, axis=1).astype(np.float64)
-      v_snd = np.repeat(v_bskd[i, :p + 1], g, axis=1).astype(np.float64)
+      lo = 0 if window is None else max(0, p - window + 1)
+      k_snd = np.repeat(k_bskd[i, lo:p + 1], g, axis=1).astype(np.float64)
+      v_snd = np.repeat(v_bskd[i, lo:p + 1], g, axis=1).astype(np.float64)
       scores_ns = np.einsum("nd,snd->ns", q_btnd[i, j].astype(np.float64), k_snd) / np.sqrt(d)
       w_ns = np.exp(scores_ns - scores_ns.max(axis=1, keepdims=True))
       out[i, j] = np.einsum("ns,snd->nd", w_ns / w_ns.sum(axis=1, keepdims=True), v_snd)
@@ -66,9 +69,9 @@ def make_case(rng, *, b, t, kv, g, d, c, lengths, num_pages=None):
   return q_btnd, k_pages, v_pages, table_bm, pos_bt
 
 
-def expected(q_btnd, k_pages, v_pages, table_bm, pos_bt):
+def expected(q_btnd, k_pages, v_pages, table_bm, pos_bt, window=None):
   return numpy_attention(q_btnd, gather_dense(k_pages, table_bm), gather_dense(v_pages, table_bm),
-                         pos_bt)
+                         pos_bt, window)
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
@@ -131,6 +134,25 @@ def test_batches_past_one_row_group(t, quantized):
                                    *scales))
   np.testing.assert_allclose(out, expected(q, kp, vp, table, pos), atol=1e-5, rtol=1e-5)
   assert np.all(out[padding] == 0)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("t", [1, 5, 100])
+@pytest.mark.parametrize("window", [1, 16, 130])
+def test_sliding_window_sees_only_the_last_positions(impl, t, window):
+  """A window of W: keys p - W + 1..p. Rows past one row group, contexts of several chunks (the
+  XLA path skips the chunks before a group's earliest window), a padded chunk, padding rows."""
+  rng = np.random.default_rng(window + t)
+  b = _row_group(t) + 3
+  lengths = rng.integers(t, 400, size=b).tolist()
+  q, kp, vp, table, pos = make_case(rng, b=b, t=t, kv=2, g=2, d=8, c=4, lengths=lengths)
+  pos[1] = -1
+  pos[2, :t // 2] = -1
+  out = np.asarray(IMPLS[impl](*map(jnp.asarray, (q, kp, vp, table, pos)), window=window))
+  np.testing.assert_allclose(out, expected(q, kp, vp, table, pos, window), atol=1e-5, rtol=1e-5)
+  assert np.all(out[1] == 0)
+  traced = jax.jit(lambda w: IMPLS[impl](*map(jnp.asarray, (q, kp, vp, table, pos)), window=w))
+  np.testing.assert_allclose(np.asarray(traced(jnp.int32(window))), out, atol=1e-6, rtol=1e-6)
 
 
 def test_detects_wrong_block_order():

@@ -7,12 +7,27 @@ import re
 import numpy as np
 import safetensors
 
-from jaxtier.checkpoint.params import (HF_FUSED_LAYER_NAMES, HF_GLOBAL_NAMES, HF_LAYER_NAMES,
+from jaxtier.checkpoint.params import (HF_FUSED_LAYER_NAMES, HF_GLOBAL_NAMES, hf_layer_names,
                                        Path, TensorSource, check_layers_present,
                                        fused_row_splits, is_layer_path)
 from jaxtier.config import ModelConfig, config_from_hf
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# A Gemma 3 image-and-text checkpoint: its text tower under a prefix, the vision tower skipped.
+_TOWER_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                 "model.multi_modal_projector.")
+
+
+def _text_tower_name(name: str) -> str | None:
+  """The Llama-style name of a text tower tensor; None for another tower's."""
+  if name.startswith(_OTHER_TOWERS):
+    return None
+  for prefix, replacement in _TOWER_PREFIXES:
+    if name.startswith(prefix):
+      return replacement + name[len(prefix):]
+  return name
 
 
 def read_config(directory: str) -> ModelConfig:
@@ -58,6 +73,8 @@ class HFSource(TensorSource):
   def __init__(self, directory: str, config: ModelConfig):
     super().__init__(directory)
     self._handles, self._names, self._shapes = [], {}, {}
+    self._norm_offset = config.norm_offset
+    layer_names = hf_layer_names(config)
     per_layer: dict[Path, list] = {}
     for shard in safetensors_files(directory):
       try:
@@ -66,10 +83,13 @@ class HFSource(TensorSource):
         self.close()
         raise ValueError(f"{shard} is not a readable safetensors file: {e}") from None
       self._handles.append(handle)
-      for name in handle.keys():
-        shape = tuple(handle.get_slice(name).get_shape())
+      for stored in handle.keys():
+        name = _text_tower_name(stored)
+        if name is None:
+          continue
+        shape = tuple(handle.get_slice(stored).get_shape())
         match = _LAYER_RE.match(name)
-        if match and (match.group(2) in HF_LAYER_NAMES or match.group(2) in HF_FUSED_LAYER_NAMES):
+        if match and (match.group(2) in layer_names or match.group(2) in HF_FUSED_LAYER_NAMES):
           layer, sub = int(match.group(1)), match.group(2)
           if layer >= config.num_layers:
             self.close()
@@ -83,16 +103,17 @@ class HFSource(TensorSource):
                                f"parts need {rows[-1][1]}")
             parts = [(path, rows_of) for path, rows_of in zip(HF_FUSED_LAYER_NAMES[sub], rows)]
           else:
-            parts = [(HF_LAYER_NAMES[sub], None)]
+            parts = [(layer_names[sub], None)]
           for path, rows_of in parts:
             part_shape = shape if rows_of is None else (rows_of[1] - rows_of[0],) + shape[1:]
-            per_layer.setdefault(path, [None] * config.num_layers)[layer] = (handle, name, rows_of)
+            per_layer.setdefault(path, [None] * config.num_layers)[layer] = (handle, stored,
+                                                                             rows_of, name)
             self._shapes[path] = (config.num_layers,) + (
                 part_shape[::-1] if sub.endswith("proj.weight") else part_shape)
         elif name in HF_GLOBAL_NAMES:
           if config.tie_word_embeddings and HF_GLOBAL_NAMES[name] == ("lm_head",):
             continue
-          self._names[HF_GLOBAL_NAMES[name]] = (handle, name, None)
+          self._names[HF_GLOBAL_NAMES[name]] = (handle, stored, None, name)
           self._shapes[HF_GLOBAL_NAMES[name]] = shape
         elif not name.endswith("rotary_emb.inv_freq"):
           self.close()
@@ -107,10 +128,13 @@ class HFSource(TensorSource):
   def shapes(self) -> dict[Path, tuple[int, ...]]:
     return dict(self._shapes)
 
-  def _get(self, handle, name: str, rows: tuple[int, int] | None) -> np.ndarray:
-    array = (handle.get_tensor(name) if rows is None
-             else handle.get_slice(name)[rows[0]:rows[1]])
+  def _get(self, handle, stored: str, rows: tuple[int, int] | None, name: str) -> np.ndarray:
+    """The tensor `stored` in the file (rows `rows` of it), whose Llama-style name is `name`."""
+    array = (handle.get_tensor(stored) if rows is None
+             else handle.get_slice(stored)[rows[0]:rows[1]])
     array = np.asarray(array, dtype=np.float32)
+    if self._norm_offset and name.endswith("norm.weight"):
+      array = array + np.float32(self._norm_offset)  # the family's scale: offset + w
     return _layer_tensor(name, array) if _LAYER_RE.match(name) else array
 
   def read(self, path: Path, layers=None) -> np.ndarray:

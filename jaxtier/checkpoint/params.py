@@ -38,6 +38,21 @@ HF_LAYER_NAMES: dict[str, Path] = {
     "mlp.up_proj.weight": ("layers", "up_proj", "kernel"),
     "mlp.down_proj.weight": ("layers", "down_proj", "kernel"),
 }
+# Gemma 2 norms both blocks' inputs and outputs: its names where they differ from Llama's.
+HF_SANDWICH_NORM_NAMES: dict[str, Path] = {
+    "post_attention_layernorm.weight": ("layers", "post_attn_norm", "scale"),
+    "pre_feedforward_layernorm.weight": ("layers", "mlp_norm", "scale"),
+    "post_feedforward_layernorm.weight": ("layers", "post_mlp_norm", "scale"),
+}
+
+
+def hf_layer_names(config: ModelConfig) -> dict[str, Path]:
+  """The per-layer tensor names of `config`'s family and their model paths."""
+  if config.sandwich_norms:
+    return {**HF_LAYER_NAMES, **HF_SANDWICH_NORM_NAMES}
+  return HF_LAYER_NAMES
+
+
 # Fused per-layer tensors (Phi-3) and the model parameters their output rows split into, in order:
 # q/k/v by heads (`config.num_heads`, `num_kv_heads`, `num_kv_heads` times `head_dim` rows), gate
 # and up in halves.

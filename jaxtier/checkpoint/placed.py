@@ -217,9 +217,8 @@ def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused:
       modules = [nnx.eval_shape(make) for _ in layers]
     splits = [nnx.split(module) for module in modules]
   else:
-    stack_config = dataclasses.replace(config, num_layers=len(layers))
-    splits = [nnx.split(nnx.eval_shape(lambda: make_layer_stack(stack_config, dtype,
-                                                                nnx.Rngs(0))))]
+    splits = [nnx.split(nnx.eval_shape(lambda: make_layer_stack(config, dtype, nnx.Rngs(0),
+                                                                len(layers))))]
     packed = False
   kind = placement.PINNED_HOST if mode == "offload" else placement.DEVICE
   return _Group(mode, layers, kind, splits, [{} for _ in splits], packed, kept, activations)

@@ -215,7 +215,6 @@ def _check_model(args: EngineArgs, config: ModelConfig) -> None:
   if args.max_model_len is not None and args.max_model_len > limit:
     raise ValueError(f"max_model_len={args.max_model_len}: expected at most {limit}, the "
                      "context window of this model")
-  config.check_sliding_window(args.max_model_len or limit)
   check_offload(args.offload_tail_layers, args.prefetch_depth, config.num_layers)
   sharding.check_tensor_parallel(config, args.tensor_parallel_size)
 

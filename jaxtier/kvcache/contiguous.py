@@ -51,7 +51,8 @@ class ContiguousKVCache:
     return self.k_lbskd.shape[2]
 
   def update_and_attend(self, layer: jax.Array, q_btnd: jax.Array, k_btkd: jax.Array,
-                        v_btkd: jax.Array, pos_bt: jax.Array, meta: Any = None
+                        v_btkd: jax.Array, pos_bt: jax.Array, meta: Any = None,
+                        window: jax.Array | int | None = None, cap: float | None = None
                         ) -> tuple["ContiguousKVCache", jax.Array]:
     """Writes one layer's new keys and values into their slots, then attends over the cache.
 
@@ -64,10 +65,13 @@ class ContiguousKVCache:
       pos_bt: each new token's position [b, t], its slot; below zero marks padding, which is
         not written (and whose output is meaningless).
       meta: unused (the paged cache's block tables travel here).
+      window: the layer's sliding window (may be traced), or None: full causal attention.
+      cap: the scores' soft cap, or None.
 
     Returns:
       (the cache with the new tokens written, attention output [b, t, n, d]): each query
-      attends causally to its sequence's slots up to its own position.
+      attends causally to its sequence's slots up to its own position (the last `window` of
+      them under a window).
     """
     del meta
     b, t = pos_bt.shape
@@ -77,5 +81,5 @@ class ContiguousKVCache:
         k_btkd.astype(self.k_lbskd.dtype), mode="drop")
     v_all = self.v_lbskd.at[layer, batch_bt, slot_bt].set(
         v_btkd.astype(self.v_lbskd.dtype), mode="drop")
-    out_btnd = dense_attention(q_btnd, k_all[layer], v_all[layer], pos_bt)
+    out_btnd = dense_attention(q_btnd, k_all[layer], v_all[layer], pos_bt, window, cap)
     return ContiguousKVCache(k_all, v_all), out_btnd

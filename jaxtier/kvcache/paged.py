@@ -192,7 +192,8 @@ class PagedKVCache:
     return cls(_allocate((k, l, config.num_device_blocks), config, dev, platform, make), config)
 
   def update_and_attend(self, layer: jax.Array, q_btnd: jax.Array, k_btkd: jax.Array,
-                        v_btkd: jax.Array, pos_bt: jax.Array, meta: PagedMetadata
+                        v_btkd: jax.Array, pos_bt: jax.Array, meta: PagedMetadata,
+                        window: jax.Array | int | None = None, cap: float | None = None
                         ) -> tuple["PagedKVCache", jax.Array]:
     """Writes the new tokens of `layer`, then attends over the sequence's cached tokens.
 
@@ -205,6 +206,9 @@ class PagedKVCache:
       pos_bt: each new token's position [b, t]; below zero marks padding, not written.
       meta: the block table of each row's sequence; position i lives in block
         `meta.block_tables_bm[b, i // block_size]`.
+      window: the layer's sliding window (a query at p sees p - window + 1..p; may be traced),
+        or None: every earlier position. Every block stays in the cache either way.
+      cap: the scores' soft cap (cap * tanh(score / cap)), or None.
 
     Returns:
       (the cache with the new tokens written, attention output [b, t, n, d]). A decode step on
@@ -212,10 +216,10 @@ class PagedKVCache:
       `write_chunk` then `attend`.
     """
     if (self.config.attention_impl == "cpu" and q_btnd.shape[1] == 1
-        and not self.config.quantized):
+        and not self.config.quantized and window is None and cap is None):
       return write_and_attend_cpu(self, layer, q_btnd, k_btkd, v_btkd, pos_bt, meta)
     cache = write_chunk(self, layer, k_btkd, v_btkd, pos_bt, meta)
-    return cache, attend(cache, layer, q_btnd, pos_bt, meta)
+    return cache, attend(cache, layer, q_btnd, pos_bt, meta, window, cap)
 
 
 def resolve_attention_impl(impl: str, mesh: jax.sharding.Mesh, platform: str | None = None
@@ -318,14 +322,20 @@ def write_chunk(cache: PagedKVCache, layer: jax.Array, k_btkd: jax.Array, v_btkd
 
 
 def attend(cache: PagedKVCache, layer: jax.Array, q_btnd: jax.Array, pos_bt: jax.Array,
-           meta: PagedMetadata) -> jax.Array:
-  """Attention of queries at `pos_bt` over the cached tokens of `layer`; output [b, t, n, d]."""
+           meta: PagedMetadata, window: jax.Array | int | None = None,
+           cap: float | None = None) -> jax.Array:
+  """Attention of queries at `pos_bt` over the cached tokens of `layer` (within a sliding
+  `window`, scores soft-capped at `cap`, where given); output [b, t, n, d]. A layer with a window
+  or a cap runs the XLA path where the attention path is a kernel without them ("cpu",
+  "pallas")."""
   _check(cache, q_btnd, pos_bt, meta, "q")
   dev, impl = cache.device, cache.config.attention_impl
   args = (q_btnd, _flat(dev.k), _flat(dev.v), _pages_bm(cache, layer, meta), pos_bt,
           _flat(dev.k_scales), _flat(dev.v_scales))
   if impl == "reference":
-    return paged_attention_reference(*args)
+    return paged_attention_reference(*args, window, cap)
+  if window is not None or cap is not None:
+    return paged_attention(*args, window, cap)
   if impl.startswith("pallas") and q_btnd.shape[1] == 1:
     return paged_attention_pallas(*args, interpret=impl == "pallas_interpret")
   if impl == "cpu":

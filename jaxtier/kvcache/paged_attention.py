@@ -24,7 +24,10 @@ block `i` of layer `l` is page `l * blocks + i`. That is the kernel's native `k_
 lets every layer read the stacked pool without slicing a per-layer copy out of it.
 
 Key slot `s` of a sequence is token position `s`: it lives in page `pages_bm[b, s // c]` at offset
-`s % c`. A query at position `p` attends to slots `0..p`; negative positions are padding (output 0).
+`s % c`. A query at position `p` attends to slots `0..p`, or with a sliding `window` W to slots
+`p - W + 1..p`; scores may be soft-capped (`cap`, Gemma 2). The reference and XLA paths take
+`window` and `cap`; the Pallas and CPU kernels have neither, so such a layer runs the XLA path.
+Negative positions are padding (output 0).
 Page ids below zero mark unused table entries; they are never read for a visible slot.
 
 Shape legend: b batch, t query tokens, n query heads, k kv heads, g = n // k, d head dim, f flat
@@ -40,8 +43,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
 
 from jaxtier import cpu_kernels
-from jaxtier.kvcache.attention import dense_attention
+from jaxtier.kvcache.attention import dense_attention, in_window
 from jaxtier.kvcache.quant import SCALE_DTYPE, decode, dequantize_int8
+from jaxtier.softcap import softcap
 
 
 def check_paged_inputs(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc,
@@ -70,7 +74,8 @@ def check_paged_inputs(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_s
 
 @jax.jit
 def paged_attention_reference(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt,
-                              k_scales_kfc=None, v_scales_kfc=None) -> jax.Array:
+                              k_scales_kfc=None, v_scales_kfc=None, window=None, cap=None
+                              ) -> jax.Array:
   """Paged attention by gathering each slot's token into a dense array; output [b, t, n, d]."""
   check_paged_inputs(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc,
                      v_scales_kfc)
@@ -87,7 +92,7 @@ def paged_attention_reference(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_
                            q_btnd.dtype)
 
   return dense_attention(q_btnd, dense_bskd(k_pages_kfcd, k_scales_kfc),
-                         dense_bskd(v_pages_kfcd, v_scales_kfc), pos_bt)
+                         dense_bskd(v_pages_kfcd, v_scales_kfc), pos_bt, window, cap)
 
 
 CHUNK_SLOTS = 128  # key slots per step of the fast path's scan
@@ -102,7 +107,7 @@ def _chunked_tables(pages_bm: jax.Array, block_size: int) -> tuple[jax.Array, in
   return jnp.moveaxis(pages_bm.reshape(b, padded // per_chunk, per_chunk), 1, 0), per_chunk
 
 
-def _chunk_step(q_kbqd, pos_bt, pages, num_slots: int, carry, xs):
+def _chunk_step(q_kbqd, pos_bt, pages, num_slots: int, window, cap, carry, xs):
   """One online-softmax step over a chunk of s slots of every sequence.
 
   Everything is kv-head major ([k, b, ...], q rows `q` = t * g per kv head, t major), the order
@@ -124,8 +129,9 @@ def _chunk_step(q_kbqd, pos_bt, pages, num_slots: int, carry, xs):
                            preferred_element_type=jnp.float32)
   if k_scales_kfc is not None:
     scores_kbqs *= gather_kbs(k_scales_kfc)[:, :, None]
+  scores_kbqs = softcap(scores_kbqs, cap)
   slot_s = first_slot + jnp.arange(s)
-  visible_bts = (slot_s <= pos_bt[:, :, None]) & (slot_s < num_slots)
+  visible_bts = in_window(slot_s, pos_bt[:, :, None], window) & (slot_s < num_slots)
   visible_bqs = jnp.repeat(visible_bts, q_kbqd.shape[2] // t, axis=1)  # q = t * g, t major
   scores_kbqs = jnp.where(visible_bqs[None], scores_kbqs, -jnp.inf)
   new_max_kbq = jnp.maximum(max_kbq, scores_kbqs.max(-1))
@@ -151,26 +157,33 @@ def _row_group(t: int) -> int:
   return max(1, min(ROW_GROUP, GROUP_QUERIES // t))
 
 
-def _attend_rows(q_kbqd, pos_bt, tables_xbm, pages, num_slots: int, chunk_slots: int):
+def _attend_rows(q_kbqd, pos_bt, tables_xbm, pages, num_slots: int, chunk_slots: int,
+                 window=None, cap=None):
   """The online-softmax loop over chunks for one group of rows; normalized output [k, b, q, d].
 
-  Only the chunks that hold a slot visible to some query of the group run."""
+  Only the chunks that hold a slot visible to some query of the group run: up to the last
+  position's chunk, and under a sliding window from the chunk of the earliest query's first
+  visible slot."""
   kv, b, q, d = q_kbqd.shape
-  step = functools.partial(_chunk_step, q_kbqd, pos_bt, pages, num_slots)
+  step = functools.partial(_chunk_step, q_kbqd, pos_bt, pages, num_slots, window, cap)
   init = (jnp.full((kv, b, q), -jnp.inf), jnp.zeros((kv, b, q)), jnp.zeros((kv, b, q, d)))
   live = jnp.clip((jnp.max(pos_bt) + chunk_slots) // chunk_slots, 0, tables_xbm.shape[0])
+  first = 0
+  if window is not None:
+    earliest = jnp.min(jnp.where(pos_bt >= 0, pos_bt, jnp.iinfo(jnp.int32).max))
+    first = jnp.clip((earliest - window + 1) // chunk_slots, 0, live)
 
   def body(i, carry):
     table_bm = jax.lax.dynamic_index_in_dim(tables_xbm, i, keepdims=False)
     return step(carry, (table_bm, i * chunk_slots))[0]
 
-  _, sum_kbq, out_kbqd = jax.lax.fori_loop(0, live, body, init)
+  _, sum_kbq, out_kbqd = jax.lax.fori_loop(first, live, body, init)
   return out_kbqd / jnp.where(sum_kbq > 0, sum_kbq, 1.0)[..., None]
 
 
 @jax.jit
 def paged_attention(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc=None,
-                    v_scales_kfc=None) -> jax.Array:
+                    v_scales_kfc=None, window=None, cap=None) -> jax.Array:
   """Paged attention, the default XLA path: an online-softmax loop over chunks of each table.
 
   Rows run in groups of `_row_group(t)` (ROW_GROUP rows for decode, fewer for longer rows, so
@@ -180,7 +193,8 @@ def paged_attention(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scal
   probabilities. Batches of more than one group are sorted by their last position first, and
   each group's loop stops after the last chunk one of its queries can see: cost follows each
   group's longest sequence, not the batch's, and a table padded to a wider bucket costs nothing
-  extra. Output [b, t, n, d].
+  extra. With a sliding `window`, slots before a query's window are masked and the chunks before
+  a group's earliest window are skipped; with `cap`, scores are soft-capped. Output [b, t, n, d].
   """
   check_paged_inputs(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc,
                      v_scales_kfc)
@@ -195,7 +209,8 @@ def paged_attention(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scal
   group = _row_group(t)
   if b <= group:
     tables_xbm, per_chunk = _chunked_tables(pages_bm, c)
-    out_kbqd = _attend_rows(q_kbqd, pos_bt, tables_xbm, pages, num_slots, per_chunk * c)
+    out_kbqd = _attend_rows(q_kbqd, pos_bt, tables_xbm, pages, num_slots, per_chunk * c, window,
+                            cap)
   else:
     groups = -(-b // group)
     rows = groups * group  # padding rows: position -1, sorted last
@@ -209,7 +224,7 @@ def paged_attention(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scal
     tables_gxbm = jnp.moveaxis(
         tables_xbm.reshape(tables_xbm.shape[0], groups, group, per_chunk), 1, 0)
     out_gkbqd = jax.lax.map(
-        lambda xs: _attend_rows(*xs, pages, num_slots, per_chunk * c),
+        lambda xs: _attend_rows(*xs, pages, num_slots, per_chunk * c, window, cap),
         (q_gkbqd, pos_gbt, tables_gxbm))
     out_kbqd = jnp.zeros((kv, rows, t * g, d), out_gkbqd.dtype).at[:, order].set(
         jnp.moveaxis(out_gkbqd, 0, 1).reshape(kv, rows, t * g, d))[:, :b]

@@ -6,7 +6,6 @@ All are medians over repeats after a warm-up. On CPU the "link" is a memcpy betw
 one memory and the layer runs on the CPU: the numbers are real but say nothing about a GPU.
 """
 
-import dataclasses
 import statistics
 import time
 
@@ -123,8 +122,7 @@ def layer_compute_s(config: ModelConfig, dtype, batch: int, tokens: int, context
   tokens after `context` cached ones: a layer of random weights (the time does not depend on
   their values, and no checkpoint needs to be loaded), resident and jitted alone."""
   c = config
-  one = dataclasses.replace(config, num_layers=1)
-  graphdef, stacked = nnx.split(make_layer_stack(one, jnp.dtype(dtype), nnx.Rngs(0)))
+  graphdef, stacked = nnx.split(make_layer_stack(config, jnp.dtype(dtype), nnx.Rngs(0), 1))
   layer_state = jax.tree.map(lambda a: a[0], stacked)
   dtype = jax.tree.leaves(stacked)[0].dtype
   cache = ContiguousKVCache.create(1, batch, context + tokens, c.num_kv_heads, c.head_dim, dtype)
