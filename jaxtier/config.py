@@ -6,7 +6,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text",
+                           "mixtral", "qwen3_moe")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate: SwiGLU, or GeGLU (Gemma)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -66,6 +67,13 @@ class ModelConfig:
   # The rotary base of the sliding layers where it differs from the full layers' `rope_theta`
   # (Gemma 3: 10,000 against 1,000,000); their rotation is unscaled. None: one rotary table.
   sliding_rope_theta: float | None = None
+  # Mixture of experts (Mixtral, Qwen3-MoE): every layer's MLP is `num_experts` gated MLPs of
+  # width `moe_intermediate_size`, `num_experts_per_tok` of them per token, picked by a router
+  # (softmax over all experts, the top k kept, renormalized when `norm_topk_prob`). 0: dense.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = True
 
   def __post_init__(self):
     if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -89,6 +97,11 @@ class ModelConfig:
     if self.hidden_act not in ACTIVATIONS:
       raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; expected one of "
                        f"{ACTIVATIONS}")
+    if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                 and self.moe_intermediate_size > 0):
+      raise ValueError(f"num_experts={self.num_experts} needs 0 < num_experts_per_tok "
+                       f"({self.num_experts_per_tok}) <= num_experts and a positive "
+                       f"moe_intermediate_size ({self.moe_intermediate_size})")
     for name in ("attn_softcap", "final_softcap", "query_scale"):
       if getattr(self, name) is not None and getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive or None, got {getattr(self, name)}")
@@ -110,7 +123,11 @@ class ModelConfig:
     bias = (n + 2 * k) * d if self.attention_bias else 0
     qk_norm = 2 * d if self.qk_norm else 0
     norms = 4 * h if self.sandwich_norms else 2 * h
-    return norms + h * (n + 2 * k) * d + n * d * h + 3 * h * f + bias + qk_norm
+    if self.num_experts:
+      mlp = h * self.num_experts + self.num_experts * 3 * h * self.moe_intermediate_size
+    else:
+      mlp = 3 * h * f
+    return norms + h * (n + 2 * k) * d + n * d * h + mlp + bias + qk_norm
 
   def inv_freq(self) -> np.ndarray:
     """Rotary inverse frequencies [head_dim // 2], with the configured scaling applied; with a
@@ -166,7 +183,7 @@ def _sliding_window(hf: Mapping[str, Any], model_type: str) -> int | None:
   window = hf.get("sliding_window")
   if model_type == "llama" or not window:
     return None
-  if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+  if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
     return None  # Qwen writes a window but attends fully unless use_sliding_window
   if "layer_types" in hf and "sliding_attention" not in hf["layer_types"]:
     return None  # transformers 5 names each layer's attention; none slides
@@ -222,6 +239,24 @@ def _sliding_rope_theta(theta, window, full_theta, full_scaling: RopeScaling) ->
   return float(theta)
 
 
+def _moe_options(hf: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
+  """The experts of a Mixtral or Qwen3-MoE config (every layer sparse)."""
+  if model_type not in ("mixtral", "qwen3_moe"):
+    return {}
+  if model_type == "qwen3_moe" and (hf.get("decoder_sparse_step", 1) != 1
+                                    or hf.get("mlp_only_layers")):
+    raise ValueError(f"{source}: dense layers among the sparse ones (decoder_sparse_step="
+                     f"{hf.get('decoder_sparse_step')}, mlp_only_layers="
+                     f"{hf.get('mlp_only_layers')}) are not supported")
+  experts = hf.get("num_local_experts") or hf["num_experts"]  # transformers 5 / 4 names
+  if model_type == "mixtral":
+    return dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+  return dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+              moe_intermediate_size=hf["moe_intermediate_size"],
+              norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
 def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
   """Builds a ModelConfig from the dict of a Hugging Face config.json.
 
@@ -272,11 +307,12 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
         sliding_window=window,
         layer_types=_layer_types(hf, model_type, window),
         hidden_act=_activation(hf, source),
         **_gemma_options(hf, model_type),
+        **_moe_options(hf, model_type, source),
         sliding_rope_theta=_sliding_rope_theta(sliding_theta, window, rope_theta, scaling),
     )
   except KeyError as e:

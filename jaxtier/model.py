@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtier import cpu_kernels, matmul
+from jaxtier import cpu_kernels, matmul, moe
 from jaxtier.config import ModelConfig
 from jaxtier.rotary import apply_rotary, rotary_tables
 from jaxtier.softcap import softcap
@@ -95,9 +95,19 @@ class DecoderLayer(nnx.Module):
     self.v_proj = linear(h, k * d, c.attention_bias)
     self.o_proj = linear(n * d, h)
     self.mlp_norm = RMSNorm(h, c.rms_norm_eps, dtype)
-    self.gate_proj = linear(h, f)
-    self.up_proj = linear(h, f)
-    self.down_proj = linear(f, h)
+    self.experts = c.num_experts_per_tok if c.num_experts else None  # static: k, or dense
+    self.normalize_topk = c.norm_topk_prob
+    if c.num_experts:  # router [h, e]; each expert's projections stacked: [e, in, out]
+      e, fe = c.num_experts, c.moe_intermediate_size
+      init = nnx.initializers.normal(0.02)
+      self.router = nnx.Param(init(rngs.params(), (h, e), dtype))
+      self.expert_gate = nnx.Param(init(rngs.params(), (e, h, fe), dtype))
+      self.expert_up = nnx.Param(init(rngs.params(), (e, h, fe), dtype))
+      self.expert_down = nnx.Param(init(rngs.params(), (e, fe, h), dtype))
+    else:
+      self.gate_proj = linear(h, f)
+      self.up_proj = linear(h, f)
+      self.down_proj = linear(f, h)
     self.q_norm = RMSNorm(d, c.rms_norm_eps, dtype) if c.qk_norm else None
     self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype) if c.qk_norm else None
     self.post_attn_norm = RMSNorm(h, c.rms_norm_eps, dtype) if c.sandwich_norms else None
@@ -145,9 +155,19 @@ class DecoderLayer(nnx.Module):
   def mlp(self, x_bth):
     """The MLP block's output before the residual add (and its post-norm, where the family has
     one): down(act(gate) * up) of the normed x, act SiLU or GELU (tanh form)."""
+    if self.experts is not None:
+      return self.moe(x_bth)
     gate, up = self.normed_gate_up(x_bth)
     act = jax.nn.silu(gate) if self.act == "silu" else jax.nn.gelu(gate, approximate=True)
     return self.project_down(act * up)
+
+  def moe(self, x_bth):
+    """The mixture-of-experts MLP block (`jaxtier.moe.moe_mlp`) of the normed x."""
+    b, t, h = x_bth.shape
+    out_nh = moe.moe_mlp(self.mlp_norm(x_bth).reshape(b * t, h), self.router[...],
+                         self.expert_gate[...], self.expert_up[...], self.expert_down[...],
+                         self.experts, self.normalize_topk, self.act)
+    return out_nh.reshape(b, t, h)
 
   def project_out(self, attn_btf):
     return self.o_proj(attn_btf)
@@ -213,6 +233,7 @@ class FusedDecoderLayer(DecoderLayer):
                activations: str = "float32", formats: Mapping[str, str] | None = None):
     self.shape = layer.shape
     self._set_options(layer.windows, layer.act, layer.q_scale, layer.softcap, layer.ropes)
+    self.experts = None  # only dense layers are fused (`fuses`)
     self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
     self.post_attn_norm, self.post_mlp_norm = layer.post_attn_norm, layer.post_mlp_norm
     self.q_norm, self.k_norm = layer.q_norm, layer.k_norm
@@ -311,6 +332,12 @@ class FusedDecoderLayer(DecoderLayer):
 
   def project_down(self, h_btf):
     return self._matmul(h_btf, "down_kernel")
+
+
+def fuses(layer) -> bool:
+  """Whether `UnrolledLayers` holds `layer` fused: a plain dense `DecoderLayer` (a mixture of
+  experts keeps its layer as it is)."""
+  return type(layer) is DecoderLayer and layer.experts is None
 
 
 def packs_by_default(dtype) -> bool:
@@ -422,8 +449,8 @@ class UnrolledLayers(nnx.Module):
   """
 
   def __init__(self, layers: list[DecoderLayer], first: int, fused: bool = True):
-    self.layers = nnx.List([FusedDecoderLayer(layer) if fused and type(layer) is DecoderLayer
-                            else layer for layer in layers])
+    self.layers = nnx.List([FusedDecoderLayer(layer) if fused and fuses(layer) else layer
+                            for layer in layers])
     self.first = first
 
   @property

@@ -58,6 +58,10 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("gate_proj", "kernel"): ("embed", "mlp"),
     ("up_proj", "kernel"): ("embed", "mlp"),
     ("down_proj", "kernel"): ("mlp", "embed"),
+    ("router",): ("embed", None),
+    ("expert_gate",): (None, "embed", "mlp"),
+    ("expert_up",): (None, "embed", "mlp"),
+    ("expert_down",): (None, "mlp", "embed"),
     ("inv_freq",): (None,),
 }
 # Fused (and perhaps packed, `jaxtier.matmul`) projections of FusedDecoderLayer: replicated whatever

@@ -4,15 +4,16 @@ Writes:
   tests/fixtures/tiny_llama/   a random Llama checkpoint (llama3 rope scaling, untied embeddings, several
                                safetensors shards with an index), tokenizer, and hf_logits.npz
   tests/fixtures/tiny_qwen2/   a random Qwen2 checkpoint (q/k/v biases, tied embeddings), same files
-  tests/fixtures/tiny_qwen3/, tiny_mistral/, tiny_phi3/, tiny_gemma2/, tiny_gemma3/  random
-                               checkpoints of the other dense families (Qwen3: per-head q/k norms, head_dim
-                               apart from hidden / heads, tied embeddings; Mistral: a 16-token
+  tests/fixtures/tiny_qwen3/, tiny_mistral/, tiny_phi3/, tiny_gemma2/, tiny_gemma3/,
+  tiny_mixtral/, tiny_qwen3_moe/  random checkpoints of the other families (Qwen3: per-head q/k
+                               norms, head_dim apart from hidden / heads, tied embeddings; Mistral: a 16-token
                                sliding window; Phi-3: fused qkv_proj and gate_up_proj; Gemma 2:
                                norms around both blocks, GeGLU, a sliding layer then a full one,
                                soft-capped scores and logits; Gemma 3 text: q/k norms, rotary
-                               bases per layer type, the full layer's scaled) and HF's logits
-                               over two 48-token sequences (`--only_families` writes these five
-                               alone)
+                               bases per layer type, the full layer's scaled; Mixtral and
+                               Qwen3-MoE: 4 experts of width 32, 2 per token, Qwen3-MoE's weights not
+                               renormalized) and HF's logits over two 48-token sequences
+                               (`--only_families` writes these seven alone)
   tests/fixtures/tiny_llama_chat/  a random Llama checkpoint and tokenizer as `save_pretrained` of
                                this transformers writes them (the chat template in
                                chat_template.jinja), and hf_chat.json: chat-templated prompts, their
@@ -48,7 +49,7 @@ flags.DEFINE_integer("top_k", 20, "how many last-position logits to keep per pro
 flags.DEFINE_integer("continuation", 24, "greedy continuation length")
 flags.DEFINE_bool("only_chat_template", False, "write tests/fixtures/tiny_llama_chat alone")
 flags.DEFINE_bool("only_families", False,
-                  "write the tiny_qwen3, tiny_mistral, tiny_phi3, tiny_gemma2 and tiny_gemma3 fixtures alone")
+                  "write the fixtures of the families after Llama and Qwen2 alone")
 flags.DEFINE_bool("only_repetition_penalty", False,
                   "add the repetition-penalty continuations to smollm2_hf.json alone")
 REPETITION_PENALTY = 1.3
@@ -249,7 +250,8 @@ def tiny_llama_chat(directory: str, new_tokens: int = 12) -> None:
 
 
 def family_fixtures(out: str) -> None:
-  """tiny_qwen3, tiny_mistral, tiny_phi3, tiny_gemma2 and tiny_gemma3: hidden 64 with widths that pack exactly into the CPU
+  """tiny_qwen3, tiny_mistral, tiny_phi3, tiny_gemma2, tiny_gemma3, tiny_mixtral and
+  tiny_qwen3_moe: hidden 64 with widths that pack exactly into the CPU
   kernels' panels (so the tests run the kernel path), HF's logits over two 48-token sequences."""
   common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -279,6 +281,15 @@ def family_fixtures(out: str) -> None:
                        "full_attention": {"rope_type": "linear", "factor": 8.0,
                                           "rope_theta": 1000000.0}}, **common)
   families.append(("tiny_gemma3", gemma3, transformers.Gemma3ForCausalLM))
+  mixtral = transformers.MixtralConfig(
+      head_dim=16, num_local_experts=4, num_experts_per_tok=2, rope_theta=10000.0,
+      rms_norm_eps=1e-5, tie_word_embeddings=False, **dict(common, intermediate_size=32))
+  families.append(("tiny_mixtral", mixtral, transformers.MixtralForCausalLM))
+  qwen3_moe = transformers.Qwen3MoeConfig(
+      head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+      norm_topk_prob=False, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+      **common)
+  families.append(("tiny_qwen3_moe", qwen3_moe, transformers.Qwen3MoeForCausalLM))
   for name, config, cls in families:
     config.torch_dtype = "float32"
     tiny_model(os.path.join(out, name), config, cls, None, lengths=(48, 48))
@@ -289,8 +300,7 @@ def main(argv):
   out = os.path.abspath(FLAGS.out)
   if FLAGS.only_families:
     family_fixtures(out)
-    print(f"fixtures tiny_qwen3, tiny_mistral, tiny_phi3, tiny_gemma2, tiny_gemma3 written to "
-          f"{out}", file=sys.stderr)
+    print(f"family fixtures written to {out}", file=sys.stderr)
     return
   if FLAGS.only_chat_template:
     tiny_llama_chat(os.path.join(out, "tiny_llama_chat"))

@@ -41,6 +41,7 @@ LAYER_OF = {
     "jaxtier.config": "leaf",
     "jaxtier.rotary": "leaf",
     "jaxtier.softcap": "leaf",
+    "jaxtier.moe": "leaf",
     "jaxtier.buckets": "leaf",
     "jaxtier.kv_bytes": "leaf",
     "jaxtier.cache_dirs": "leaf",

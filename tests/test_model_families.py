@@ -1,8 +1,8 @@
-"""Qwen3, Mistral and Phi-3 against Hugging Face on tiny random checkpoints (tests/fixtures, written
-by scripts/make_hf_fixtures.py --only_families), on the stacked scan, through the engine on the
-CPU path (unrolled fused layers, the CPU kernels where built) and on the scan path with XLA
-attention; greedy generation through the engine against the padded reference driver; the configs'
-family options and refusals."""
+"""Qwen3, Mistral, Phi-3, Gemma 2 and 3, Mixtral and Qwen3-MoE against Hugging Face on tiny random
+checkpoints (tests/fixtures, written by scripts/make_hf_fixtures.py --only_families), on the
+stacked scan, through the engine on the CPU path (unrolled fused layers, the CPU kernels where
+built) and on the scan path with XLA attention; greedy generation through the engine against the
+padded reference driver; the configs' family options and refusals."""
 
 import dataclasses
 import json
@@ -21,7 +21,8 @@ from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.model import FusedDecoderLayer, Transformer, UnrolledLayers
 from conftest import fixture_path
 
-FAMILIES = ["tiny_qwen3", "tiny_mistral", "tiny_phi3", "tiny_gemma2", "tiny_gemma3"]
+FAMILIES = ["tiny_qwen3", "tiny_mistral", "tiny_phi3", "tiny_gemma2", "tiny_gemma3", "tiny_mixtral",
+            "tiny_qwen3_moe"]
 ATOL = 5e-3  # float32 against Hugging Face's float32
 PATHS = {
     "cpu": dict(layer_execution="unrolled"),  # attention_impl auto: the CPU kernels when built
@@ -78,7 +79,9 @@ def test_engine_log_probabilities_match_hugging_face(family_llm):
   if path == "cpu" and cpu_kernels.available():  # the kernels' path runs: packed fused layers
     groups = llm.loaded.model.groups
     assert isinstance(groups[0], UnrolledLayers)
-    assert all(isinstance(layer, FusedDecoderLayer) and layer.packed for layer in groups[0].layers)
+    dense = not llm.config.num_experts  # a mixture of experts stays unfused, its attention too
+    assert all(isinstance(layer, FusedDecoderLayer) == dense and getattr(layer, "packed", True)
+               for layer in groups[0].layers)
   ref = hf_reference(name)
   for key in ("a", "b"):
     ids = ref[f"ids_{key}"]
@@ -319,11 +322,12 @@ def test_the_sliding_window_is_what_matches_hugging_face():
 
 @pytest.mark.parametrize("name, path", [("tiny_mistral", "cpu"), ("tiny_mistral", "portable"),
                                         ("tiny_gemma2", "cpu"), ("tiny_gemma2", "portable"),
-                                        ("tiny_gemma3", "portable")])
-def test_sliding_window_under_swaps_chunked_prefill_and_prefix_hits(name, path):
-  """Prompts longer than the window (Mistral's on every layer, Gemma 2's on every other), prefilled
-  in chunks, preempted by swapping under a small pool, then run again on cached prefixes: the
-  padded driver's tokens every time, every block back."""
+                                        ("tiny_gemma3", "portable"), ("tiny_mixtral", "cpu"),
+                                        ("tiny_qwen3_moe", "portable")])
+def test_under_swaps_chunked_prefill_and_prefix_hits(name, path):
+  """Prompts longer than the window (Mistral's on every layer, Gemma's on every other; the
+  mixtures of experts have none), prefilled in chunks, preempted by swapping under a small pool,
+  then run again on cached prefixes: the padded driver's tokens every time, every block back."""
   llm = jaxtier.LLM(fixture_path(name), max_model_len=64, max_num_seqs=4, block_size=4,
                     num_device_blocks=24, preemption_mode="swap", max_num_batched_tokens=16,
                     enable_prefix_caching=True, **PATHS[path])

@@ -20,6 +20,16 @@ _OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.
                  "model.multi_modal_projector.")
 
 
+# Mixture-of-experts tensors of a layer (Mixtral's `block_sparse_moe`, Qwen3-MoE's `mlp`): the
+# router, and each expert's projections, stacked by expert into the model's [e, in, out].
+_ROUTER_NAMES = ("block_sparse_moe.gate.weight", "mlp.gate.weight")
+_EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                        r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PATHS = {"w1": ("layers", "expert_gate"), "gate_proj": ("layers", "expert_gate"),
+                 "w3": ("layers", "expert_up"), "up_proj": ("layers", "expert_up"),
+                 "w2": ("layers", "expert_down"), "down_proj": ("layers", "expert_down")}
+
+
 def _text_tower_name(name: str) -> str | None:
   """The Llama-style name of a text tower tensor; None for another tower's."""
   if name.startswith(_OTHER_TOWERS):
@@ -89,7 +99,26 @@ class HFSource(TensorSource):
           continue
         shape = tuple(handle.get_slice(stored).get_shape())
         match = _LAYER_RE.match(name)
-        if match and (match.group(2) in layer_names or match.group(2) in HF_FUSED_LAYER_NAMES):
+        expert = match and config.num_experts and _EXPERT_RE.match(match.group(2))
+        if expert or (match and config.num_experts and match.group(2) in _ROUTER_NAMES):
+          layer = int(match.group(1))
+          if layer >= config.num_layers or (expert and int(expert.group(1)) >= config.num_experts):
+            self.close()
+            raise ValueError(f"{shard}: tensor {name} is outside the config's "
+                             f"{config.num_layers} layers of {config.num_experts} experts")
+          if expert:  # one expert's projection: its slot of the layer's [e, in, out] stack
+            path = _EXPERT_PATHS[expert.group(2)]
+            slots = per_layer.setdefault(path, [None] * config.num_layers)
+            if slots[layer] is None:
+              slots[layer] = [None] * config.num_experts
+            slots[layer][int(expert.group(1))] = (handle, stored, None, name)
+            self._shapes[path] = (config.num_layers, config.num_experts) + shape[::-1]
+          else:
+            path = ("layers", "router")
+            per_layer.setdefault(path, [None] * config.num_layers)[layer] = (handle, stored,
+                                                                             None, name)
+            self._shapes[path] = (config.num_layers,) + shape[::-1]
+        elif match and (match.group(2) in layer_names or match.group(2) in HF_FUSED_LAYER_NAMES):
           layer, sub = int(match.group(1)), match.group(2)
           if layer >= config.num_layers:
             self.close()
@@ -135,13 +164,25 @@ class HFSource(TensorSource):
     array = np.asarray(array, dtype=np.float32)
     if self._norm_offset and name.endswith("norm.weight"):
       array = array + np.float32(self._norm_offset)  # the family's scale: offset + w
+    if _LAYER_RE.match(name) and (_EXPERT_RE.match(name.split(".", 3)[3])
+                                   or name.endswith(_ROUTER_NAMES)):
+      return array.T  # [out, in] -> [in, out], as every projection
     return _layer_tensor(name, array) if _LAYER_RE.match(name) else array
+
+  def _slot(self, slot) -> np.ndarray:
+    """A layer's tensor: one file tensor, or an expert stack read expert by expert."""
+    if isinstance(slot, list):
+      missing = [j for j, part in enumerate(slot) if part is None]
+      if missing:
+        raise ValueError(f"{self.where}: experts {missing[:8]} of a layer have no tensor")
+      return np.stack([self._get(*part) for part in slot])
+    return self._get(*slot)
 
   def read(self, path: Path, layers=None) -> np.ndarray:
     if is_layer_path(path):
       slots = self._layers[path]
       layers = range(len(slots)) if layers is None else layers
-      return np.stack([self._get(*slots[i]) for i in layers])
+      return np.stack([self._slot(slots[i]) for i in layers])
     return self._get(*self._names[path])
 
   def close(self) -> None:

@@ -204,6 +204,7 @@ def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused:
   the layers pack, multiplied with `activations`."""
   kept: tuple[dict, ...] = ()
   if mode == "unrolled":
+    fused = fused and not config.num_experts  # a mixture of experts is never fused
     fuse = FusedDecoderLayer if fused else (lambda layer: layer)
     make = lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0)))
     packed = fused and getattr(nnx.eval_shape(make), "packed", False)
