@@ -153,8 +153,9 @@ class DecoderLayer(nnx.Module):
     return self.gate_proj(y_bth), self.up_proj(y_bth)
 
   def mlp(self, x_bth):
-    """The MLP block's output before the residual add (and its post-norm, where the family has
-    one): down(act(gate) * up) of the normed x, act SiLU or GELU (tanh form)."""
+    """The MLP block's output before its post-norm (where the family has one) and the residual
+    add: down(act(gate) * up) of the normed x, act SiLU or GELU (tanh form), or the mixture of
+    experts (`moe`)."""
     if self.experts is not None:
       return self.moe(x_bth)
     gate, up = self.normed_gate_up(x_bth)

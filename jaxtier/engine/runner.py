@@ -38,7 +38,7 @@ from jaxtier.engine.batch import GREEDY, StepArrays
 from jaxtier.kvcache import PagedKVCache, PagedMetadata
 from jaxtier.kvcache import swap
 from jaxtier.kvcache.swap import (HostTier, gather_blocks, host_block_shardings,
-                                  host_block_specs, scatter_blocks, swap_parts)
+                                  host_block_specs, part_slices, scatter_blocks)
 from jaxtier.logprobs import TopLogprobs, top_logprobs
 from jaxtier.sampling import LogitsArrays, SamplingArrays, sample, sample_transformed
 
@@ -457,20 +457,21 @@ class Runner:
     "in", one program per part of `swap.swap_parts`; returns the cache and the host tier."""
     src, dst = (np.asarray(ids, np.int32) for ids in zip(*pairs))
     places = host_block_shardings(cache) if direction == "out" else None
-    done = 0
-    for x in swap_parts(len(pairs)):
-      part, to = src[done:done + x], dst[done:done + x]
-      done += x
+    stored = []  # swapped-out blocks, put in the tier once (each `stored` copies its slots)
+    for part in part_slices(len(pairs)):
+      x = part.stop - part.start
       if direction == "out":
-        args, static = (cache, part), {"places": places}
+        args, static = (cache, src[part]), {"places": places}
       else:
-        args, static = (cache, host.blocks(part), to), {}
+        args, static = (cache, host.blocks(src[part]), dst[part]), {}
       program = self._program(("swap", direction, x), _SWAPS[direction], args, **static)
       dispatched = time.perf_counter()
       if direction == "out":
         blocks, marker = program(*args)
-        host = host.stored(to, blocks)
+        stored += blocks
       else:
         cache, marker = program(*args)
       self.timer.submit(direction, marker, dispatched, x)
+    if stored:
+      host = host.stored(dst, stored)
     return cache, host

@@ -165,6 +165,12 @@ def swap_parts(n: int, most: int = MAX_SWAP_BLOCKS) -> tuple[int, ...]:
   return tuple(parts)
 
 
+def part_slices(n: int) -> list[slice]:
+  """The slices of a swap's n block pairs that its programs take, in order (`swap_parts`)."""
+  bounds = np.cumsum((0,) + swap_parts(n))
+  return [slice(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
 def _ids(name: str, ids, pool_size: int) -> np.ndarray:
   ids = np.asarray(ids)
   if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -218,13 +224,13 @@ def swap_out(cache: PagedKVCache, host: HostTier, device_ids, host_ids
   src, dst = _checked(cache, host, device_ids, host_ids,
                       (c.num_device_blocks, c.num_host_blocks), ("device_ids", "host_ids"))
   places, parts = host_block_shardings(cache), swap_parts(src.size)
-  bounds = np.cumsum((0,) + parts)
   programs = [_compiled(_GATHER, ("out", x, _layout(cache)), (cache, src[:x]), {"places": places})
               for x in parts]
   start = time.perf_counter()
-  for (program, _), lo, hi in zip(programs, bounds[:-1], bounds[1:]):
-    host = host.stored(dst[lo:hi], program(cache, src[lo:hi]))
-  jax.block_until_ready([host.slots[i] for i in dst])
+  blocks = [block for (program, _), part in zip(programs, part_slices(src.size))
+            for block in program(cache, src[part])]
+  host = host.stored(dst, blocks)  # once: each call copies the slot tuple
+  jax.block_until_ready(blocks)
   seconds = time.perf_counter() - start
   return host, SwapReport("out", src.size, parts, src.size * c.bytes_per_block, seconds,
                           sum(s for _, s in programs))
@@ -238,12 +244,11 @@ def swap_in(cache: PagedKVCache, host: HostTier, host_ids, device_ids
   src, dst = _checked(cache, host, host_ids, device_ids,
                       (c.num_host_blocks, c.num_device_blocks), ("host_ids", "device_ids"))
   blocks, parts = host.blocks(src), swap_parts(src.size)
-  bounds = np.cumsum((0,) + parts)
   programs = [_compiled(_SCATTER, ("in", x, _layout(cache)), (cache, blocks[:x], dst[:x]), {})
               for x in parts]
   start = time.perf_counter()
-  for (program, _), lo, hi in zip(programs, bounds[:-1], bounds[1:]):
-    cache = program(cache, blocks[lo:hi], dst[lo:hi])
+  for (program, _), part in zip(programs, part_slices(src.size)):
+    cache = program(cache, blocks[part], dst[part])
   cache = jax.block_until_ready(cache)
   seconds = time.perf_counter() - start
   return cache, SwapReport("in", src.size, parts, src.size * c.bytes_per_block, seconds,
