@@ -20,6 +20,7 @@ KV_CACHE_DTYPES = ("auto",) + tuple(ELEMENT_BYTES)
 LAYER_EXECUTIONS = ("auto", "scan", "unrolled")
 ATTENTION_IMPLS = ("auto", "xla", "cpu", "pallas")
 KERNELS = ("auto", "portable")
+EXPERT_OFFLOAD_MODES = ("auto", "stream", "host")
 WEIGHT_FORMATS = ("auto", "float")
 BLOCK_ACTIVATIONS = ("auto", "float32", "int16")  # "auto" or one of jaxtier.matmul.ACTIVATIONS
 MAX_BLOCK_SIZE = 1024
@@ -115,6 +116,16 @@ class EngineArgs:
       ">= 0 or 'auto' (the offload planner)")
   prefetch_depth: int | str = _arg(
       "auto", f"layers the offloaded tail is fetched ahead: 1 to {MAX_PREFETCH_DEPTH} or 'auto'")
+  offload_expert_layers: int = _arg(
+      0, "mixture-of-experts models: the routed experts of the last N MoE layers (-1: all) kept "
+      "in pinned host memory, counted from the end independently of offload_tail_layers (the "
+      "tail's layers move whole); attention, norms and router stay on the device")
+  expert_offload_mode: str = _arg(
+      "auto", "how offloaded experts run: stream (each layer's experts copied to the device, "
+      "prefetched as the tail is), host (the routed experts computed on the host where they "
+      "live, as llama.cpp's --cpu-moe; one device only), or auto: per call, by the cost model "
+      "of jaxtier.offload.expert_cost from the link and host rates (on CPU: on the host where "
+      "a call's tokens route to at most all experts once)", EXPERT_OFFLOAD_MODES)
   device_memory_gb: float | None = _arg(
       None, "device memory in GB for offload_tail_layers='auto' (the planner) and the default KV "
       "pool sizing; default: what the device reports (nothing on CPU)")
@@ -190,6 +201,8 @@ class EngineArgs:
     check_int("seed", self.seed, 0, 2**32 - 1)
     check_choice("layer_execution", self.layer_execution, LAYER_EXECUTIONS)
     check_offload(self.offload_tail_layers, self.prefetch_depth)
+    check_int("offload_expert_layers", self.offload_expert_layers, -1)
+    check_choice("expert_offload_mode", self.expert_offload_mode, EXPERT_OFFLOAD_MODES)
     check_positive("device_memory_gb", self.device_memory_gb)
     check_positive("host_memory_gb", self.host_memory_gb)
     check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 4096)

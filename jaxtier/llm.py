@@ -18,7 +18,8 @@ from jaxtier.checks import check_prompt_ids
 from jaxtier.engine_args import EngineArgs
 from jaxtier.generate import Completion, StepUpdate, generate_batch
 from jaxtier.logprobs import LogprobDict
-from jaxtier.offload import hardware, measure
+from jaxtier.offload import expert_cost, hardware, measure
+from jaxtier.offload.experts import ExpertOffloadedLayers
 from jaxtier.offload.planner import ModelBytes
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler import Request
@@ -80,6 +81,14 @@ def _bytes_by_format(tree) -> dict[str, int]:
   return out
 
 
+def _host_expert_bytes(model) -> int:
+  """Bytes of the routed experts `model` keeps in host memory outside its offloaded tail (its
+  `ExpertOffloadedLayers` groups')."""
+  groups = getattr(model, "groups", ())
+  return sum(a.size * a.dtype.itemsize for g in groups if isinstance(g, ExpertOffloadedLayers)
+             for a in jax.tree.leaves(nnx.state(g)) if a.sharding.memory_kind != offload.DEVICE)
+
+
 def _size(args: EngineArgs, machine: sizing.Machine, opened, keep_quantized: bool,
           exact: bool = False, preset: str | None = None) -> sizing.Sizing:
   """`sizing.size` for an opened checkpoint: with the loader's exact bytes where resident layers
@@ -104,17 +113,27 @@ def _size(args: EngineArgs, machine: sizing.Machine, opened, keep_quantized: boo
     return (measure.link_bytes_per_s(),
             measure.layer_compute_s(config, dtype, batch, 1, context))
 
+  rates = None
   if preset is not None:
     timing = hardware.preset_timing(preset, ModelBytes.from_config(
         config, dtype, sizing.kv_cache_dtype(args, machine)))
-  return sizing.size(args, config, machine, weights=weights, timing=timing)
+    rates = expert_cost.rates_of(hardware.preset(preset))
+  elif (args.offload_expert_layers and args.expert_offload_mode == "auto"
+        and machine.platform != "cpu"):
+    # this accelerator's measured link, the platform preset's host figures
+    rates = dataclasses.replace(
+        expert_cost.rates_of(hardware.preset(hardware.PLATFORM_PRESETS[machine.platform])),
+        link_bytes_per_s=measure.link_bytes_per_s())
+  return sizing.size(args, config, machine, weights=weights, timing=timing, expert_rates=rates)
 
 
 def layout_of(s: sizing.Sizing, num_layers: int, mesh) -> placed.Layout:
   """How a model sized `s` is arranged and placed (`placed.build`, `placed.abstract`)."""
   return placed.Layout.of(num_layers, s.offload.offload_tail_layers, s.offload.prefetch_depth or 1,
                           s.layer_execution, mesh, keep_quantized=s.keep_quantized,
-                          block_activations=s.block_activations, portable=s.kernels == "portable")
+                          block_activations=s.block_activations, portable=s.kernels == "portable",
+                          expert_layers=s.experts.layers,
+                          expert_stream_from_tokens=s.experts.stream_from_tokens)
 
 
 def engine_config_of(args: EngineArgs, s: sizing.Sizing) -> EngineConfig:
@@ -164,7 +183,8 @@ class LLM:
       num_device_blocks / kv_cache_memory_gb, num_host_blocks / swap_space_gb, kv_cache_dtype
       ("auto", "float32", "bfloat16", "int8"), preemption_mode, watermark, victim_policy,
       enable_prefix_caching, host_prefix_caching, async_scheduling, seed,
-      layer_execution, offload_tail_layers, prefetch_depth, device_memory_gb,
+      layer_execution, offload_tail_layers, prefetch_depth, offload_expert_layers,
+      expert_offload_mode, device_memory_gb,
       tensor_parallel_size, trace_path, attention_impl, weight_format, block_activations,
       chat_template. Bad values raise ValueError before any weight loads.
 
@@ -278,7 +298,8 @@ class LLM:
     device pool and pinned-host tier (blocks x `kv_block_bytes`; the device pool is allocated on
     the engine's first use, the host tier's blocks as they are swapped out, up to its size).
     Totals are over all devices; `*_per_device` are one device's share under tensor parallelism.
-    Every step streams all host-resident weights once (`weight_transfer_bytes_per_step`);
+    Every step streams all host-resident weights once (`weight_transfer_bytes_per_step`; a
+    call whose offloaded experts the host computes moves only their activations instead);
     `kv_swap_bytes_per_step` is the mean over the steps run so far (`kv_swap_bytes_max_step` the
     largest). `weight_bytes_by_format`: the weights' bytes by how they are held, the dtype's name
     or, for weights kept in GGUF blocks, the block format (`matmul.weight_format`: "q4_1",
@@ -287,8 +308,9 @@ class LLM:
     by_kind = offload.bytes_by_memory_kind(self.state)
     per_device, tp = offload.bytes_per_device(self.state), self.tensor_parallel_size
     host = sum(v for k, v in by_kind.items() if k != offload.DEVICE)
+    experts = _host_expert_bytes(self.loaded.model)
     n, depth = self.offload.offload_tail_layers, self.offload.prefetch_depth
-    layer_bytes = host // n if n else 0
+    layer_bytes = (host - experts) // n if n else 0
     c = self.engine_config
     stats = self._engine.stats() if self._engine is not None else {}
     return {"device_weight_bytes": by_kind.get(offload.DEVICE, 0), "host_weight_bytes": host,
@@ -301,6 +323,8 @@ class LLM:
             "kv_swap_bytes_max_step": stats.get("kv_swap_bytes_max_step", 0),
             "prefetch_buffer_bytes": (depth + 1) * layer_bytes if n else 0,
             "offload_tail_layers": n, "prefetch_depth": depth,
+            "offload_expert_layers": self.sizing.experts.layers, "host_expert_bytes": experts,
+            "expert_offload": self.sizing.experts.report,
             "tensor_parallel_size": tp,
             "device_weight_bytes_per_device": per_device.get(offload.DEVICE, 0),
             "host_weight_bytes_per_device": sum(v for k, v in per_device.items()
@@ -316,6 +340,9 @@ class LLM:
     stats.update(
         offload_tail_layers=self.offload.offload_tail_layers,
         prefetch_depth=self.offload.prefetch_depth,
+        offload_expert_layers=self.sizing.experts.layers,
+        expert_stream_from_tokens=self.sizing.experts.stream_from_tokens,
+        expert_offload=self.sizing.experts.report,
         weight_transfer_bytes_per_step=sum(
             v for k, v in offload.bytes_by_memory_kind(self.state).items() if k != offload.DEVICE),
         offload_predicted_step_seconds=plan.predicted_step_s if plan is not None else None,

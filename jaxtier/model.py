@@ -162,12 +162,18 @@ class DecoderLayer(nnx.Module):
     act = jax.nn.silu(gate) if self.act == "silu" else jax.nn.gelu(gate, approximate=True)
     return self.project_down(act * up)
 
-  def moe(self, x_bth):
-    """The mixture-of-experts MLP block (`jaxtier.moe.moe_mlp`) of the normed x."""
+  def moe(self, x_bth, experts=None):
+    """The mixture-of-experts MLP block of the normed x: the router's top k (`moe.route`), then
+    the routed experts as a grouped matmul (`moe.grouped_experts`), or as `experts(x_nh,
+    weights_nk, experts_nk) -> [n, h]` computes them where given (experts held elsewhere: see
+    `jaxtier.offload.experts`; the layer's own expert parameters are then not read)."""
     b, t, h = x_bth.shape
-    out_nh = moe.moe_mlp(self.mlp_norm(x_bth).reshape(b * t, h), self.router[...],
-                         self.expert_gate[...], self.expert_up[...], self.expert_down[...],
-                         self.experts, self.normalize_topk, self.act)
+    y_nh = self.mlp_norm(x_bth).reshape(b * t, h)
+    weights_nk, experts_nk = moe.route(y_nh @ self.router[...], self.experts, self.normalize_topk)
+    if experts is not None:
+      return experts(y_nh, weights_nk, experts_nk).reshape(b, t, h)
+    out_nh = moe.grouped_experts(y_nh, weights_nk, experts_nk, self.expert_gate[...],
+                                 self.expert_up[...], self.expert_down[...], self.act)
     return out_nh.reshape(b, t, h)
 
   def project_out(self, attn_btf):
@@ -176,7 +182,9 @@ class DecoderLayer(nnx.Module):
   def project_down(self, h_btf):
     return self.down_proj(h_btf)
 
-  def __call__(self, x_bth, cos_btd, sin_btd, cache, layer, pos_bt, meta):
+  def __call__(self, x_bth, cos_btd, sin_btd, cache, layer, pos_bt, meta, experts=None):
+    """One layer over x [b, t, h]; `experts` computes a mixture of experts' routed experts
+    instead of the layer (see `moe`)."""
     n, k, d = self.shape
     b, t, _ = x_bth.shape
     with jax.named_scope("attention"):
@@ -191,7 +199,7 @@ class DecoderLayer(nnx.Module):
         out_bth = self.post_attn_norm(out_bth)
       x_bth = x_bth + out_bth
     with jax.named_scope("mlp"):
-      out_bth = self.mlp(x_bth)
+      out_bth = self.mlp(x_bth) if experts is None else self.moe(x_bth, experts)
       if self.post_mlp_norm is not None:
         out_bth = self.post_mlp_norm(out_bth)
       x_bth = x_bth + out_bth

@@ -6,9 +6,9 @@ machine that has JAX but not jaxtier's other dependencies):
 - `link`: host <-> device copy rates with `pinned_host` buffers at 4, 64 and 512 MiB, and the device's
   own copy rate (bytes read plus written), which bounds a decode step.
 - `hf_tiny`: the tiny Hugging Face fixtures' logits (committed, computed by transformers in float32;
-  one per family: Llama, Qwen2, Qwen3, Mistral, Phi-3) against jaxtier's at the highest matmul
-  precision, at the platform's default precision (TF32 on NVIDIA GPUs) and with bfloat16 weights:
-  worst absolute error and greedy (argmax) agreement.
+  one per family: Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE)
+  against jaxtier's at the highest matmul precision, at the platform's default precision (TF32 on
+  NVIDIA GPUs) and with bfloat16 weights: worst absolute error and greedy (argmax) agreement.
 - `engine_tiny`: `jaxtier.LLM` on the tiny Llama fixture: greedy tokens of the contiguous-cache
   reference driver, the resident engine, the engine with offloaded tail layers, and the engine
   under a device pool small enough to swap, which must all be identical; swap bytes and seconds.
@@ -19,6 +19,11 @@ machine that has JAX but not jaxtier's other dependencies):
   `--allow_cpu`): decode tokens/s at batch 1, 8 and 32 against the bound weight bytes / device copy
   rate, and with offloaded tail layers against max(resident step, offloaded bytes / host-to-device
   rate).
+- `experts`: two mixture-of-experts layers (8 experts of 2048 x 5632, 2 per token, bfloat16;
+  smaller with `--allow_cpu`) with their experts in pinned host memory: seconds of a forward call
+  of 1 to 256 tokens when the experts stream to the device and when the host computes them, the
+  measured crossover, and the cost model's (`jaxtier.offload.expert_cost`) at the measured
+  host-to-device rate.
 
 Each section is timed and guarded: an error is recorded in the section and the next one runs; a
 section that would start past `--budget_s` is skipped. The JSON is rewritten after every section,
@@ -44,7 +49,7 @@ _OUT = flags.DEFINE_string("out", "validate_gpu.json", "where the JSON goes")
 _ALLOW_CPU = flags.DEFINE_bool("allow_cpu", False, "run on a CPU (small shapes; a dry run)")
 _BUDGET = flags.DEFINE_float("budget_s", 420.0, "no section starts after this many seconds")
 _SECTIONS = flags.DEFINE_list("sections", ["env", "link", "hf_tiny", "engine_tiny", "sampling",
-                                           "decode"],
+                                           "decode", "experts"],
                               "sections to run, in order")
 _DECODE_BATCHES = flags.DEFINE_list("decode_batches", ["1", "8", "32"], "decode batch sizes")
 _DECODE_OFFLOAD = flags.DEFINE_list("decode_offload", ["8", "16"],
@@ -127,7 +132,8 @@ def _logit_errors(model, ref, ids_key, logits_key) -> tuple[float, float]:
   return float(np.abs(got - want).max()), float((got.argmax(-1) == want.argmax(-1)).mean())
 
 
-HF_TINY = ("tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral", "tiny_phi3")
+HF_TINY = ("tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral", "tiny_phi3", "tiny_gemma2",
+           "tiny_gemma3", "tiny_mixtral", "tiny_qwen3_moe")
 
 
 def section_hf_tiny() -> dict:
@@ -387,6 +393,55 @@ def section_decode(link: dict | None) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def section_experts(link: dict | None) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from jaxtier.config import ModelConfig
+  from jaxtier.kvcache import ContiguousKVCache
+  from jaxtier.model import GroupedTransformer, Transformer
+  from jaxtier.offload import expert_cost, hardware
+  from jaxtier.offload.experts import expert_group
+  small = _ALLOW_CPU.value
+  h, f, heads = (256, 512, 4) if small else (2048, 5632, 16)
+  config = ModelConfig(architecture="mixtral", vocab_size=256, hidden_size=h, intermediate_size=f,
+                       num_layers=2, num_heads=heads, num_kv_heads=heads // 2, head_dim=h // heads,
+                       max_position_embeddings=512, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=f, norm_topk_prob=True)
+  model = Transformer(config, jnp.bfloat16, rngs=nnx.Rngs(0))
+  tokens_list = (1, 4, 16, 64) if small else (1, 4, 16, 64, 256)
+  forward = nnx.jit(lambda m, cache, t, p: m(t, p, cache)[0])
+  out = {"shape": {"experts": 8, "per_token": 2, "hidden": h, "width": f, "layers": 2,
+                   "dtype": "bfloat16"}, "calls": {}}
+  placed = {mode: GroupedTransformer(model, [(2, expert_group(1, None if mode == "host" else 1))])
+            for mode in ("host", "stream")}
+  del model
+  for n in tokens_list:
+    ids = jnp.asarray(np.random.default_rng(n).integers(0, 256, (1, n)), jnp.int32)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    cache = ContiguousKVCache.create(2, 1, 512, config.num_kv_heads, config.head_dim,
+                                     jnp.bfloat16)
+    row, logits = {}, {}
+    for mode, m in placed.items():
+      logits[mode] = np.asarray(forward(m, cache, ids, pos), np.float32)
+      row[f"{mode}_s"] = _timed(lambda m=m: jax.block_until_ready(forward(m, cache, ids, pos)), 3)
+    row["max_abs_diff"] = float(np.abs(logits["host"] - logits["stream"]).max())
+    row["faster"] = "stream" if row["stream_s"] < row["host_s"] else "host"
+    out["calls"][str(n)] = row
+  faster = [n for n in tokens_list if out["calls"][str(n)]["faster"] == "stream"]
+  out["measured_stream_from_tokens"] = faster[0] if faster else None
+  preset = hardware.preset(hardware.PLATFORM_PRESETS["gpu"])
+  rates = expert_cost.rates_of(preset)
+  measured = (link or {}).get("512MiB", (link or {}).get("64MiB", {})).get("h2d_gbps")
+  if measured:
+    rates = dataclasses.replace(rates, link_bytes_per_s=measured * 1e9)
+  shape = expert_cost.ExpertShape.of(config, "bfloat16")
+  out["model_stream_from_tokens"] = expert_cost.stream_from_tokens(shape, rates)
+  out["model_rates"] = dataclasses.asdict(rates)
+  return out
+
+
 def main(argv):
   del argv
   import jax
@@ -400,8 +455,8 @@ def main(argv):
       continue
     start = time.perf_counter()
     try:
-      if name == "decode":
-        value = section_decode(result["sections"].get("link"))
+      if name in ("decode", "experts"):
+        value = globals()[f"section_{name}"](result["sections"].get("link"))
       else:
         value = globals()[f"section_{name}"]()
     except Exception as e:  # pylint: disable=broad-except  (one section's failure is its result)

@@ -12,6 +12,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental.compute_on import compute_on
+from jax.sharding import PartitionSpec as P
 
 from jaxtier import cpu_kernels
 from jaxtier.checkpoint import hf
@@ -136,7 +138,7 @@ def test_a_program_that_fails_is_reported_and_the_others_export(monkeypatch):
   result = export.export_programs(TINY, "cuda", max_num_seqs=4)
   out = result["programs"]["swap_out"]
   assert not out["ok"] and "this swap cannot be traced" in out["error"]
-  assert out["h2d_bytes"] is None
+  assert out["h2d_bytes"] is None and out["host_offload_compute_ops"] is None
   assert all(f["ok"] for name, f in result["programs"].items() if name != "swap_out")
 
 
@@ -161,6 +163,61 @@ def test_host_compute_counts_an_update_into_host_memory_not_data_movement():
   assert taken.host_compute == () and taken.transfer_bytes(to_device=True) == 4 * 2
 
 
+
+def _one_device_shardings():
+  mesh = jax.make_mesh((1,), ("tp",))
+  return (jax.sharding.NamedSharding(mesh, P(), memory_kind=placement.PINNED_HOST),
+          jax.sharding.NamedSharding(mesh, P(), memory_kind=placement.DEVICE))
+
+
+def test_compute_on_the_host_is_offload_compute_and_its_result_moves_back():
+  """An offloaded layer's experts computed where they live (`compute_on("device_host")`): the
+  ops are host computation on purpose, the tokens moved to the host d2h, the result moved back
+  h2d, once (jit's own annotation of the result moves nothing more)."""
+  host, dev = _one_device_shardings()
+
+  def experts(x, w, e, j):  # x: tokens, w: (layers, experts, hidden, ffn) on the host
+    xh, eh, jh = jax.device_put((x, e, j), host)
+
+    @compute_on("device_host")
+    @jax.jit
+    def run(xh, w, eh, jh):
+      ws = w.reshape(12, 8, 16)[jh * 3 + eh]  # a gather of each token's expert of layer j
+      return jnp.einsum("ph,phf->pf", xh, ws)
+
+    return jax.device_put(run(xh, w, eh, jh), dev)
+
+  args = (jax.ShapeDtypeStruct((5, 8), jnp.float32),
+          jax.ShapeDtypeStruct((4, 3, 8, 16), jnp.float32, sharding=host),
+          jax.ShapeDtypeStruct((5,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+  text = jax.export.export(jax.jit(experts, in_shardings=(dev, host, dev, dev)),
+                           platforms=["cuda"])(*args).mlir_module()
+  facts = export.program_facts(text)
+  assert facts["host_compute_ops"] == 0, facts["host_compute"]
+  assert facts["host_offload_compute_ops"] == len(facts["host_offload_compute"]) > 0
+  ops = {op.split(" ")[0] for op in facts["host_offload_compute"]}
+  assert {"stablehlo.gather", "stablehlo.dot_general"} <= ops
+  assert not ops & (hlo.MOVES | {"stablehlo.constant", "func.call"})
+  assert facts["d2h_bytes"] == 5 * 8 * 4 + 5 * 4 + 4  # x, e and j moved to the host
+  assert facts["h2d_bytes"] == 5 * 16 * 4  # the result moved back
+  report = hlo.placement_report(text)
+  assert [t.sources for t in report.to_device()] == [(-1,)]
+
+
+def test_host_compute_outside_compute_on_is_accidental():
+  host, dev = _one_device_shardings()
+
+  def doubled(x, w):  # the device computes on host memory: w * 2 placed on no side
+    return x @ jax.device_put(w * 2, dev)
+
+  text = jax.export.export(jax.jit(doubled, in_shardings=(dev, host)), platforms=["cuda"])(
+      jax.ShapeDtypeStruct((5, 8), jnp.float32),
+      jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=host)).mlir_module()
+  facts = export.program_facts(text)
+  assert facts["host_offload_compute_ops"] == 0 and facts["host_offload_compute"] == []
+  assert [op.split(" ")[0] for op in facts["host_compute"]] == ["stablehlo.multiply"]
+  assert facts["host_compute_ops"] == 1
+
 def test_script_writes_the_json(tmp_path):
   path = tmp_path / "tpu.json"
   proc = subprocess.run(
@@ -173,8 +230,8 @@ def test_script_writes_the_json(tmp_path):
   assert json.loads(proc.stdout.strip().splitlines()[-1]) == result
   assert result["platform"] == "tpu" and result["host_weight_bytes"] > 0
   for facts in result["programs"].values():
-    assert set(facts) >= {"ok", "error", "cpu_custom_calls", "host_compute_ops", "h2d_bytes",
-                          "d2h_bytes", "pallas_kernels"}
+    assert set(facts) >= {"ok", "error", "cpu_custom_calls", "host_compute_ops",
+                          "host_offload_compute_ops", "h2d_bytes", "d2h_bytes", "pallas_kernels"}
     assert facts["ok"]
   bad = subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", "export_programs.py"), "--platform=cuda",

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtier.moe import moe_mlp, moe_mlp_reference, route
+from jaxtier.moe import (gathered_experts, masked_experts, mixing_weights, moe_mlp,
+                         moe_mlp_reference, route)
 
 
 def _case(seed: int, n: int, h: int = 16, e: int = 6, f: int = 8):
@@ -48,6 +49,20 @@ def test_an_expert_no_token_routes_to_and_a_single_token():
   out = moe_mlp(x, router, gate, up, down, 2, True)
   np.testing.assert_allclose(out, _numpy_moe(x, router, gate, up, down, 2, True, "silu"),
                              atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("n, k, act", [(1, 2, "silu"), (3, 2, "silu"), (9, 3, "gelu_pytorch_tanh")])
+def test_host_forms_equal_the_numpy_loop(n, k, act):
+  """The two forms a host computes offloaded experts in: pairs gathering their expert's weights,
+  and every expert masked by the router's mix."""
+  x, router, gate, up, down = _case(n + k, n=n)
+  weights, experts = route(x @ router, k, True)
+  want = _numpy_moe(x, router, gate, up, down, k, True, act)
+  np.testing.assert_allclose(gathered_experts(x, weights, experts, gate, up, down, act), want,
+                             atol=2e-5, rtol=2e-5)
+  mix = mixing_weights(weights, experts, router.shape[1])
+  np.testing.assert_allclose(masked_experts(x, mix, gate, up, down, act), want, atol=2e-5,
+                             rtol=2e-5)
 
 
 def test_router_weights():

@@ -11,7 +11,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 def test_validate_gpu_dry_run(tmp_path):
   out = tmp_path / "v.json"
   subprocess.run([sys.executable, "scripts/validate_gpu.py", f"--out={out}", "--allow_cpu",
-                  "--sections=env,link,hf_tiny,engine_tiny,sampling"], cwd=ROOT, check=True,
+                  "--sections=env,link,hf_tiny,engine_tiny,sampling,experts"], cwd=ROOT, check=True,
                  capture_output=True, timeout=600)
   sections = json.loads(out.read_text())["sections"]
   assert all("error" not in s for s in sections.values()), sections
@@ -21,6 +21,9 @@ def test_validate_gpu_dry_run(tmp_path):
   assert sections["engine_tiny"]["small_pool_swap"]["swap_out_count"] > 0
   assert sections["sampling"]["ok"], sections["sampling"]
   assert sections["sampling"]["swap_out_count"] > 0
+  experts = sections["experts"]
+  assert set(experts["calls"]) == {"1", "4", "16", "64"}
+  assert all(call["host_s"] > 0 and call["stream_s"] > 0 for call in experts["calls"].values())
 
 
 def test_validate_gpu_refuses_cpu_without_flag(tmp_path):

@@ -36,9 +36,10 @@ from jaxtier.config import ModelConfig
 from jaxtier.model import (DecoderLayer, FusedDecoderLayer, GroupedTransformer, LayerStack,
                            Transformer, UnrolledLayers, make_layer_stack, packs_by_default)
 from jaxtier.offload import placement
+from jaxtier.offload.experts import ExpertOffloadedLayers, is_expert_param
 from jaxtier.offload.prefetch import OffloadedLayers
 
-GROUP_MODES = ("scan", "unrolled", "offload")
+GROUP_MODES = ("scan", "unrolled", "offload", "experts")
 Observer = Callable[[str, jax.Array], None]  # called after each tensor is placed
 
 
@@ -47,8 +48,11 @@ class Layout:
   """How a loaded model is arranged and placed.
 
   `groups`: consecutive (num_layers, mode) covering every layer, mode "scan" (a stacked scan on the
-  device), "unrolled" (per-layer device buffers) or "offload" (a stack in pinned host memory,
-  prefetched `prefetch_depth` layers ahead). `mesh`: the tensor-parallel mesh (None: this
+  device), "unrolled" (per-layer device buffers), "offload" (a stack in pinned host memory,
+  prefetched `prefetch_depth` layers ahead) or "experts" (a stack of mixture-of-experts layers
+  whose routed experts are in pinned host memory and the rest on the device, streamed from
+  `expert_stream_from_tokens` tokens a call, else computed on the host:
+  `jaxtier.offload.experts`). `mesh`: the tensor-parallel mesh (None: this
   process's first device). `keep_quantized`: packed unrolled layers keep a fused kernel (q/k/v,
   gate/up, o, down) of a layer in blocks where the source stores all its parts in blocks
   (`TensorSource.quantization`, `block_kernels`): Q4_1 where that format holds every part
@@ -67,6 +71,7 @@ class Layout:
   keep_quantized: bool = False
   block_activations: str = "float32"
   portable: bool = False  # only what an accelerator runs: no layer or head packed for CPU kernels
+  expert_stream_from_tokens: int | None = None  # "experts" groups: None computes on the host
 
   def __post_init__(self):
     bad = [m for _, m in self.groups if m not in GROUP_MODES]
@@ -77,13 +82,18 @@ class Layout:
   @classmethod
   def of(cls, num_layers: int, offload_tail_layers: int = 0, prefetch_depth: int = 1,
          layer_execution: str = "scan", mesh: Mesh | None = None, keep_quantized: bool = False,
-         block_activations: str = "float32", portable: bool = False) -> "Layout":
-    """The resident head run as `layer_execution` and the last `offload_tail_layers` offloaded."""
-    head = num_layers - offload_tail_layers
+         block_activations: str = "float32", portable: bool = False,
+         expert_layers: int = 0, expert_stream_from_tokens: int | None = None) -> "Layout":
+    """The resident head run as `layer_execution`, then `expert_layers` layers whose experts are
+    in pinned host memory, then the last `offload_tail_layers` offloaded."""
+    head = num_layers - offload_tail_layers - expert_layers
     groups = ((head, layer_execution),) if head else ()
+    if expert_layers:
+      groups += ((expert_layers, "experts"),)
     if offload_tail_layers:
       groups += ((offload_tail_layers, "offload"),)
-    return cls(groups, prefetch_depth, mesh, keep_quantized, block_activations, portable)
+    return cls(groups, prefetch_depth, mesh, keep_quantized, block_activations, portable,
+               expert_stream_from_tokens)
 
   @property
   def num_layers(self) -> int:
@@ -158,7 +168,7 @@ class _AbstractPlacer(_Placer):
     for group in groups:
       for j, values in enumerate(group.values):
         for sub, spec in group.specs_of(j).items():
-          values[sub] = self.place(("layers",) + sub, None, spec, group.kind)
+          values[sub] = self.place(("layers",) + sub, None, spec, group.kind_of(sub))
 
 
 def _whole(config: ModelConfig):
@@ -182,6 +192,13 @@ class _Group:
   blocks: tuple[dict, ...] = ()  # per layer: {kernel: block format} kept in the source's blocks
   activations: str = "float32"  # ... multiplied so (`Layout.block_activations`)
   parts: dict = dataclasses.field(default_factory=dict)
+
+  def kind_of(self, sub: Path) -> str:
+    """The memory kind of parameter `sub`: the group's, except that an "experts" group keeps
+    only its routed experts in pinned host memory."""
+    if self.mode == "experts":
+      return placement.PINNED_HOST if is_expert_param(sub) else placement.DEVICE
+    return self.kind
 
   @property
   def specs(self) -> dict[Path, jax.ShapeDtypeStruct]:
@@ -244,7 +261,7 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
       whole = group.mode != "unrolled" and group.layers == range(num_layers)
       if group.mode != "unrolled":
         read = _Read((path,), None if whole else list(group.layers))
-        group.values[0][sub] = placer.place(("layers",) + sub, read, spec, group.kind)
+        group.values[0][sub] = placer.place(("layers",) + sub, read, spec, group.kind_of(sub))
         continue
       got = group.parts.setdefault(sub, {})
       kernel = group.packed and sub[-1] in FusedDecoderLayer.KERNELS
@@ -437,6 +454,10 @@ def _arrange(config: ModelConfig, dtype, layout: Layout, placer: _Placer) -> Tra
                              layout.fused)
     elif group.mode == "offload":
       built = OffloadedLayers(group.module(0), first, layout.prefetch_depth)
+    elif group.mode == "experts":
+      built = ExpertOffloadedLayers(group.module(0), first,
+                                    min(layout.prefetch_depth, len(group.layers)),
+                                    layout.expert_stream_from_tokens)
     else:
       built = LayerStack(group.module(0), first)
     groups.append((len(group.layers), built))

@@ -25,6 +25,17 @@ is given, else the smallest that can run (one max_model_len sequence), since the
 whatever memory the weights leave. With no known device memory, "auto" offloads nothing. On CPU
 `prefetch_depth="auto"` is 1: there is no copy engine to overlap with, so a deeper queue only holds
 more layer copies.
+
+Expert offload (`offload_expert_layers`, `expert_offload_mode`): the routed experts of the last N
+mixture-of-experts layers (-1: all) live in pinned host memory; layers of the offloaded tail among
+them move whole, so the experts group is the N - offload_tail_layers layers before the tail. A call
+of n tokens streams them from `expert_stream_from_tokens` tokens on and computes them on the host
+below (`jaxtier.offload.experts`): "auto" takes the switch point from the cost model
+(`jaxtier.offload.expert_cost`) at the link and host rates (measured link and the platform's preset
+host figures, or the preset's for another platform); on CPU, where host and device are one memory,
+"auto" computes on the host exactly where the host's gathered form applies (n * k at most the
+expert count: only routed experts are read) and streams above it, where the host's form would run
+every expert. Tensor parallelism streams (host compute runs on one device).
 """
 
 import dataclasses
@@ -38,6 +49,7 @@ from jaxtier.config import ModelConfig
 from jaxtier.engine_args import (CPU_DEFAULT_HOST_FRACTION, CPU_DEFAULT_KV_GB,
                                  CPU_DEFAULT_REQUEST_TOKENS, GB, HOST_PIN_FRACTION, EngineArgs)
 from jaxtier.kv_bytes import kv_block_bytes
+from jaxtier.offload import expert_cost
 from jaxtier.offload.planner import ModelBytes, OffloadPlan, plan
 from jaxtier.scheduler.allocator import blocks_for
 
@@ -76,6 +88,20 @@ class Offload:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertOffload:
+  """The layers whose experts (only) are in pinned host memory, and how they run.
+
+  `layers`: the experts group's size (the offloaded layers outside the tail); `first`: its first
+  layer; `stream_from_tokens`: calls of at least this many tokens stream the experts, smaller ones
+  compute them on the host (None: always on the host); `report`: the cost model's choice per
+  batch size and layer (`expert_cost.report`), None where no experts are offloaded."""
+  layers: int = 0
+  first: int = 0
+  stream_from_tokens: int | None = None
+  report: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Sizing:
   """The resolved engine: every "auto" and every default of `EngineArgs` decided.
 
@@ -99,11 +125,13 @@ class Sizing:
   num_device_blocks: int
   num_host_blocks: int
   offload: Offload
+  experts: ExpertOffload
   device_weight_bytes: int  # over all devices (a replicated tensor counts once)
   host_weight_bytes: int
   device_weight_bytes_per_device: int
   host_weight_bytes_per_device: int
   activation_reserve_bytes: int
+  host_expert_bytes: int = 0  # of host_weight_bytes, the experts group's (over all devices)
 
   @property
   def device_kv_bytes(self) -> int:
@@ -129,8 +157,10 @@ class Sizing:
         "kv_block_bytes": self.block_bytes, "device_kv_blocks": self.num_device_blocks,
         "host_kv_blocks": self.num_host_blocks, "weight_transfer_bytes_per_step": host,
         "kv_swap_bytes_per_step": 0, "kv_swap_bytes_max_step": 0,
-        "prefetch_buffer_bytes": (depth + 1) * (host // n) if n else 0,
+        "prefetch_buffer_bytes": (depth + 1) * ((host - self.host_expert_bytes) // n) if n else 0,
         "offload_tail_layers": n, "prefetch_depth": depth, "tensor_parallel_size": tp,
+        "offload_expert_layers": self.experts.layers, "host_expert_bytes": self.host_expert_bytes,
+        "expert_offload": self.experts.report,
         "device_weight_bytes_per_device": self.device_weight_bytes_per_device,
         "host_weight_bytes_per_device": self.host_weight_bytes_per_device,
         "device_kv_bytes_per_device": self.device_kv_bytes // tp}
@@ -217,6 +247,57 @@ def _check_model(args: EngineArgs, config: ModelConfig) -> None:
                      "context window of this model")
   check_offload(args.offload_tail_layers, args.prefetch_depth, config.num_layers)
   sharding.check_tensor_parallel(config, args.tensor_parallel_size)
+  if args.offload_expert_layers and not config.num_experts:
+    raise ValueError(f"offload_expert_layers={args.offload_expert_layers}: this model has no "
+                     "mixture-of-experts layers")
+  if args.offload_expert_layers > config.num_layers:
+    raise ValueError(f"offload_expert_layers={args.offload_expert_layers}: expected -1 (all) or "
+                     f"at most {config.num_layers}, the model's mixture-of-experts layers")
+  if args.expert_offload_mode == "host" and args.tensor_parallel_size > 1:
+    raise ValueError("expert_offload_mode='host' computes experts on one device's host; with "
+                     f"tensor_parallel_size={args.tensor_parallel_size} use 'stream' or 'auto'")
+
+
+def _expert_layers_wanted(args: EngineArgs, config: ModelConfig) -> int:
+  """`offload_expert_layers` as a count of layers (-1: all of them)."""
+  return config.num_layers if args.offload_expert_layers == -1 else args.offload_expert_layers
+
+
+def _experts(args: EngineArgs, config: ModelConfig, machine: Machine, dtype: str,
+             tail: int, rates: "expert_cost.ExpertRates | None") -> ExpertOffload:
+  """The experts group and its stream/host switch (see the module docstring)."""
+  layers = max(_expert_layers_wanted(args, config) - tail, 0)
+  if not layers:
+    return ExpertOffload()
+  first = config.num_layers - tail - layers
+  shape = expert_cost.ExpertShape.of(config, dtype)
+  forced = args.expert_offload_mode
+  if forced == "auto" and args.tensor_parallel_size > 1:
+    forced = "stream"  # host compute runs on one device
+  if rates is None:
+    rates = expert_cost.rates_of(_platform_hardware(machine.platform))
+  report = expert_cost.report(shape, rates, range(first, first + layers), forced)
+  stream_from = expert_cost.stream_from_tokens(shape, rates, forced)
+  if forced == "auto" and machine.platform == "cpu":
+    stream_from = shape.num_experts // shape.experts_per_tok + 1
+    report = _with_switch(report, stream_from, "cpu: host and device are one memory; on the "
+                          "host while a call's tokens route to at most every expert once")
+  return ExpertOffload(layers, first, stream_from, report)
+
+
+def _platform_hardware(platform: str):
+  """The hardware preset standing for `platform` (`hardware.PLATFORM_PRESETS`; CPU: the GPU's)."""
+  from jaxtier.offload import hardware  # pylint: disable=import-outside-toplevel
+  return hardware.preset(hardware.PLATFORM_PRESETS.get(platform, hardware.PLATFORM_PRESETS["gpu"]))
+
+
+def _with_switch(report: dict, stream_from: int | None, rule: str) -> dict:
+  """`report` with its switch point and per-batch modes set by a rule instead of the rates."""
+  mode = lambda tokens: "stream" if stream_from is not None and tokens >= stream_from else "host"
+  by_batch = {b: dict(row, mode=mode(int(b))) for b, row in report["by_batch"].items()}
+  layers = {layer: dict(row, stream_from_tokens=stream_from) if isinstance(row, dict) else row
+            for layer, row in report.get("layers", {}).items()}
+  return dict(report, stream_from_tokens=stream_from, by_batch=by_batch, layers=layers, rule=rule)
 
 
 def _offload(args: EngineArgs, config: ModelConfig, machine: Machine, weights: ModelBytes,
@@ -249,14 +330,16 @@ def _offload(args: EngineArgs, config: ModelConfig, machine: Machine, weights: M
 
 
 def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
-         weights: ModelBytes | None = None, timing: Timing | None = None) -> Sizing:
+         weights: ModelBytes | None = None, timing: Timing | None = None,
+         expert_rates: "expert_cost.ExpertRates | None" = None) -> Sizing:
   """The engine `args` resolve to for a model of `config` on `machine` (see the module docstring).
 
   `weights`: one device's weight bytes as the loader will hold them (`ModelBytes`; resident
   layers that keep GGUF blocks are smaller than their floats, see
   `jaxtier.checkpoint.placed.resident_bytes`); default: floats of the resolved dtype. `timing(batch,
   context)`: the measured link rate and decode-layer time, called only when the planner runs.
-  Raises ValueError for arguments this model or machine cannot run.
+  `expert_rates`: the link and host rates the expert cost model runs at (default: the platform's
+  hardware preset). Raises ValueError for arguments this model or machine cannot run.
   """
   _check_model(args, config)
   tp = args.tensor_parallel_size
@@ -268,6 +351,11 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
                                args.block_size)
   if weights is None:
     weights = ModelBytes.from_config(config, dtype, kv_dtype, tensor_parallel_size=tp)
+  whole = weights if tp == 1 else ModelBytes.from_config(config, dtype, kv_dtype)
+  wanted = _expert_layers_wanted(args, config)
+  if wanted:  # those layers keep only their dense part on the device (the planner sees it too)
+    weights = weights.without_experts(range(config.num_layers - wanted, config.num_layers))
+    whole = whole.without_experts(range(config.num_layers - wanted, config.num_layers))
   reserve = activation_reserve_bytes(config, 1, min(args.token_budget, max_model_len),
                                      DTYPE_BYTES[dtype])
   memory = (int(args.device_memory_gb * GB) if args.device_memory_gb is not None
@@ -280,8 +368,9 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
                      (minimal if explicit is None else explicit) // tp, reserve, max_model_len,
                      timing)
   n = offload.offload_tail_layers
+  experts = _experts(args, config, machine, dtype, n, expert_rates)
   resident = weights.resident_bytes(range(config.num_layers - n)) + weights.other_bytes
-  host_weights = n * weights.layer_bytes
+  host_weights = n * weights.layer_bytes + experts.layers * weights.expert_layer_bytes
   host = None  # the host pool's default: the device pool's size, unless the CPU rule sets it
   if explicit is not None:
     device = explicit // block_bytes
@@ -300,7 +389,6 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
         f"{max_model_len} tokens needs {needed}: raise num_device_blocks / "
         "kv_cache_memory_gb (or device memory), or lower max_model_len")
   host = _host_blocks(args, machine, device, host, block_bytes, host_weights * tp)
-  whole = weights if tp == 1 else ModelBytes.from_config(config, dtype, kv_dtype)
   return Sizing(
       dtype=dtype, kv_cache_dtype=kv_dtype, kernels=kernels,
       attention_impl=("xla" if kernels == "portable" and args.attention_impl == "auto"
@@ -311,9 +399,12 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
       max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
       max_num_batched_tokens=args.token_budget, block_size=args.block_size,
       block_bytes=block_bytes, num_device_blocks=device, num_host_blocks=host, offload=offload,
+      experts=experts,
       device_weight_bytes=whole.resident_bytes(range(config.num_layers - n)) + whole.other_bytes,
-      host_weight_bytes=n * whole.layer_bytes, device_weight_bytes_per_device=resident,
-      host_weight_bytes_per_device=host_weights, activation_reserve_bytes=reserve)
+      host_weight_bytes=n * whole.layer_bytes + experts.layers * whole.expert_layer_bytes,
+      device_weight_bytes_per_device=resident,
+      host_weight_bytes_per_device=host_weights, activation_reserve_bytes=reserve,
+      host_expert_bytes=experts.layers * whole.expert_layer_bytes)
 
 
 def _host_blocks(args: EngineArgs, machine: Machine, device: int, default: int | None,

@@ -41,6 +41,8 @@ class ModelBytes:
       not `layer_bytes` (the loader keeps a GGUF file's blocks in resident layers, while an
       offloaded layer is held, moved and computed as `layer_bytes` of floats); empty: every layer
       `layer_bytes`. `checkpoint.placed.resident_bytes` computes them.
+    expert_layer_bytes: of `layer_bytes`, the routed experts' (0 for a dense model): what a
+      layer whose experts are offloaded (`offload_expert_layers`) keeps in host memory instead.
   """
   num_layers: int
   layer_bytes: int
@@ -49,11 +51,13 @@ class ModelBytes:
   layer_flops_per_token: int = 0
   attention_width: int = 0
   resident_layer_bytes: tuple[int, ...] = ()
+  expert_layer_bytes: int = 0
 
   def __post_init__(self):
     check_int("num_layers", self.num_layers, 1)
     check_int("layer_bytes", self.layer_bytes, 1)
-    for name in ("other_bytes", "kv_bytes_per_token", "layer_flops_per_token", "attention_width"):
+    for name in ("other_bytes", "kv_bytes_per_token", "layer_flops_per_token", "attention_width",
+                 "expert_layer_bytes"):
       check_int(name, getattr(self, name), 0)
     if self.resident_layer_bytes:
       if len(self.resident_layer_bytes) != self.num_layers:
@@ -67,6 +71,13 @@ class ModelBytes:
     if not self.resident_layer_bytes:
       return len(layers) * self.layer_bytes
     return sum(self.resident_layer_bytes[i] for i in layers)
+
+  def without_experts(self, layers: range) -> "ModelBytes":
+    """The model with the routed experts of `layers` held in host memory: those layers' resident
+    bytes less `expert_layer_bytes` (an offloaded tail layer still moves as `layer_bytes`)."""
+    resident = self.resident_layer_bytes or (self.layer_bytes,) * self.num_layers
+    return dataclasses.replace(self, resident_layer_bytes=tuple(
+        b - self.expert_layer_bytes if i in layers else b for i, b in enumerate(resident)))
 
   @property
   def weight_bytes(self) -> int:
@@ -101,7 +112,9 @@ class ModelBytes:
                kv_bytes_per_token=kv_bytes.kv_bytes_per_token(c.num_layers, c.num_kv_heads // tp,
                                                               c.head_dim, kv_cache_dtype),
                layer_flops_per_token=2 * (c.layer_param_count - norms) // tp,
-               attention_width=c.num_heads * c.head_dim // tp)
+               attention_width=c.num_heads * c.head_dim // tp,
+               expert_layer_bytes=(c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size
+                                   // tp * size if c.num_experts else 0))
 
 
 def simulate_step(num_layers: int, offloaded: int, depth: int, compute_s: float,

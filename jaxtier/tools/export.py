@@ -23,8 +23,12 @@ program's entry holds:
 - `ok`, `error`: whether it exported (a failure is recorded, never raised);
 - `cpu_custom_calls`: custom calls only a CPU runs (`hlo.cpu_only`: jaxtier's C++ kernels and
   others);
-- `host_compute_ops`: operations on host-memory values other than data movement
-  (`hlo.placement_report`'s `host_compute`, listed in `host_compute`);
+- `host_offload_compute_ops`: operations placed on the host on purpose
+  (`compute_on("device_host")`: an offloaded layer's experts computed where they live;
+  `hlo.placement_report`'s `host_offload_compute`, listed in `host_offload_compute`);
+- `host_compute_ops`: the accidental ones: operations on host-memory values, other than data
+  movement, not placed on the host (`hlo.placement_report`'s `host_compute`, listed in
+  `host_compute`);
 - `h2d_bytes`, `d2h_bytes`: bytes one call moves to and from the device (a swap of x blocks: all
   x of them; a decode step with offloaded layers: every offloaded weight once);
 - `pallas_kernels`: Pallas (Triton, Mosaic) custom calls;
@@ -141,10 +145,12 @@ def program_facts(mlir_text: str, unknown_trips: int | None = None) -> dict:
   targets = hlo.custom_call_targets(mlir_text)
   return {"cpu_custom_calls": sum(n for t, n in targets.items() if hlo.cpu_only(t)),
           "host_compute_ops": len(report.host_compute),
+          "host_offload_compute_ops": len(report.host_offload_compute),
           "h2d_bytes": report.transfer_bytes(True, unknown_trips),
           "d2h_bytes": report.transfer_bytes(False, unknown_trips),
           "pallas_kernels": sum(n for t, n in targets.items() if hlo.is_kernel(t)),
-          "host_compute": list(report.host_compute)}
+          "host_compute": list(report.host_compute),
+          "host_offload_compute": list(report.host_offload_compute)}
 
 
 def _message(e: Exception, most: int = 2000) -> str:
@@ -155,7 +161,8 @@ def _message(e: Exception, most: int = 2000) -> str:
 
 def _failed(key: tuple, error: str) -> dict:
   return {"ok": False, "error": error, "cpu_custom_calls": None, "host_compute_ops": None,
-          "h2d_bytes": None, "d2h_bytes": None, "pallas_kernels": None, "host_compute": None,
+          "host_offload_compute_ops": None, "h2d_bytes": None, "d2h_bytes": None,
+          "pallas_kernels": None, "host_compute": None, "host_offload_compute": None,
           "key": list(key)}
 
 

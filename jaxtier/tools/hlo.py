@@ -7,10 +7,18 @@ module (through calls and `while` loops) and tracks where each value comes from:
 - every `annotate_device_placement` custom call is a `Transfer`: its bytes, the trip counts of the
   loops around it, the host-kind arguments it reads from, and how far ahead of its first use it is
   issued ("layers_ahead": how many uses of other transfers from the same host argument happen in
-  between, following the value through the loop carry into later iterations);
-- any op other than slicing, reshaping, a bitcast or a sharding constraint that reads a
-  host-kind value is reported in `host_compute` (the device would compute on host memory); a
-  `dynamic_update_slice` into a host-kind value is one (it reads the value it updates).
+  between, following the value through the loop carry into later iterations); one that places a
+  value where it already is moves nothing and is no `Transfer` (jit's annotation of a result that
+  the device computed or `device_put` placed on it; a transfer's result placed there again);
+- host computation placed on purpose (`jax.experimental.compute_on.compute_on("device_host")`:
+  ops whose frontend attributes say `_xla_compute_type = "host"`, and every op of a function a
+  `func.call` so marked reaches) is reported in `host_offload_compute`: each op other than data
+  movement (`MOVES`), a constant, a transfer, a call or control flow (whose bodies' ops count one
+  by one); what it produces is host memory (a transfer of it to the device is host to device);
+- any other op that reads a host-kind value, slicing, reshaping, a bitcast and a sharding
+  constraint aside, is reported in `host_compute` (the device would compute on host memory: by
+  accident); a `dynamic_update_slice` into a host-kind value is one (it reads the value it
+  updates).
 
 A loop whose trip count is not a constant (a `fori_loop` up to an argument) has trip count None:
 its transfers' bytes per call need the trip count from the caller (`transfer_bytes`).
@@ -43,6 +51,7 @@ KERNEL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call", "mosaic_gpu", "m
                   "tpu_custom_call")
 TERMINATORS = frozenset({"stablehlo.return", "func.return"})
 BRANCHES = frozenset({"stablehlo.case", "stablehlo.if"})
+HOST = frozenset({("h", -1)})  # the tags of a value in host memory that no host argument moved to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +80,12 @@ class Transfer:
 @dataclasses.dataclass(frozen=True)
 class PlacementReport:
   transfers: tuple[Transfer, ...]
-  host_compute: tuple[str, ...]  # "op : type" of ops that read host-kind operands
+  host_compute: tuple[str, ...]  # "op : type" of ops that read host-kind operands by accident
   host_arguments: dict[int, int]  # main argument index -> bytes, for host-kind arguments
   # main argument index -> how many shards a device holds one of (1: unsharded), host-kind only
   host_argument_shards: dict[int, int] = dataclasses.field(default_factory=dict)
+  # "op : type" of ops placed on the host on purpose (`compute_on("device_host")`)
+  host_offload_compute: tuple[str, ...] = ()
 
   def to_device(self, in_loop: bool | None = None) -> tuple[Transfer, ...]:
     """Transfers to device memory; `in_loop` True/False keeps those inside/outside loops."""
@@ -141,8 +152,10 @@ def _trip_count(while_op) -> int | None:
 class _Walker:
   """Abstract interpretation: each value maps to a frozenset of tags.
 
-  ("h", arg): derived from host-kind main argument `arg` by data movement only; ("x", id): the
-  result of transfer `id`; ("c", loop, slot): carry slot `slot` of the loop being walked.
+  ("h", arg): derived from host-kind main argument `arg` by data movement only (("h", -1): in
+  host memory otherwise: moved there by a transfer, or computed there on purpose); ("x", id): the
+  result of transfer `id`; ("c", loop, slot): carry slot `slot` of the loop being walked. While
+  `on_host`, the ops walked run on the host on purpose (`compute_on("device_host")`).
   """
 
   def __init__(self, module):
@@ -151,6 +164,8 @@ class _Walker:
                   if op.operation.name == "func.func"}
     self.transfers: list[dict] = []
     self.host_compute: list[str] = []
+    self.host_offload_compute: list[str] = []
+    self.on_host = False
     self.used: set = set()
     self.events: list[tuple] = []  # ("issue", id) and ("use", tag), in program order
     self.loops: list[int | None] = []
@@ -192,6 +207,13 @@ class _Walker:
 
   def walk_op(self, op, ins, env) -> list[frozenset]:
     name = op.operation.name
+    if not self.on_host and \
+        _string_attr(op, "mhlo.frontend_attributes", "_xla_compute_type") == "host":
+      self.on_host = True  # the op, and the ops of what it calls or encloses, run on the host
+      try:
+        return self.walk_op(op, ins, env)
+      finally:
+        self.on_host = False
     if name == "func.call":
       callee = self.funcs[ir.FlatSymbolRefAttr(op.attributes["callee"]).value]
       return self.walk_block(callee.regions[0].blocks[0], ins, {})
@@ -206,14 +228,20 @@ class _Walker:
     if name == "stablehlo.optimization_barrier":
       return ins
     if name in MOVES:  # the data operand's tags pass through; index operands are not data
-      return ins[:1]
-    self.use(op, ins)
-    return [frozenset()] * len(op.results)
+      return [ins[0] | HOST] if self.on_host else ins[:1]
+    if name != "stablehlo.constant" or not self.on_host:
+      self.use(op, ins)
+    return [HOST if self.on_host else frozenset()] * len(op.results)
 
   def use(self, op, ins):
+    """Records an op computing on `ins`: host computation (on purpose while `on_host`, else by
+    accident where it reads a host-kind value) and the first use of each transfer it reads."""
     tags = frozenset().union(*ins) if ins else frozenset()
-    if any(t[0] == "h" for t in tags):
-      self.host_compute.append(f"{op.operation.name} : {[str(r.type) for r in op.results]}")
+    described = f"{op.operation.name} : {[str(r.type) for r in op.results]}"
+    if self.on_host:
+      self.host_offload_compute.append(described)
+    elif any(t[0] == "h" for t in tags):
+      self.host_compute.append(described)
     for tag in sorted(t for t in tags if t[0] != "h" and t not in self.used):
       self.used.add(tag)
       self.events.append(("use", tag))
@@ -221,13 +249,27 @@ class _Walker:
   def transfer(self, op, tags) -> frozenset:
     shape, nbytes = _nbytes(op.operands[0])
     destination = _string_attr(op, "mhlo.frontend_attributes", "_xla_buffer_placement")
+    if self._placed_in(tags, destination):
+      return tags
     index = len(self.transfers)
     self.transfers.append(dict(destination=destination, shape=shape, nbytes=nbytes,
                                loops=tuple(self.loops),
                                sources=tuple(sorted(t[1] for t in tags if t[0] == "h"))))
     self.events.append(("issue", index))
-    host = frozenset() if destination == "device" else frozenset({("h", -1)})
-    return frozenset({("x", index)}) | host
+    return frozenset({("x", index)}) | (frozenset() if destination == "device" else HOST)
+
+  def _placed_in(self, tags, destination) -> bool:
+    """Whether a value of `tags` already lies in `destination`: for the device, one of no host
+    kind (a device argument, a computation's result, or moved from transfers to the device only);
+    for a host kind, one moved from results of transfers there only. A loop's carry may be
+    either."""
+    moved = [t for t in tags if t[0] == "x"]
+    if any(t[0] == "c" or t[0] == "x" and self.transfers[t[1]]["destination"] != destination
+           for t in tags):
+      return False
+    if destination == "device":
+      return not any(t[0] == "h" for t in tags)
+    return bool(moved)
 
   def walk_while(self, op, ins, env) -> list[frozenset]:
     loop = id(op)
@@ -319,4 +361,5 @@ def placement_report(mlir_text: str) -> PlacementReport:
     walker = _Walker(ir.Module.parse(mlir_text))
     host = walker.run_main()
   return PlacementReport(tuple(Transfer(**t) for t in walker.transfers),
-                         tuple(walker.host_compute), host, walker.shards)
+                         tuple(walker.host_compute), host, walker.shards,
+                         tuple(walker.host_offload_compute))
