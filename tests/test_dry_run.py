@@ -126,6 +126,12 @@ def _header_only_checkpoint(directory, layers: int, hidden: int, heads: int, kv_
                p + "mlp.down_proj.weight": [hidden, mlp],
                p + "input_layernorm.weight": [hidden],
                p + "post_attention_layernorm.weight": [hidden]}
+  return write_header_only(directory, shapes)
+
+
+def write_header_only(directory: str, shapes: dict) -> str:
+  """`directory`/model.safetensors with bfloat16 tensors of `shapes`: a real header over zero
+  (sparse) data."""
   header, offset = {}, 0
   for name, shape in shapes.items():
     size = 2 * int(np.prod(shape))

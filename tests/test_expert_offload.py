@@ -6,7 +6,6 @@ programs exported for CUDA."""
 import json
 import os
 import shutil
-import struct
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ from jaxtier.model import GroupedTransformer, Transformer
 from jaxtier.offload.experts import ExpertOffloadedLayers, expert_group, is_expert_param
 from jaxtier.tools.export import export_programs
 from conftest import fixture_path
+from test_dry_run import write_header_only
 from test_model_families import (ATOL, ENGINE, GREEDY, greedy_against_reference, hf_reference,
                                  log_softmax, prompt_logprobs, prompts_of)
 
@@ -214,17 +214,7 @@ def _header_only_mixtral(directory: str, layers=32, hidden=4096, heads=32, kv_he
       q = f"{p}block_sparse_moe.experts.{j}."
       shapes |= {q + "w1.weight": [width, hidden], q + "w2.weight": [hidden, width],
                  q + "w3.weight": [width, hidden]}
-  header, offset = {}, 0
-  for name, shape in shapes.items():
-    size = 2 * int(np.prod(shape))
-    header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
-    offset += size
-  text = json.dumps(header).encode()
-  text += b" " * (-len(text) % 8)
-  with open(os.path.join(directory, "model.safetensors"), "wb") as f:
-    f.write(struct.pack("<Q", len(text)) + text)
-    f.truncate(8 + len(text) + offset)
-  return directory
+  return write_header_only(directory, shapes)
 
 
 def test_mixtral_8x7b_plans_onto_one_80gb_gpu_with_its_experts_on_the_host(tmp_path):
