@@ -22,6 +22,8 @@ ATTENTION_IMPLS = ("auto", "xla", "cpu", "pallas")
 KERNELS = ("auto", "portable")
 EXPERT_OFFLOAD_MODES = ("auto", "stream", "host")
 WEIGHT_FORMATS = ("auto", "float")
+QUANTIZATIONS = ("int8", "int4")  # jaxtier.quant.QUANTIZATIONS; None: the checkpoint's format
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 BLOCK_ACTIVATIONS = ("auto", "float32", "int16")  # "auto" or one of jaxtier.matmul.ACTIVATIONS
 MAX_BLOCK_SIZE = 1024
 CPU_DEFAULT_KV_GB = 0.256
@@ -157,7 +159,19 @@ class EngineArgs:
       "Q8_0 for Q8_0 and Q5_0; else 8-bit values with a scale and minimum per 16 weights), the "
       "LM head likewise; other types (F16, the IQ types) are dequantized. Products with float32 "
       "activations are bit for bit those of the dequantized weights (see block_activations). "
+      "Scanned and offloaded layers (the portable path's too) hold the same blocks as int8 or "
+      "4-bit values with their scales (jaxtier.quant), dequantized inside the matmul. "
       "float: every weight dequantized to dtype on load", WEIGHT_FORMATS)
+  quantization: str | None = _arg(
+      None, "store a float checkpoint's decoder projections compact, quantized on load layer "
+      "by layer (as vLLM's --quantization): int8 (on the portable path one scale per output "
+      "channel; on the CPU kernels GGUF's Q8_0 blocks) or int4 (4-bit values with a scale and "
+      "minimum per quantization_group_size input rows; on the CPU kernels GGUF's Q4_1). The "
+      "embedding and LM head are held in bfloat16 (in int8 blocks on the CPU kernels). Offloaded "
+      "layers are held and moved compact too. Default: the checkpoint's own format (a GGUF "
+      "file's blocks are kept, see weight_format)", QUANTIZATIONS)
+  quantization_group_size: int = _arg(
+      32, "input rows per scale of quantization='int4': 32, 64 or 128 (the CPU kernels take 32)")
   block_activations: str = _arg(
       "auto", "how the blocks weight_format=auto keeps multiply. int16: each matmul quantizes "
       "its input per block of 32 values to int16 and sums every block's products exactly in "
@@ -227,6 +241,17 @@ class EngineArgs:
                          f"{cpu_kernels.unavailable_reason()}")
     check_choice("weight_format", self.weight_format, WEIGHT_FORMATS)
     check_choice("block_activations", self.block_activations, BLOCK_ACTIVATIONS)
+    if self.quantization is not None:
+      check_choice("quantization", self.quantization, QUANTIZATIONS)
+    if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
+      raise ValueError(f"quantization_group_size={self.quantization_group_size!r}: expected one "
+                       f"of {QUANTIZATION_GROUP_SIZES}")
+    if self.quantization is not None and self.weight_format == "float":
+      raise ValueError(f"quantization={self.quantization!r} with weight_format='float': "
+                       "expected one of the two (weight_format='float' dequantizes every weight)")
+    if self.quantization is not None and self.tensor_parallel_size > 1:
+      raise ValueError(f"quantization={self.quantization!r} runs on one device, not "
+                       f"tensor_parallel_size={self.tensor_parallel_size}")
     if self.chat_template is not None:
       from jaxtier import tokenizer  # pylint: disable=import-outside-toplevel
       tokenizer.resolve_chat_template(self.chat_template)

@@ -10,8 +10,9 @@ from absl import logging
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxtier import checkpoint, matmul, offload, sharding
+from jaxtier import checkpoint, matmul, offload, quant, sharding
 from jaxtier.checkpoint import placed
+from jaxtier.checkpoint.quantized import QuantizedSource, block_format
 from jaxtier.engine import sizing
 from jaxtier.engine.engine import Engine, EngineConfig
 from jaxtier.checks import check_prompt_ids
@@ -71,13 +72,18 @@ class RequestOutput:
 
 
 def _bytes_by_format(tree) -> dict[str, int]:
-  """{format: bytes} over the array leaves of `tree`: block formats by `matmul.weight_format`,
-  other arrays by their dtype's name."""
+  """{format: bytes} over the array leaves of `tree`: packed block formats by
+  `matmul.weight_format`, the values of compact projections (`jaxtier.quant`) as "int8",
+  "uint4" or "u4x2" (4-bit, two to a byte), other arrays by their dtype's name."""
   out: dict[str, int] = {}
-  for a in jax.tree.leaves(tree):
+  for path, a in jax.tree_util.tree_leaves_with_path(tree):
     fmt = matmul.weight_format(a)
-    key = str(a.dtype) if fmt == "float32" else fmt
-    out[key] = out.get(key, 0) + a.size * a.dtype.itemsize
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    if keys and keys[-1] == "values":
+      key = "u4x2" if a.dtype == np.uint8 else str(a.dtype)
+    else:
+      key = str(a.dtype) if fmt == "float32" else fmt
+    out[key] = out.get(key, 0) + quant.array_bytes(a)
   return out
 
 
@@ -85,27 +91,31 @@ def _host_expert_bytes(model) -> int:
   """Bytes of the routed experts `model` keeps in host memory outside its offloaded tail (its
   `ExpertOffloadedLayers` groups')."""
   groups = getattr(model, "groups", ())
-  return sum(a.size * a.dtype.itemsize for g in groups if isinstance(g, ExpertOffloadedLayers)
+  return sum(quant.array_bytes(a) for g in groups if isinstance(g, ExpertOffloadedLayers)
              for a in jax.tree.leaves(nnx.state(g)) if a.sharding.memory_kind != offload.DEVICE)
 
 
 def _size(args: EngineArgs, machine: sizing.Machine, opened, keep_quantized: bool,
           exact: bool = False, preset: str | None = None) -> sizing.Sizing:
-  """`sizing.size` for an opened checkpoint: with the loader's exact bytes where resident layers
-  keep the file's blocks (smaller than their floats; offloaded layers stay floats), counted
-  (a second or two on the default model) when the sizing needs weight bytes or `exact` asks for
-  them, and the planner's timing measured only if it runs, or with `preset` taken from that
-  hardware preset (`jaxtier.offload.hardware`)."""
+  """`sizing.size` for an opened checkpoint: with the loader's exact bytes where layers keep
+  blocks (the file's, or `quantization`'s: smaller than their floats), counted (a second or two
+  on the default model) when the sizing needs weight bytes or `exact` asks for them, and the
+  planner's timing measured only if it runs, or with `preset` taken from that hardware preset
+  (`jaxtier.offload.hardware`)."""
   config, dtype = opened.config, sizing.model_dtype(args, machine)
   weights = None
   if keep_quantized and (exact or sizing.needs_weight_bytes(args, machine)):
     layer_execution, _, activations = sizing.execution(args, machine)
-    layers, other = placed.resident_bytes(
+    layers, other, offloaded = placed.resident_bytes(
         config, opened.source, checkpoint.resolve_dtype(dtype),
         placed.Layout.of(config.num_layers, layer_execution=layer_execution,
-                         keep_quantized=True, block_activations=activations))
+                         keep_quantized=True, block_activations=activations,
+                         portable=sizing.resolved_kernels(args, machine) == "portable",
+                         table_dtype=sizing.table_dtype(args, machine),
+                         platform=machine.platform))
     floats = ModelBytes.from_config(config, dtype, sizing.kv_cache_dtype(args, machine))
-    weights = dataclasses.replace(floats, resident_layer_bytes=tuple(layers), other_bytes=other)
+    weights = dataclasses.replace(floats, resident_layer_bytes=tuple(layers), other_bytes=other,
+                                  layer_bytes=offloaded)
 
   def timing(batch: int, context: int) -> tuple[float, float]:
     # the link rate and one layer's decode step of `batch` rows over `context` tokens (on a
@@ -127,13 +137,36 @@ def _size(args: EngineArgs, machine: sizing.Machine, opened, keep_quantized: boo
   return sizing.size(args, config, machine, weights=weights, timing=timing, expert_rates=rates)
 
 
+def open_for(model: str, args: EngineArgs, machine: sizing.Machine, convert: bool = True
+             ) -> checkpoint.Opened:
+  """The checkpoint opened as the engine reads it: a GGUF file itself where its blocks are kept
+  (`sizing.execution`), and with `quantization`, its float projections presented quantized in the
+  format of the path that multiplies them (`checkpoint.quantized.QuantizedSource`: CPU blocks,
+  or the portable layouts, whose tables stay bfloat16). `convert`: see
+  `checkpoint.open_checkpoint`."""
+  _, keep_quantized, _ = sizing.execution(args, machine)
+  opened = checkpoint.open_checkpoint(model, keep_quantized=keep_quantized, convert=convert)
+  if args.quantization is None:
+    return opened
+  try:
+    portable = sizing.resolved_kernels(args, machine) == "portable"
+    opened.source = QuantizedSource(
+        opened.source, block_format(args.quantization, portable), args.quantization_group_size,
+        head=not portable, config=opened.config)
+  except BaseException:
+    opened.close()
+    raise
+  return opened
+
+
 def layout_of(s: sizing.Sizing, num_layers: int, mesh) -> placed.Layout:
   """How a model sized `s` is arranged and placed (`placed.build`, `placed.abstract`)."""
   return placed.Layout.of(num_layers, s.offload.offload_tail_layers, s.offload.prefetch_depth or 1,
                           s.layer_execution, mesh, keep_quantized=s.keep_quantized,
                           block_activations=s.block_activations, portable=s.kernels == "portable",
                           expert_layers=s.experts.layers,
-                          expert_stream_from_tokens=s.experts.stream_from_tokens)
+                          expert_stream_from_tokens=s.experts.stream_from_tokens,
+                          table_dtype=s.table_dtype, platform=s.platform)
 
 
 def engine_config_of(args: EngineArgs, s: sizing.Sizing) -> EngineConfig:
@@ -162,7 +195,7 @@ def dry_run(model: str, platform: str | None = None, **engine_args) -> dict:
   args = EngineArgs(model=model, **engine_args)
   machine = sizing.detect_machine(args, platform)
   _, keep_quantized, _ = sizing.execution(args, machine)
-  opened = checkpoint.open_checkpoint(model, keep_quantized=keep_quantized)
+  opened = open_for(model, args, machine)
   try:
     foreign = platform is not None and machine.platform != jax.default_backend()
     preset = hardware.PLATFORM_PRESETS.get(machine.platform) if foreign else None
@@ -202,9 +235,9 @@ class LLM:
     self.mesh = sharding.make_mesh(args.tensor_parallel_size)  # before any file is read
     self.machine = sizing.detect_machine(args)
     _, keep_quantized, _ = sizing.execution(args, self.machine)
-    # GGUF blocks are kept only by packed unrolled layers and head (one device, CPU kernels);
-    # otherwise a registry model loads from its float32 Orbax copy.
-    opened = checkpoint.open_checkpoint(model, keep_quantized=keep_quantized)
+    # GGUF blocks are kept with weight_format="auto" on one device; otherwise a registry model
+    # loads from its float32 Orbax copy.
+    opened = open_for(model, args, self.machine)
     try:
       self.config = opened.config
       self.sizing = _size(args, self.machine, opened, keep_quantized)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtier import cpu_kernels, matmul, moe
+from jaxtier import cpu_kernels, matmul, moe, quant
 from jaxtier.config import ModelConfig
 from jaxtier.rotary import apply_rotary, rotary_tables
 from jaxtier.softcap import softcap
@@ -74,26 +74,51 @@ def layer_rotary(ropes: tuple[int, ...] | None, cos, sin, layer):
           jax.lax.dynamic_index_in_dim(sin, row, keepdims=False))
 
 
+class QLinear(nnx.Module):
+  """A linear layer whose kernel [in, out] is held compact (`jaxtier.quant`): `values`, `scales`
+  and, where the format has them, `mins`; `bias` as nn.Linear's. x @ kernel is `quant.qmatmul`,
+  the dequantization fused into the dot."""
+
+  def __init__(self, in_features: int, out_features: int, fmt: quant.WeightFormat, use_bias: bool,
+               dtype):
+    shapes = fmt.shapes(in_features, out_features)
+    self.values = nnx.Param(jnp.zeros(shapes["values"].shape, shapes["values"].dtype))
+    self.scales = nnx.Param(jnp.ones(shapes["scales"].shape, shapes["scales"].dtype))
+    self.mins = (nnx.Param(jnp.zeros(shapes["mins"].shape, shapes["mins"].dtype))
+                 if fmt.mins else None)
+    self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+  def __call__(self, x):
+    y = quant.qmatmul(x, self.values[...], self.scales[...],
+                      None if self.mins is None else self.mins[...])
+    return y if self.bias is None else y + self.bias[...]
+
+
 class DecoderLayer(nnx.Module):
   """Pre-norm attention block and gated MLP block (SwiGLU, or GeGLU for Gemma); with `qk_norm`,
   q and k are RMS-normed per head (`q_norm`, `k_norm` over the head dim) before the rotary
   embedding; with sandwich norms (Gemma), each block's output is normed again before its
   residual add (`post_attn_norm`, `post_mlp_norm`). Sliding windows, the attention scale and
-  the scores' soft cap are static options (`_set_options`)."""
+  the scores' soft cap are static options (`_set_options`). `weights` holds the named projections
+  compact ({"q_proj": `quant.WeightFormat`, ...}: `QLinear`), the others as float `nnx.Linear`."""
 
-  def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs,
+               weights: Mapping[str, quant.WeightFormat] | None = None):
     c = config
     h, n, k, d, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    weights = dict(weights or {})
 
-    def linear(i, o, bias=False):
+    def linear(name, i, o, bias=False):
+      if name in weights:
+        return QLinear(i, o, weights.pop(name), bias, dtype)
       return nnx.Linear(i, o, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
                         kernel_init=nnx.initializers.normal(0.02))
 
     self.attn_norm = RMSNorm(h, c.rms_norm_eps, dtype)
-    self.q_proj = linear(h, n * d, c.attention_bias)
-    self.k_proj = linear(h, k * d, c.attention_bias)
-    self.v_proj = linear(h, k * d, c.attention_bias)
-    self.o_proj = linear(n * d, h)
+    self.q_proj = linear("q_proj", h, n * d, c.attention_bias)
+    self.k_proj = linear("k_proj", h, k * d, c.attention_bias)
+    self.v_proj = linear("v_proj", h, k * d, c.attention_bias)
+    self.o_proj = linear("o_proj", n * d, h)
     self.mlp_norm = RMSNorm(h, c.rms_norm_eps, dtype)
     self.experts = c.num_experts_per_tok if c.num_experts else None  # static: k, or dense
     self.normalize_topk = c.norm_topk_prob
@@ -105,9 +130,12 @@ class DecoderLayer(nnx.Module):
       self.expert_up = nnx.Param(init(rngs.params(), (e, h, fe), dtype))
       self.expert_down = nnx.Param(init(rngs.params(), (e, fe, h), dtype))
     else:
-      self.gate_proj = linear(h, f)
-      self.up_proj = linear(h, f)
-      self.down_proj = linear(f, h)
+      self.gate_proj = linear("gate_proj", h, f)
+      self.up_proj = linear("up_proj", h, f)
+      self.down_proj = linear("down_proj", f, h)
+    if weights:
+      raise ValueError(f"compact weights for {sorted(weights)}: this layer has no such "
+                       "projections")
     self.q_norm = RMSNorm(d, c.rms_norm_eps, dtype) if c.qk_norm else None
     self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype) if c.qk_norm else None
     self.post_attn_norm = RMSNorm(h, c.rms_norm_eps, dtype) if c.sandwich_norms else None
@@ -345,8 +373,9 @@ class FusedDecoderLayer(DecoderLayer):
 
 def fuses(layer) -> bool:
   """Whether `UnrolledLayers` holds `layer` fused: a plain dense `DecoderLayer` (a mixture of
-  experts keeps its layer as it is)."""
-  return type(layer) is DecoderLayer and layer.experts is None
+  experts, and compact projections (`QLinear`), keep their layer as it is)."""
+  return (type(layer) is DecoderLayer and layer.experts is None
+          and isinstance(layer.q_proj, nnx.Linear))
 
 
 def packs_by_default(dtype) -> bool:
@@ -356,17 +385,18 @@ def packs_by_default(dtype) -> bool:
           and cpu_kernels.available())
 
 
-def make_layer_stack(config: ModelConfig, dtype, rngs: nnx.Rngs, num: int | None = None
-                     ) -> DecoderLayer:
+def make_layer_stack(config: ModelConfig, dtype, rngs: nnx.Rngs, num: int | None = None,
+                     weights: Mapping[str, quant.WeightFormat] | None = None) -> DecoderLayer:
   """A DecoderLayer whose every parameter has a leading [num] axis (default: all the model's
-  layers). A stack of part of the layers keeps the model's per-layer options (windows, rotary
-  tables), which the layers look up by their index in the whole model."""
+  layers), its `weights` projections compact (`DecoderLayer`). A stack of part of the layers
+  keeps the model's per-layer options (windows, rotary tables), which the layers look up by their
+  index in the whole model."""
   num = config.num_layers if num is None else num
 
   @nnx.split_rngs(splits=num)
   @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num)
   def create(rngs):
-    return DecoderLayer(config, dtype, rngs)
+    return DecoderLayer(config, dtype, rngs, weights)
 
   return create(rngs)
 
@@ -394,15 +424,20 @@ def scan_layers(graphdef: nnx.GraphDef, stacked_state: nnx.State, x_bth, cos_btd
 class Transformer(nnx.Module):
   """Token embedding, a stack of decoder layers, final norm and LM head (tied or not)."""
 
-  def __init__(self, config: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
+               table_dtype=None):
+    """`table_dtype`: the embedding and LM head tables' parameter dtype (default `dtype`; a
+    quantized float32 model keeps them in bfloat16), computed with in `dtype`."""
     self.config = config
-    self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
+    table_dtype = dtype if table_dtype is None else table_dtype
+    self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
+                           param_dtype=table_dtype,
                            embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
     self.layers = make_layer_stack(config, dtype, rngs)
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
     if not config.tie_word_embeddings:
       self.lm_head = nnx.Param(nnx.initializers.normal(0.02)(
-          rngs.params(), (config.vocab_size, config.hidden_size), dtype))  # [v, h]
+          rngs.params(), (config.vocab_size, config.hidden_size), table_dtype))  # [v, h]
     self.inv_freq = nnx.Variable(jnp.asarray(config.inv_freq()))  # [d // 2]
 
   def hidden_states(self, tokens_bt: jax.Array, pos_bt: jax.Array, cache, meta: Any = None):

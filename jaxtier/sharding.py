@@ -64,6 +64,12 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("expert_down",): (None, "mlp", "embed"),
     ("inv_freq",): (None,),
 }
+# Compact projections (`jaxtier.quant`, `model.QLinear`): the values split as the float kernel;
+# a scale or minimum per group of input rows, its rows replicated (a per-channel scale has one).
+for _proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+  _axes = PARAM_AXES[(_proj, "kernel")]
+  PARAM_AXES[(_proj, "values")] = _axes
+  PARAM_AXES[(_proj, "scales")] = PARAM_AXES[(_proj, "mins")] = (None, _axes[1])
 # Fused (and perhaps packed, `jaxtier.matmul`) projections of FusedDecoderLayer: replicated whatever
 # their rank (concatenated outputs do not split at head boundaries); the model does not fuse when
 # tensor parallel.

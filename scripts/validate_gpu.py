@@ -24,6 +24,13 @@ machine that has JAX but not jaxtier's other dependencies):
   of 1 to 256 tokens when the experts stream to the device and when the host computes them, the
   measured crossover, and the cost model's (`jaxtier.offload.expert_cost`) at the measured
   host-to-device rate.
+- `quant`: one projection of Llama-8B's MLP (4096 x 14336; smaller with `--allow_cpu`) as
+  bfloat16, int8 (a scale per output channel) and int4 (uint4, a scale and minimum per 32 rows,
+  `jaxtier.quant`): seconds of x @ w at 1, 8 and 32 rows against the bound weight bytes / device
+  copy rate, the largest difference from the dequantized weight's product, and whether XLA fused
+  the dequantization into the dot: no instruction outside a fusion's body produces a float array
+  of the weight's shape (`float_weight_copies`, the names of any that do; XLA:CPU does write
+  one, so a dry run reports `fused` false).
 
 Each section is timed and guarded: an error is recorded in the section and the next one runs; a
 section that would start past `--budget_s` is skipped. The JSON is rewritten after every section,
@@ -49,7 +56,7 @@ _OUT = flags.DEFINE_string("out", "validate_gpu.json", "where the JSON goes")
 _ALLOW_CPU = flags.DEFINE_bool("allow_cpu", False, "run on a CPU (small shapes; a dry run)")
 _BUDGET = flags.DEFINE_float("budget_s", 420.0, "no section starts after this many seconds")
 _SECTIONS = flags.DEFINE_list("sections", ["env", "link", "hf_tiny", "engine_tiny", "sampling",
-                                           "decode", "experts"],
+                                           "decode", "experts", "quant"],
                               "sections to run, in order")
 _DECODE_BATCHES = flags.DEFINE_list("decode_batches", ["1", "8", "32"], "decode batch sizes")
 _DECODE_OFFLOAD = flags.DEFINE_list("decode_offload", ["8", "16"],
@@ -442,6 +449,65 @@ def section_experts(link: dict | None) -> dict:
   return out
 
 
+def _float_weight_copies(hlo_text: str, shape: tuple[int, int]) -> list[str]:
+  """Names of the instructions of an optimized HLO module's non-fusion computations (the ENTRY
+  one and loops) whose result is a float array of `shape` (or its transpose): a weight
+  dequantized whole into memory instead of inside the dot's fusion."""
+  import re
+  dims = {f"{shape[0]},{shape[1]}", f"{shape[1]},{shape[0]}"}
+  out, in_fusion = [], False
+  for line in hlo_text.splitlines():
+    if line and not line.startswith(" "):  # a computation's header
+      in_fusion = "fused" in line.split("(")[0] or "fusion" in line.split("(")[0]
+      continue
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (f32|bf16|f16)\[([\d,]+)\]", line)
+    if m and not in_fusion and m.group(3) in dims:
+      out.append(m.group(1))
+  return out
+
+
+def section_quant(link: dict | None) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jaxtier import quant
+  k, n = (512, 1024) if _ALLOW_CPU.value else (4096, 14336)
+  rng = np.random.default_rng(0)
+  w = (rng.normal(size=(k, n)) * 0.02).astype(np.float32)
+  platform = jax.default_backend()
+  formats = {"int8": quant.quantized_format("int8"),
+             "int4": quant.quantized_format("int4", 32).on(platform)}
+  weights = {"bfloat16": (jnp.asarray(w, jnp.bfloat16),)}
+  for name, fmt in formats.items():
+    weights[name] = tuple(jnp.asarray(p) for p in quant.quantize(w, fmt))
+  copy_gbps = (link or {}).get("device_copy_gbps")
+  out = {"shape": [k, n], "platform": platform, "rows": {}}
+  for name, parts in weights.items():
+    nbytes = sum(quant.array_bytes(p) for p in parts)
+    fn = jax.jit(lambda x, *p: x @ p[0]) if name == "bfloat16" else jax.jit(quant.qmatmul)
+    row = {"weight_bytes": nbytes}
+    for b in (1, 8, 32):
+      x = jnp.asarray(rng.normal(size=(b, k)), jnp.bfloat16)
+      compiled = fn.lower(x, *parts).compile()
+      seconds = _timed(lambda: jax.block_until_ready(compiled(x, *parts)), 5)
+      entry = {"seconds": seconds}
+      if copy_gbps:  # reading the weight once, at the device's copy rate (read plus write) / 2
+        entry["bound_seconds"] = nbytes / (copy_gbps * 1e9 / 2)
+        entry["over_bound"] = seconds / entry["bound_seconds"]
+      if name != "bfloat16":
+        held = quant.dequantize(*parts, dtype=jnp.float32)
+        ref = np.asarray(x.astype(jnp.float32) @ held)
+        entry["max_rel_diff"] = float(np.abs(np.asarray(compiled(x, *parts), np.float32)
+                                             - ref).max() / np.abs(ref).max())
+        entry["float_weight_copies"] = _float_weight_copies(compiled.as_text(), (k, n))
+      row[str(b)] = entry
+    out["rows"][name] = row
+  # XLA:CPU dequantizes into a temporary before its dot (expected there: not the GPU's fusion)
+  out["fused"] = all(not row[b]["float_weight_copies"] for name, row in out["rows"].items()
+                     if name != "bfloat16" for b in ("1", "8", "32"))
+  return out
+
+
 def main(argv):
   del argv
   import jax
@@ -455,7 +521,7 @@ def main(argv):
       continue
     start = time.perf_counter()
     try:
-      if name in ("decode", "experts"):
+      if name in ("decode", "experts", "quant"):
         value = globals()[f"section_{name}"](result["sections"].get("link"))
       else:
         value = globals()[f"section_{name}"]()

@@ -53,6 +53,7 @@ LAYER_OF = {
     "jaxtier.tools.doctor": "leaf",  # imports nothing of jaxtier; `LLM.doctor()` uses it
     "jaxtier.cpu_kernels": "kernels",
     "jaxtier.matmul": "kernels",
+    "jaxtier.quant": "kernels",
     "jaxtier.sharding": "kernels",
     "jaxtier.tokenizer": "kernels",
     "jaxtier.detokenize": "kernels",

@@ -62,18 +62,20 @@ def test_memory_report_and_placement_after_generate(smollm_llm):
   llm = jaxtier.LLM(DEFAULT_MODEL, max_model_len=2048, layer_execution="scan",
                     offload_tail_layers=OFFLOADED, prefetch_depth=2)
   c = llm.config
-  layer_bytes = c.layer_param_count * 4
+  # Scanned layers keep the file's Q4_1 blocks as 4-bit values (two a byte) with a float32 scale
+  # and minimum per 32 (0.75 bytes a weight), their two norms float32; on the device the tied
+  # table (the packed LM head in its Q8_0 blocks, 1.125 bytes a weight), the final norm, the
+  # rotary table and 20 layers. Float32 layers would be 141,603,840 bytes on the host.
+  projections = c.layer_param_count - 2 * c.hidden_size
+  layer_bytes = projections * 3 // 4 + 2 * c.hidden_size * 4
   after = llm.memory_report()
-  # Scanned layers load the float32 copy of the checkpoint (only packed unrolled layers keep its
-  # GGUF blocks): on the device the tied table (held as the packed LM head), the final norm, the
-  # rotary table and 20 layers.
-  resident = (c.vocab_size * c.hidden_size + c.hidden_size + c.head_dim // 2) * 4
+  resident = c.vocab_size * c.hidden_size * 9 // 8 + (c.hidden_size + c.head_dim // 2) * 4
   assert after["device_weight_bytes"] == resident + (c.num_layers - OFFLOADED) * layer_bytes
   assert after["host_weight_bytes"] == after["weight_transfer_bytes_per_step"] \
-      == OFFLOADED * layer_bytes == 141_603_840
+      == OFFLOADED * layer_bytes == 26_588_160
   llm.generate(PROMPTS[0], jaxtier.SamplingParams(max_tokens=2, temperature=0))
   kinds = [a.sharding.memory_kind for a in jax.tree.leaves(llm.state)]
-  assert kinds.count(offload.PINNED_HOST) == 9  # the 9 stacked tensors of the tail
+  assert kinds.count(offload.PINNED_HOST) == 23  # the tail's stacked tensors: 7 x 3 and 2 norms
   assert llm.memory_report() == after
 
 

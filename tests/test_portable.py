@@ -38,8 +38,9 @@ def portable():
 
 def test_portable_resolves_to_the_accelerator_path(portable):
   plan = portable.sizing
+  # keep_quantized: a GGUF file's blocks would stay blocks (in `jaxtier.quant`'s layouts)
   assert (plan.kernels, plan.layer_execution, plan.attention_impl, plan.keep_quantized) == (
-      "portable", "scan", "xla", False)
+      "portable", "scan", "xla", True)
   assert portable.engine_config.kernels == "portable"
 
 

@@ -11,7 +11,8 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 def test_validate_gpu_dry_run(tmp_path):
   out = tmp_path / "v.json"
   subprocess.run([sys.executable, "scripts/validate_gpu.py", f"--out={out}", "--allow_cpu",
-                  "--sections=env,link,hf_tiny,engine_tiny,sampling,experts"], cwd=ROOT, check=True,
+                  "--sections=env,link,hf_tiny,engine_tiny,sampling,experts,quant"], cwd=ROOT,
+                 check=True,
                  capture_output=True, timeout=600)
   sections = json.loads(out.read_text())["sections"]
   assert all("error" not in s for s in sections.values()), sections
@@ -24,6 +25,11 @@ def test_validate_gpu_dry_run(tmp_path):
   experts = sections["experts"]
   assert set(experts["calls"]) == {"1", "4", "16", "64"}
   assert all(call["host_s"] > 0 and call["stream_s"] > 0 for call in experts["calls"].values())
+  quant = sections["quant"]["rows"]
+  assert set(quant) == {"bfloat16", "int8", "int4"}
+  assert all(quant[f][b]["max_rel_diff"] < 1e-2 for f in ("int8", "int4") for b in ("1", "8", "32"))
+  # XLA:CPU writes the dequantized weight before its dot: the check sees it (a GPU must not)
+  assert not sections["quant"]["fused"] and quant["int4"]["1"]["float_weight_copies"]
 
 
 def test_validate_gpu_refuses_cpu_without_flag(tmp_path):

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxtier import matmul, sharding
+from jaxtier import matmul, quant, sharding
 from jaxtier.checkpoint.params import (DERIVED, Path, TensorSource, _flatten, _unflatten,
                                        check_shapes)
 from jaxtier.config import ModelConfig
@@ -37,7 +37,7 @@ from jaxtier.model import (DecoderLayer, FusedDecoderLayer, GroupedTransformer, 
                            Transformer, UnrolledLayers, make_layer_stack, packs_by_default)
 from jaxtier.offload import placement
 from jaxtier.offload.experts import ExpertOffloadedLayers, is_expert_param
-from jaxtier.offload.prefetch import OffloadedLayers
+from jaxtier.offload.prefetch import OffloadedLayers, UnrolledOffloadedLayers
 
 GROUP_MODES = ("scan", "unrolled", "offload", "experts")
 Observer = Callable[[str, jax.Array], None]  # called after each tensor is placed
@@ -64,6 +64,12 @@ class Layout:
   weights' products) or "int16" (x quantized per block; `matmul.pack_q4_1`). `portable`: the
   layers and head as an accelerator holds them (nothing fused or packed for the CPU kernels), so
   a CPU runs the accelerator's program (`kernels="portable"`).
+  With `keep_quantized`, stacked groups (scan, offload, experts) hold each projection whose every
+  layer in the group the source stores in blocks in the `jaxtier.quant` layout that holds them
+  exactly (`quant.BLOCK_LAYOUTS`; a `checkpoint.quantized.QuantizedSource` presents a float
+  checkpoint so), multiplied by `quant.qmatmul`: a tail offloaded so is held and moved compact.
+  `table_dtype`: the embedding and LM head tables' dtype where it differs from the model's (a
+  quantized float32 model keeps them in bfloat16); None: the model's.
   """
   groups: tuple[tuple[int, str], ...]
   prefetch_depth: int = 1
@@ -72,6 +78,9 @@ class Layout:
   block_activations: str = "float32"
   portable: bool = False  # only what an accelerator runs: no layer or head packed for CPU kernels
   expert_stream_from_tokens: int | None = None  # "experts" groups: None computes on the host
+  table_dtype: str | None = None
+  platform: str | None = None  # compact layouts as this platform holds them (None: jax's default)
+  unrolled_offload: bool = False  # an offloaded tail held per layer (`UnrolledOffloadedLayers`)
 
   def __post_init__(self):
     bad = [m for _, m in self.groups if m not in GROUP_MODES]
@@ -83,9 +92,11 @@ class Layout:
   def of(cls, num_layers: int, offload_tail_layers: int = 0, prefetch_depth: int = 1,
          layer_execution: str = "scan", mesh: Mesh | None = None, keep_quantized: bool = False,
          block_activations: str = "float32", portable: bool = False,
-         expert_layers: int = 0, expert_stream_from_tokens: int | None = None) -> "Layout":
+         expert_layers: int = 0, expert_stream_from_tokens: int | None = None,
+         table_dtype: str | None = None, platform: str | None = None) -> "Layout":
     """The resident head run as `layer_execution`, then `expert_layers` layers whose experts are
-    in pinned host memory, then the last `offload_tail_layers` offloaded."""
+    in pinned host memory, then the last `offload_tail_layers` offloaded (held per layer, as the
+    head, where the head is unrolled for the CPU kernels)."""
     head = num_layers - offload_tail_layers - expert_layers
     groups = ((head, layer_execution),) if head else ()
     if expert_layers:
@@ -93,7 +104,8 @@ class Layout:
     if offload_tail_layers:
       groups += ((offload_tail_layers, "offload"),)
     return cls(groups, prefetch_depth, mesh, keep_quantized, block_activations, portable,
-               expert_stream_from_tokens)
+               expert_stream_from_tokens, table_dtype, platform,
+               layer_execution == "unrolled" and not portable)
 
   @property
   def num_layers(self) -> int:
@@ -103,6 +115,12 @@ class Layout:
   def fused(self) -> bool:
     """Unrolled layers are fused unless tensor parallel (see `jaxtier.sharding`) or portable."""
     return sharding.tp_size(self.mesh) == 1 and not self.portable
+
+  @property
+  def offload_per_layer(self) -> bool:
+    """Whether an offloaded tail is held per layer, fused and packed as the unrolled head's
+    layers are (`UnrolledOffloadedLayers`: the CPU kernels multiply it in the head's formats)."""
+    return self.unrolled_offload and self.fused
 
   @property
   def plain(self) -> bool:
@@ -132,9 +150,11 @@ class _Placer:
     target = sharding.param_sharding(self.mesh, name, spec.shape, kind)
     array = None
     if isinstance(read, _Read) and read.layers is None and len(read.paths) == 1:
-      array = self.source.place(read.paths[0], target, self.dtype)
+      array = self.source.place(read.paths[0], target, spec.dtype)
     if array is None:
       host = read if isinstance(read, np.ndarray) else self.host(read)
+      if host.dtype != spec.dtype:
+        host = host.astype(spec.dtype)
       if host.shape != tuple(spec.shape):
         raise ValueError(f"{self.source.where}: {'/'.join(name)} reads as {host.shape}, expected "
                          f"{tuple(spec.shape)}")
@@ -192,6 +212,8 @@ class _Group:
   blocks: tuple[dict, ...] = ()  # per layer: {kernel: block format} kept in the source's blocks
   activations: str = "float32"  # ... multiplied so (`Layout.block_activations`)
   parts: dict = dataclasses.field(default_factory=dict)
+  compact: dict = dataclasses.field(default_factory=dict)  # stacked: {projection: WeightFormat}
+  per_layer: bool = False  # one module per layer (unrolled; an offloaded tail held so)
 
   def kind_of(self, sub: Path) -> str:
     """The memory kind of parameter `sub`: the group's, except that an "experts" group keeps
@@ -214,13 +236,39 @@ class _Group:
     return nnx.merge(graphdef, state)
 
 
+def stack_formats(source: TensorSource | None, layers: range, platform: str | None = None
+                  ) -> dict[str, quant.WeightFormat]:
+  """{projection: layout} for a stack of `layers`: each projection whose every layer `source`
+  stores in blocks (`TensorSource.quantization`), in the `jaxtier.quant` layout that holds them
+  (one block format for all the layers, else "q8_16", which holds every 8-bit type); the others
+  are absent (float). Each as `platform` (default: jax's backend) holds it (`WeightFormat.on`)."""
+  from jaxtier.checkpoint.quantized import layout_of  # pylint: disable=import-outside-toplevel
+  out = {}
+  if source is None:
+    return out
+  for name in quant.PROJECTIONS:
+    path = ("layers", name, "kernel")
+    if path not in source.shapes():
+      continue
+    kinds = {source.quantization(path, layer) for layer in layers}
+    if None in kinds:
+      continue
+    kind = kinds.pop() if len(kinds) == 1 else "q8_16"
+    out[name] = layout_of(kind, getattr(source, "group_size", 32)).on(
+        platform or jax.default_backend())
+  return out
+
+
 def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused: bool,
-                    blocks: Sequence[frozenset] | None = None, activations: str = "float32"
-                    ) -> _Group:
+                    blocks: Sequence[frozenset] | None = None, activations: str = "float32",
+                    compact: dict[str, quant.WeightFormat] | None = None,
+                    per_layer: bool = False) -> _Group:
   """blocks: per model layer, {fused kernel: block format} to keep in the source's blocks where
-  the layers pack, multiplied with `activations`."""
+  the layers pack, multiplied with `activations`; compact: a stacked group's {projection:
+  layout} (`stack_formats`); per_layer: an "offload" group held per layer as "unrolled" is."""
   kept: tuple[dict, ...] = ()
-  if mode == "unrolled":
+  per_layer = mode == "unrolled" or (per_layer and mode == "offload")
+  if per_layer:
     fused = fused and not config.num_experts  # a mixture of experts is never fused
     fuse = FusedDecoderLayer if fused else (lambda layer: layer)
     make = lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0)))
@@ -236,10 +284,11 @@ def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused:
     splits = [nnx.split(module) for module in modules]
   else:
     splits = [nnx.split(nnx.eval_shape(lambda: make_layer_stack(config, dtype, nnx.Rngs(0),
-                                                                len(layers))))]
+                                                                len(layers), compact)))]
     packed = False
   kind = placement.PINNED_HOST if mode == "offload" else placement.DEVICE
-  return _Group(mode, layers, kind, splits, [{} for _ in splits], packed, kept, activations)
+  return _Group(mode, layers, kind, splits, [{} for _ in splits], packed, kept, activations,
+                compact={} if per_layer else dict(compact or {}), per_layer=per_layer)
 
 
 def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> None:
@@ -250,6 +299,10 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
   uses: dict[Path, list] = {}  # checkpoint path -> (group, parameter, its parts)
   for group in groups:
     for sub, spec in group.specs.items():
+      if sub[0] in group.compact and sub[-1] in quant.PARTS:
+        if sub[-1] == "values":  # one use per compact kernel: its parts are placed together
+          uses.setdefault(("layers", sub[0], "kernel"), []).append((group, sub, spec, None))
+        continue
       parts = FusedDecoderLayer.PARTS.get(sub[-1]) if len(sub) == 1 else None
       for part in parts or (sub,):
         uses.setdefault(("layers",) + part, []).append((group, sub, spec, parts or (sub,)))
@@ -258,8 +311,17 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
                                          else len(fused_first), path))
   for path in order:
     for group, sub, spec, parts in uses[path]:
-      whole = group.mode != "unrolled" and group.layers == range(num_layers)
-      if group.mode != "unrolled":
+      whole = not group.per_layer and group.layers == range(num_layers)
+      if parts is None:  # a compact kernel of a stacked group: its blocks, in its layout
+        fmt = group.compact[sub[0]]
+        stored = placer.source.read_blocks(path, list(group.layers), _block_name(fmt))
+        for name, array in zip(quant.PARTS, quant.cast_parts(stored, fmt)):
+          part = (sub[0], name)
+          group.values[0][part] = placer.place(("layers",) + part, array, group.specs[part],
+                                               group.kind_of(part))
+        del stored
+        continue
+      if not group.per_layer:
         read = _Read((path,), None if whole else list(group.layers))
         group.values[0][sub] = placer.place(("layers",) + sub, read, spec, group.kind_of(sub))
         continue
@@ -292,6 +354,16 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
       for j, values in enumerate(group.values):
         values[sub] = placer.place(("layers",) + sub, host.pop(j), group.specs_of(j)[sub],
                                    group.kind)
+
+
+def _block_name(fmt: quant.WeightFormat) -> str | None:
+  """The `read_blocks` format name of a layout: a GGUF block format where it is one, else the
+  quantization (the source's own name for it)."""
+  plain = dataclasses.replace(fmt, values="uint4") if fmt.values == "u4x2" else fmt
+  for name, layout in quant.BLOCK_LAYOUTS.items():
+    if layout == plain:
+      return name
+  return "int8" if fmt.values == "int8" else "int4"
 
 
 @dataclasses.dataclass
@@ -353,27 +425,37 @@ def _packed_head_blocks(placer: _Placer, config: ModelConfig, dtype, layout: Lay
 
 
 def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Layout
-                   ) -> tuple[tuple[int, ...], int]:
-  """(bytes of each layer, bytes of everything else) as `build` would hold them on the device
-  with every layer resident in `layout`'s first group mode (unrolled layers keep the blocks of
-  `keep_quantized`): what the offload planner needs where kept blocks make resident layers and
-  the LM head smaller than their float parameters. Taken from the abstract modules `build`
-  places; nothing is read."""
-  c, size = config, jnp.dtype(dtype).itemsize
+                   ) -> tuple[tuple[int, ...], int, int]:
+  """(bytes of each layer, bytes of everything else, bytes of one offloaded layer) as `build`
+  would hold them with every layer resident on the device in `layout`'s first group mode, and
+  as an offloaded stack would hold one layer (both keep the blocks of `keep_quantized`: packed
+  in unrolled layers, `jaxtier.quant` layouts in stacks): what the offload planner needs where
+  kept blocks make layers and the LM head smaller than their float parameters. Taken from the
+  abstract modules `build` places; nothing is read."""
+  c = config
+  size = jnp.dtype(layout.table_dtype or dtype).itemsize
   blocks = block_kernels(source, c.num_layers) if layout.keep_quantized else None
-  group = _abstract_group(c, dtype, layout.groups[0][1], range(c.num_layers), layout.fused,
-                          blocks, layout.block_activations)
-  nbytes = lambda state: sum(x.size * jnp.dtype(x.dtype).itemsize
-                             for x in jax.tree.leaves(state))
+  every = range(c.num_layers)
+  compact = stack_formats(source, every, layout.platform) if layout.keep_quantized else {}
+  mode = layout.groups[0][1]
+  group = _abstract_group(c, dtype, mode, every, layout.fused, blocks, layout.block_activations,
+                          None if mode == "unrolled" else compact)
+  nbytes = lambda state: sum(quant.array_bytes(x) for x in jax.tree.leaves(state))
   per_split = [nbytes(state) for _, state in group.splits]
   layers = (tuple(per_split) if len(per_split) == c.num_layers
             else (per_split[0] // c.num_layers,) * c.num_layers)  # one stack of all layers
+  if layout.offload_per_layer and mode == "unrolled":  # the tail held as the head's layers
+    offloaded = sum(layers) // c.num_layers
+  else:
+    stack = _abstract_group(c, dtype, "offload", every, layout.fused, compact=compact)
+    offloaded = nbytes(stack.splits[0][1]) // c.num_layers
   table = c.vocab_size * c.hidden_size
-  other = (table * (1 if c.tie_word_embeddings else 2) + c.hidden_size) * size + c.head_dim // 2 * 4
+  other = (table * size * (1 if c.tie_word_embeddings else 2)
+           + c.hidden_size * jnp.dtype(dtype).itemsize + c.head_dim // 2 * 4)
   kind = _head_blocks(c, source, dtype, layout)
   if kind is not None:  # the head's table held in its blocks instead (int16 layouts: same bytes)
     other += table // matmul.QUANT_BLOCK * matmul.BYTES_PER_COLUMN[kind] - table * size
-  return layers, other
+  return layers, other, offloaded
 
 
 def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
@@ -413,8 +495,11 @@ def _arrange(config: ModelConfig, dtype, layout: Layout, placer: _Placer) -> Tra
   """`build`'s model, each parameter from `placer`."""
   source = placer.source
   sharding.check_tensor_parallel(config, sharding.tp_size(placer.mesh))
-  shell = nnx.eval_shape(lambda: Transformer(config, dtype, rngs=nnx.Rngs(0)))
-  if layout.plain:
+  shell = nnx.eval_shape(lambda: Transformer(config, dtype, rngs=nnx.Rngs(0),
+                                             table_dtype=layout.table_dtype))
+  compact = (lambda layers: stack_formats(source, layers, layout.platform)
+             if layout.keep_quantized else {})
+  if layout.plain and not compact(range(config.num_layers)):
     return placer.fill(shell, _whole(config))
   whole = _whole(config)
 
@@ -442,8 +527,11 @@ def _arrange(config: ModelConfig, dtype, layout: Layout, placer: _Placer) -> Tra
   pending, first = [], 0
   blocks = block_kernels(source, config.num_layers) if layout.keep_quantized else None
   for n, mode in layout.groups:
-    pending.append(_abstract_group(config, dtype, mode, range(first, first + n), layout.fused,
-                                   blocks, layout.block_activations))
+    layers = range(first, first + n)
+    pending.append(_abstract_group(config, dtype, mode, layers, layout.fused, blocks,
+                                   layout.block_activations,
+                                   None if mode == "unrolled" else compact(layers),
+                                   layout.offload_per_layer))
     first += n
   placer.place_groups(pending, config.num_layers)
   groups = []
@@ -452,6 +540,8 @@ def _arrange(config: ModelConfig, dtype, layout: Layout, placer: _Placer) -> Tra
     if group.mode == "unrolled":
       built = UnrolledLayers([group.module(j) for j in range(len(group.layers))], first,
                              layout.fused)
+    elif group.mode == "offload" and group.per_layer:
+      built = UnrolledOffloadedLayers([group.module(j) for j in range(len(group.layers))], first)
     elif group.mode == "offload":
       built = OffloadedLayers(group.module(0), first, layout.prefetch_depth)
     elif group.mode == "experts":

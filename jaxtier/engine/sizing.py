@@ -114,7 +114,7 @@ class Sizing:
   kernels: str  # "auto" or "portable"
   attention_impl: str  # "auto" resolved to "xla" under kernels="portable"
   layer_execution: str  # "scan" or "unrolled"
-  keep_quantized: bool  # resident layers may keep a GGUF file's blocks
+  keep_quantized: bool  # layers may keep a GGUF file's blocks (or `quantization`'s)
   block_activations: str  # "float32" or "int16"
   tensor_parallel_size: int
   max_model_len: int
@@ -132,6 +132,8 @@ class Sizing:
   host_weight_bytes_per_device: int
   activation_reserve_bytes: int
   host_expert_bytes: int = 0  # of host_weight_bytes, the experts group's (over all devices)
+  table_dtype: str | None = None  # the embedding and LM head's dtype where not `dtype`
+  platform: str | None = None  # the machine's ("cpu", "gpu", "tpu")
 
   @property
   def device_kv_bytes(self) -> int:
@@ -176,21 +178,31 @@ def execution(args: EngineArgs, machine: Machine) -> tuple[str, bool, str]:
   """(layer_execution, keep_quantized, block_activations): how layers run and whether resident
   layers keep a GGUF file's blocks, which the loader must know before it opens the checkpoint.
 
-  `kernels="portable"` runs scanned layers, as an accelerator does. Blocks are kept by unrolled
-  layers on one device (the CPU kernels multiply them) with `weight_format="auto"`; `block_activations` "auto" is int16 where the kernels multiply int16 in
-  vector instructions. Where no blocks are kept it is "float32" (it has no effect there)."""
+  `kernels="portable"` runs scanned layers, as an accelerator does. With `weight_format="auto"`
+  on one device, blocks are kept (a GGUF file's, or those `quantization` makes): unrolled layers
+  pack them for the CPU kernels, scanned and offloaded layers hold them in `jaxtier.quant`'s
+  layouts. `block_activations` "auto" is int16 where the kernels multiply int16 in vector
+  instructions; where no unrolled layer keeps blocks it is "float32" (it has no effect there)."""
   portable = resolved_kernels(args, machine) == "portable"
   layer_execution = args.layer_execution
   if layer_execution == "auto":
     layer_execution = "unrolled" if machine.platform == "cpu" and not portable else "scan"
-  keep = (args.weight_format == "auto" and args.tensor_parallel_size == 1
-          and layer_execution == "unrolled" and not portable)
+  keep = args.weight_format == "auto" and args.tensor_parallel_size == 1
   activations = args.block_activations
-  if not keep:
+  if not keep or layer_execution != "unrolled":
     activations = "float32"
   elif activations == "auto":
     activations = "int16" if machine.integer_dots else "float32"
   return layer_execution, keep, activations
+
+
+def table_dtype(args: EngineArgs, machine: Machine) -> str | None:
+  """The embedding and LM head tables' dtype where it is not the model's: bfloat16 for a float32
+  model quantized on the portable path (the CPU kernels keep the head in int8 blocks)."""
+  if (args.quantization is not None and resolved_kernels(args, machine) == "portable"
+      and model_dtype(args, machine) == "float32"):
+    return "bfloat16"
+  return None
 
 
 def model_dtype(args: EngineArgs, machine: Machine) -> str:
@@ -404,7 +416,8 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
       host_weight_bytes=n * whole.layer_bytes + experts.layers * whole.expert_layer_bytes,
       device_weight_bytes_per_device=resident,
       host_weight_bytes_per_device=host_weights, activation_reserve_bytes=reserve,
-      host_expert_bytes=experts.layers * whole.expert_layer_bytes)
+      host_expert_bytes=experts.layers * whole.expert_layer_bytes,
+      table_dtype=table_dtype(args, machine), platform=machine.platform)
 
 
 def _host_blocks(args: EngineArgs, machine: Machine, device: int, default: int | None,

@@ -11,6 +11,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from jaxtier.quant import array_bytes
+
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
 HOST_KINDS = ("pinned_host", "unpinned_host")
@@ -42,8 +44,9 @@ def memory_kinds(tree: Any) -> set[str]:
 
 
 def tree_bytes(tree: Any) -> int:
-  """Bytes of all array leaves of `tree` (global shapes)."""
-  return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+  """Bytes of all array leaves of `tree` (global shapes; 4-bit values at half a byte,
+  `jaxtier.quant.array_bytes`)."""
+  return sum(array_bytes(a) for a in jax.tree.leaves(tree))
 
 
 def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
@@ -51,7 +54,7 @@ def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
   out: dict[str, int] = {}
   for a in jax.tree.leaves(tree):
     kind = a.sharding.memory_kind
-    out[kind] = out.get(kind, 0) + a.size * a.dtype.itemsize
+    out[kind] = out.get(kind, 0) + array_bytes(a)
   return out
 
 
@@ -62,7 +65,7 @@ def bytes_per_device(tree: Any) -> dict[str, int]:
   for a in jax.tree.leaves(tree):
     kind = a.sharding.memory_kind
     shard = a.sharding.shard_shape(a.shape)
-    out[kind] = out.get(kind, 0) + int(np.prod(shard)) * a.dtype.itemsize
+    out[kind] = out.get(kind, 0) + array_bytes(jax.ShapeDtypeStruct(shard, a.dtype))
   return out
 
 

@@ -191,6 +191,39 @@ class OffloadedLayers(OffloadedStack):
     return super().__call__((x_bth, cache), self.first, cos_btd, sin_btd, pos_bt, meta)
 
 
+class UnrolledOffloadedLayers(nnx.Module):
+  """Layers [first, first + n) in host memory as separate per-layer buffers (`UnrolledLayers`'
+  form: on CPU, fused layers whose kernels the CPU kernels multiply, packed or in GGUF blocks),
+  each moved to the device where it computes, called like `jaxtier.model.LayerStack`.
+
+  The CPU kernels' form of an offloaded tail: its layers hold the resident layers' formats (a
+  GGUF file's blocks stay blocks), and a per-layer buffer needs no slice of a stack. On CPU, where
+  host and device memory kinds are one memory, XLA compiles the move to nothing: the kernels read
+  the host buffers in place, so the tail costs what the same layers cost resident. (A GPU or TPU
+  runs `OffloadedLayers`, whose stack streams over the link `depth` layers ahead.)
+  """
+
+  def __init__(self, layers: Sequence[nnx.Module], first: int):
+    self.layers = nnx.List(list(layers))
+    self.first = first
+    self.device_shardings = tuple(
+        tuple(a.sharding.with_memory_kind(placement.DEVICE) for a in jax.tree.leaves(nnx.state(layer)))
+        for layer in self.layers)
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.layers)
+
+  def __call__(self, x_bth, cos_btd, sin_btd, cache, pos_bt, meta):
+    for i, layer in enumerate(self.layers):
+      graphdef, state = nnx.split(layer)
+      leaves, treedef = jax.tree.flatten(state)
+      moved = [jax.device_put(a, s) for a, s in zip(leaves, self.device_shardings[i])]
+      x_bth, cache = nnx.merge(graphdef, treedef.unflatten(moved))(
+          x_bth, cos_btd, sin_btd, cache, jnp.int32(self.first + i), pos_bt, meta)
+    return x_bth, cache
+
+
 def tail_group(depth: int, memory_kind: str = placement.PINNED_HOST, order: str = "auto"):
   """A group factory for `GroupedTransformer`: `(n, tail_group(d))` offloads those n layers."""
 

@@ -46,7 +46,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxtier import checkpoint, cpu_kernels, llm, sharding, structured
+from jaxtier import checkpoint, cpu_kernels, llm, quant, sharding, structured
 from jaxtier.checkpoint import placed
 from jaxtier.engine import sizing
 from jaxtier.engine.engine import cache_config, warmup_programs
@@ -86,8 +86,7 @@ def abstract_engine(model: str, platform: str, hardware_preset: str = DEFAULT_PR
   ValueError as `LLM` would for arguments the platform cannot run."""
   args = EngineArgs(model=model, **engine_args)
   machine = sizing.detect_machine(args, platform)
-  _, keep_quantized, _ = sizing.execution(args, machine)
-  opened = checkpoint.open_checkpoint(model, keep_quantized=keep_quantized, convert=False)
+  opened = llm.open_for(model, args, machine, convert=False)
   with opened.source:
     config = opened.config
 
@@ -102,7 +101,7 @@ def abstract_engine(model: str, platform: str, hardware_preset: str = DEFAULT_PR
   engine_config = llm.engine_config_of(args, s)
   cache = PagedKVCache.abstract(cache_config(config, engine_config), mesh, machine.platform)
   runner = Runner(graphdef, state, cache, portable=s.kernels == "portable")
-  host = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state)
+  host = sum(quant.array_bytes(a) for a in jax.tree.leaves(state)
              if a.sharding.memory_kind != placement.DEVICE)
   return AbstractEngine(s, engine_config, runner, cache, host, config.vocab_size)
 
@@ -166,8 +165,10 @@ def _failed(key: tuple, error: str) -> dict:
           "key": list(key)}
 
 
-def export_engine_programs(engine: AbstractEngine, platform: str) -> dict[str, dict]:
-  """{name: facts} of the representative programs of `engine` exported for `platform`."""
+def export_engine_programs(engine: AbstractEngine, platform: str,
+                           texts: dict[str, str] | None = None) -> dict[str, dict]:
+  """{name: facts} of the representative programs of `engine` exported for `platform`; `texts`,
+  where given, receives each exported program's StableHLO text by name."""
   if platform not in EXPORT_PLATFORMS:
     raise ValueError(f"platform={platform!r}: expected one of {EXPORT_PLATFORMS}")
   wanted = representative_programs(engine.engine_config, engine.vocab_size)
@@ -179,8 +180,10 @@ def export_engine_programs(engine: AbstractEngine, platform: str) -> dict[str, d
     try:
       exported = jax.export.export(jitted, platforms=[platform],
                                    disabled_checks=_UNCHECKED)(*args, **static)
-      results[name] = {"ok": True, "error": None,
-                       **program_facts(exported.mlir_module()), "key": list(key)}
+      module = exported.mlir_module()
+      results[name] = {"ok": True, "error": None, **program_facts(module), "key": list(key)}
+      if texts is not None:
+        texts[name] = module
       return jax.tree.unflatten(exported.out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype)
                                                     for a in exported.out_avals])
     except Exception as e:  # pylint: disable=broad-except  (recorded: the others still export)

@@ -116,6 +116,8 @@ def exported_text(fn: Callable, *args, platform: str = "cuda") -> str:
 def _nbytes(value) -> tuple[tuple[int, ...], int]:
   t = ir.RankedTensorType(value.type)
   bits = int(re.search(r"(\d+)$", str(t.element_type)).group(1))
+  if bits == 4:  # 4-bit types as XLA holds them on accelerators: two values a byte
+    return tuple(t.shape), -(-math.prod(t.shape) // 2)
   return tuple(t.shape), math.prod(t.shape) * max(bits // 8, 1)
 
 
@@ -338,6 +340,39 @@ def custom_call_targets(mlir_text: str) -> collections.Counter:
         for op in block.operations:
           if op.operation.name == "stablehlo.custom_call":
             counts[_string_attr(op, "call_target_name")] += 1
+          walk(op.operation)
+
+  with make_ir_context():
+    walk(ir.Module.parse(mlir_text).operation)
+  return counts
+
+
+def narrow_convert_users(mlir_text: str, element_types=("ui4", "i4", "i8", "ui8")
+                         ) -> collections.Counter:
+  """{op name: count} of the ops that read each `stablehlo.convert` of a tensor of
+  `element_types` to a float type, followed through reshapes (in every function, loop and
+  branch): where compact weights are dequantized, a "multiply" or "dot_general" (fusable into the
+  dot), and never a parameter passing of the float weight whole ("call", "return")."""
+  counts = collections.Counter()
+
+  def users(value):
+    for use in value.uses:
+      owner = use.owner
+      name = owner.name if hasattr(owner, "name") else owner.operation.name
+      if name == "stablehlo.reshape":
+        yield from users(owner.results[0])
+      else:
+        yield name
+
+  def walk(operation):
+    for region in operation.regions:
+      for block in region.blocks:
+        for op in block.operations:
+          if op.operation.name == "stablehlo.convert":
+            source = str(ir.RankedTensorType(op.operands[0].type).element_type)
+            target = str(ir.RankedTensorType(op.results[0].type).element_type)
+            if source in element_types and target.startswith(("f", "bf")):
+              counts.update(users(op.results[0]))
           walk(op.operation)
 
   with make_ir_context():
