@@ -218,8 +218,9 @@ class LLM:
       enable_prefix_caching, host_prefix_caching, async_scheduling, seed,
       layer_execution, offload_tail_layers, prefetch_depth, offload_expert_layers,
       expert_offload_mode, device_memory_gb,
-      tensor_parallel_size, trace_path, attention_impl, weight_format, block_activations,
-      chat_template. Bad values raise ValueError before any weight loads.
+      tensor_parallel_size, trace_path, attention_impl, kernels, weight_format, quantization
+      ("int8", "int4"), quantization_group_size, block_activations, chat_template. Bad values
+      raise ValueError before any weight loads.
 
   Loading is placement-first (`jaxtier.checkpoint.placed`): each tensor goes straight to its
   device shard or, for the offloaded tail, to pinned host memory.

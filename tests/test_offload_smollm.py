@@ -115,3 +115,17 @@ def test_dry_run_plans_what_the_default_model_holds(smollm_llm):
   plan = dry_run(DEFAULT_MODEL, **kwargs)
   report = jaxtier.LLM(DEFAULT_MODEL, **kwargs).memory_report()
   assert {k: plan[k] for k in shared} == {k: report[k] for k in shared}
+
+
+def test_offloaded_tail_keeps_the_files_blocks_as_the_engine_runs_it(smollm_llm):
+  """`LLM(offload_tail_layers=10)` on CPU: the tail is held per layer in the resident layers'
+  block formats in pinned host memory (the file's Q4_1 blocks, 0.2-0.4 of the device's bytes;
+  float32 layers were 1.27 of them), and its greedy tokens are the resident engine's."""
+  llm = jaxtier.LLM(DEFAULT_MODEL, max_model_len=2048, offload_tail_layers=OFFLOADED)
+  report = llm.memory_report()
+  assert 0.2 <= report["host_weight_bytes"] / report["device_weight_bytes"] <= 0.4
+  host = [a for a in jax.tree.leaves(llm.state) if a.sharding.memory_kind == offload.PINNED_HOST]
+  assert {str(a.dtype) for a in host} - {"float32"}  # blocks, not floats
+  assert sum(a.size * a.dtype.itemsize for a in host) == report["host_weight_bytes"]
+  got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+  assert got == [o.outputs[0].token_ids for o in smollm_llm.generate(PROMPTS, GREEDY)]

@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from jaxtier import matmul, quant, sharding
 from jaxtier.checkpoint.params import (DERIVED, Path, TensorSource, _flatten, _unflatten,
                                        check_shapes)
+from jaxtier.checkpoint.quantized import layout_of
 from jaxtier.config import ModelConfig
 from jaxtier.model import (DecoderLayer, FusedDecoderLayer, GroupedTransformer, LayerStack,
                            Transformer, UnrolledLayers, make_layer_stack, packs_by_default)
@@ -242,7 +243,6 @@ def stack_formats(source: TensorSource | None, layers: range, platform: str | No
   stores in blocks (`TensorSource.quantization`), in the `jaxtier.quant` layout that holds them
   (one block format for all the layers, else "q8_16", which holds every 8-bit type); the others
   are absent (float). Each as `platform` (default: jax's backend) holds it (`WeightFormat.on`)."""
-  from jaxtier.checkpoint.quantized import layout_of  # pylint: disable=import-outside-toplevel
   out = {}
   if source is None:
     return out
