@@ -94,6 +94,26 @@ class QLinear(nnx.Module):
     return y if self.bias is None else y + self.bias[...]
 
 
+class CompactTable(nnx.Module):
+  """A vocabulary table held compact for the LM head (`jaxtier.quant`, [hidden, vocab]: a GGUF
+  file's blocks of the table): logits are `quant.qmatmul`, and where the table is tied the
+  embedding lookup dequantizes the tokens' columns (`quant.columns`) into `dtype`."""
+
+  def __init__(self, values, scales, mins=None, dtype=jnp.float32):
+    self.values, self.scales = nnx.Param(values), nnx.Param(scales)
+    self.mins = None if mins is None else nnx.Param(mins)
+    self.dtype = jnp.dtype(dtype).name
+
+  def _parts(self):
+    return self.values[...], self.scales[...], None if self.mins is None else self.mins[...]
+
+  def rows(self, tokens):
+    return quant.columns(*self._parts(), tokens, jnp.dtype(self.dtype))
+
+  def logits(self, h):
+    return quant.qmatmul(h, *self._parts())
+
+
 class DecoderLayer(nnx.Module):
   """Pre-norm attention block and gated MLP block (SwiGLU, or GeGLU for Gemma); with `qk_norm`,
   q and k are RMS-normed per head (`q_norm`, `k_norm` over the head dim) before the rotary
@@ -534,7 +554,9 @@ class GroupedTransformer(Transformer):
   XLA:CPU's product with the [v, h] table at decode's few rows falls well short of the bandwidth.
   A tied table is then held only packed, and embedding a token gathers its column of the panels.
   `model` may bring `packed_head` already packed (the loader packs a checkpoint's Q4_1 or Q8_0
-  blocks, `jaxtier.matmul`); then `embed` is needed only untied.
+  blocks, `jaxtier.matmul`); then `embed` is needed only untied. Or `compact_head`, a
+  `CompactTable` of the table's blocks (what stacked layers keep: the portable path), held and
+  used the same way.
   """
 
   def __init__(self, model: Transformer, groups, fused: bool = True):
@@ -546,16 +568,20 @@ class GroupedTransformer(Transformer):
     self.final_norm, self.inv_freq = model.final_norm, model.inv_freq
     tied = model.config.tie_word_embeddings
     packed = getattr(model, "packed_head", None)  # a loader's, packed from a table's blocks
-    if packed is not None:
+    self.compact_head = getattr(model, "compact_head", None)  # a loader's, a table's blocks
+    if self.compact_head is not None:
+      self.packed_head = None
+    elif packed is not None:
       self.packed_head = nnx.Param(packed)
     else:
       table_vh = model.embed.embedding if tied else model.lm_head
       self.packed_head = (nnx.Param(matmul.pack(table_vh[...].T))
                           if fused and packs_by_default(table_vh.dtype)
                           and matmul.packs_exactly(model.config.vocab_size) else None)
-    if not (tied and self.packed_head is not None):
+    held = self.packed_head is not None or self.compact_head is not None
+    if not (tied and held):
       self.embed = model.embed
-    if not tied and self.packed_head is None:
+    if not tied and not held:
       self.lm_head = model.lm_head
     parts, first = [], 0
     for n, mode in groups:
@@ -575,12 +601,16 @@ class GroupedTransformer(Transformer):
     self.groups = nnx.List(parts)
 
   def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
+    if self.config.tie_word_embeddings and self.compact_head is not None:
+      return scale_embeddings(self.config, self.compact_head.rows(tokens_bt))
     if self.config.tie_word_embeddings and self.packed_head is not None:
       return scale_embeddings(self.config,
                               matmul.packed_columns(self.packed_head[...], tokens_bt))
     return super().embed_tokens(tokens_bt)
 
   def logits(self, h_bth: jax.Array) -> jax.Array:
+    if self.compact_head is not None:
+      return softcap_logits(self.config, self.compact_head.logits(h_bth))
     if self.packed_head is not None:
       return softcap_logits(self.config, matmul.packed_matmul(h_bth, self.packed_head[...],
                                                               self.config.vocab_size))

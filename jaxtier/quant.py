@@ -205,6 +205,16 @@ def dequantize(values, scales, mins=None, dtype=jnp.float32) -> jax.Array:
   return w.reshape(*lead, k, n).astype(dtype)
 
 
+def columns(values, scales, mins, index, dtype=jnp.float32) -> jax.Array:
+  """Columns `index` (any shape of ints) of the weight [K, N] the parts hold, as rows
+  [*index.shape, K] in `dtype`: the embedding lookup of a vocabulary table held [hidden, vocab]
+  for the LM head's `qmatmul`."""
+  flat = jnp.reshape(index, (-1,))
+  take = lambda a: jnp.take(a, flat, axis=-1)
+  w = dequantize(take(values), take(scales), None if mins is None else take(mins), dtype)
+  return jnp.reshape(w.T, (*jnp.shape(index), w.shape[0]))
+
+
 def qmatmul(x, values, scales, mins=None) -> jax.Array:
   """x [..., K] @ the weight the parts hold [K, N], in x's dtype. One scale per column and no
   minimum: (x @ values) * scales, the conversion of the int8 values feeding the dot alone; else

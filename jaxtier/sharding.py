@@ -70,6 +70,9 @@ for _proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
   _axes = PARAM_AXES[(_proj, "kernel")]
   PARAM_AXES[(_proj, "values")] = _axes
   PARAM_AXES[(_proj, "scales")] = PARAM_AXES[(_proj, "mins")] = (None, _axes[1])
+# A vocabulary table held compact for the LM head ([hidden, vocab], `model.CompactTable`).
+PARAM_AXES[("compact_head", "values")] = ("embed", "vocab")
+PARAM_AXES[("compact_head", "scales")] = PARAM_AXES[("compact_head", "mins")] = (None, "vocab")
 # Fused (and perhaps packed, `jaxtier.matmul`) projections of FusedDecoderLayer: replicated whatever
 # their rank (concatenated outputs do not split at head boundaries); the model does not fuse when
 # tensor parallel.

@@ -30,7 +30,8 @@ machine that has JAX but not jaxtier's other dependencies):
   copy rate, the largest difference from the dequantized weight's product, and whether XLA fused
   the dequantization into the dot: no instruction outside a fusion's body produces a float array
   of the weight's shape (`float_weight_copies`, the names of any that do; XLA:CPU does write
-  one, so a dry run reports `fused` false).
+  one, so a dry run reports `fused` false); and the engine on the tiny Qwen3 fixture quantized to
+  int4, resident and with an offloaded tail, giving the same greedy tokens.
 
 Each section is timed and guarded: an error is recorded in the section and the next one runs; a
 section that would start past `--budget_s` is skipped. The JSON is rewritten after every section,
@@ -505,6 +506,21 @@ def section_quant(link: dict | None) -> dict:
   # XLA:CPU dequantizes into a temporary before its dot (expected there: not the GPU's fusion)
   out["fused"] = all(not row[b]["float_weight_copies"] for name, row in out["rows"].items()
                      if name != "bfloat16" for b in ("1", "8", "32"))
+  # the engine's compiled programs on 4-bit weights (their buffers' layouts included), resident
+  # and with an offloaded tail: the same greedy tokens
+  import jaxtier
+  tokens = {}
+  for offloaded in (0, 1):
+    llm = jaxtier.LLM(os.path.join(FIXTURES, "tiny_qwen3"), quantization="int4",
+                      kernels="portable", offload_tail_layers=offloaded, max_model_len=128)
+    params = jaxtier.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tokens[offloaded] = [o.outputs[0].token_ids for o in llm.generate(["hello", "a b c"], params)]
+    if offloaded:
+      report = llm.memory_report()
+      out["engine_int4"] = {"host_weight_bytes": report["host_weight_bytes"],
+                            "weight_bytes_by_format": report["weight_bytes_by_format"]}
+    del llm
+  out["engine_int4"]["offloaded_equals_resident"] = tokens[0] == tokens[1]
   return out
 
 

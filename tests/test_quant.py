@@ -97,24 +97,31 @@ def test_gguf_blocks_dequantize_to_gguf_py_values_bit_for_bit(tensor_type, platf
   np.testing.assert_array_equal(np.asarray(got), expected)
 
 
-@pytest.fixture(scope="module")
-def q4_file(tmp_path_factory):
-  config = q4_config()
+def write_q4_file(directory, tied: bool):
+  config = q4_config(tied)
   model = Transformer(config, rngs=nnx.Rngs(3))
-  path = str(tmp_path_factory.mktemp("q4") / "model.gguf")
-  write_q4_1_gguf(path, model)
+  path = str(directory / "model.gguf")
+  write_q4_1_gguf(path, model)  # layers in Q4_1, the head's table in Q8_0
   return config, model, path
 
 
+@pytest.fixture(scope="module")
+def q4_file(tmp_path_factory):
+  return write_q4_file(tmp_path_factory.mktemp("q4"), False)
+
+
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("groups", [((2, "scan"),), ((1, "scan"), (1, "offload"))])
-def test_gguf_blocks_in_stacked_layers_match_the_dequantized_model(q4_file, groups):
-  config, _, path = q4_file
+def test_gguf_blocks_in_stacked_layers_match_the_dequantized_model(tmp_path, groups, tied):
+  config, _, path = write_q4_file(tmp_path, tied)
   _, _, source = gguf_file.open_source(path)
   dequantized = placed.build(config, source, jnp.float32, placed.Layout(groups, portable=True))
   compact = placed.build(config, source, jnp.float32,
                          placed.Layout(groups, portable=True, keep_quantized=True))
   kinds = {str(a.dtype) for a in jax.tree.leaves(nnx.state(compact))}
   assert "uint8" in kinds and "float32" in kinds  # nibbles, and their scales
+  assert compact.compact_head is not None and compact.compact_head.values.dtype == jnp.int8
+  assert (getattr(compact, "embed", None) is None) == tied  # a tied table is held once
   for got, want in zip(logits_of(compact, config), logits_of(dequantized, config)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

@@ -30,6 +30,7 @@ def test_validate_gpu_dry_run(tmp_path):
   assert all(quant[f][b]["max_rel_diff"] < 1e-2 for f in ("int8", "int4") for b in ("1", "8", "32"))
   # XLA:CPU writes the dequantized weight before its dot: the check sees it (a GPU must not)
   assert not sections["quant"]["fused"] and quant["int4"]["1"]["float_weight_copies"]
+  assert sections["quant"]["engine_int4"]["offloaded_equals_resident"]
 
 
 def test_validate_gpu_refuses_cpu_without_flag(tmp_path):

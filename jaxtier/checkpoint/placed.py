@@ -34,8 +34,9 @@ from jaxtier.checkpoint.params import (DERIVED, Path, TensorSource, _flatten, _u
                                        check_shapes)
 from jaxtier.checkpoint.quantized import layout_of
 from jaxtier.config import ModelConfig
-from jaxtier.model import (DecoderLayer, FusedDecoderLayer, GroupedTransformer, LayerStack,
-                           Transformer, UnrolledLayers, make_layer_stack, packs_by_default)
+from jaxtier.model import (CompactTable, DecoderLayer, FusedDecoderLayer, GroupedTransformer,
+                           LayerStack, Transformer, UnrolledLayers, make_layer_stack,
+                           packs_by_default)
 from jaxtier.offload import placement
 from jaxtier.offload.experts import ExpertOffloadedLayers, is_expert_param
 from jaxtier.offload.prefetch import OffloadedLayers, UnrolledOffloadedLayers
@@ -375,6 +376,7 @@ class _Globals:
   inv_freq: nnx.Variable
   lm_head: nnx.Param | None = None
   packed_head: jax.Array | None = None  # the table's blocks, packed (`GroupedTransformer`)
+  compact_head: nnx.Module | None = None  # ... or held compact (`CompactTable`)
 
 
 def block_kernels(source: TensorSource, num_layers: int) -> list[dict[str, str]]:
@@ -424,6 +426,36 @@ def _packed_head_blocks(placer: _Placer, config: ModelConfig, dtype, layout: Lay
                       placement.DEVICE)
 
 
+def _compact_head_format(config: ModelConfig, source: TensorSource | None, layout: Layout
+                         ) -> quant.WeightFormat | None:
+  """The layout (`jaxtier.quant`) the LM head keeps the table's blocks in on the portable path,
+  where `layout` keeps blocks and the source stores the table in them; else None (the CPU
+  kernels pack it instead: `_head_blocks`)."""
+  if source is None or not (layout.keep_quantized and layout.portable):
+    return None
+  kind = source.quantization(_head_path(config))
+  if kind not in quant.BLOCK_LAYOUTS or config.hidden_size % quant.BLOCK_LAYOUTS[kind].group:
+    return None
+  return quant.BLOCK_LAYOUTS[kind].on(layout.platform or jax.default_backend())
+
+
+def _compact_head(placer: _Placer, config: ModelConfig, dtype, layout: Layout
+                  ) -> CompactTable | None:
+  """The LM head as a `CompactTable` of the table's blocks, placed (`_compact_head_format`)."""
+  fmt = _compact_head_format(config, placer.source, layout)
+  if fmt is None:
+    return None
+  specs = fmt.shapes(config.hidden_size, config.vocab_size)
+  if isinstance(placer, _AbstractPlacer):
+    parts = [None] * len(specs)
+  else:
+    parts = quant.cast_parts(placer.source.read_blocks(_head_path(config), None,
+                                                       _block_name(fmt)), fmt)
+  arrays = [placer.place(("compact_head", name), part, specs[name], placement.DEVICE)
+            for name, part in zip(quant.PARTS, parts)]
+  return CompactTable(*arrays, dtype=dtype)
+
+
 def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Layout
                    ) -> tuple[tuple[int, ...], int, int]:
   """(bytes of each layer, bytes of everything else, bytes of one offloaded layer) as `build`
@@ -452,6 +484,9 @@ def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Lay
   table = c.vocab_size * c.hidden_size
   other = (table * size * (1 if c.tie_word_embeddings else 2)
            + c.hidden_size * jnp.dtype(dtype).itemsize + c.head_dim // 2 * 4)
+  head = _compact_head_format(c, source, layout)
+  if head is not None:  # the head's table held compact instead
+    other += head.nbytes(c.hidden_size, c.vocab_size) - table * size
   kind = _head_blocks(c, source, dtype, layout)
   if kind is not None:  # the head's table held in its blocks instead (int16 layouts: same bytes)
     other += table // matmul.QUANT_BLOCK * matmul.BYTES_PER_COLUMN[kind] - table * size
@@ -508,13 +543,15 @@ def _arrange(config: ModelConfig, dtype, layout: Layout, placer: _Placer) -> Tra
     return make(value)
 
   packed_head = _packed_head_blocks(placer, config, dtype, layout)
+  compact_head = _compact_head(placer, config, dtype, layout)
   if (packed_head is None and isinstance(placer, _AbstractPlacer) and layout.fused
       and packs_by_default(dtype) and matmul.packs_exactly(config.vocab_size)):
     # the head `GroupedTransformer` packs from the float table, which an abstract table cannot be
     table = shell.embed.embedding if config.tie_word_embeddings else shell.lm_head
     packed = jax.eval_shape(lambda t: matmul.pack(t.T), jax.ShapeDtypeStruct(table.shape, dtype))
     packed_head = placer.place(("packed_head",), None, packed, placement.DEVICE)
-  embed = (None if packed_head is not None and config.tie_word_embeddings  # held packed only
+  held = packed_head is not None or compact_head is not None  # the head's table, in blocks
+  embed = (None if held and config.tie_word_embeddings  # held packed (or compact) only
            else placer.fill(shell.embed, lambda p: whole(("embed",) + p), prefix=("embed",)))
   parts = _Globals(
       config, embed,
@@ -522,8 +559,8 @@ def _arrange(config: ModelConfig, dtype, layout: Layout, placer: _Placer) -> Tra
       one("inv_freq", nnx.Variable),
       # an untied table kept packed is not read as floats too (`GroupedTransformer` holds only
       # the packed head then)
-      None if config.tie_word_embeddings or packed_head is not None else one("lm_head", nnx.Param),
-      packed_head)
+      None if config.tie_word_embeddings or held else one("lm_head", nnx.Param),
+      packed_head, compact_head)
   pending, first = [], 0
   blocks = block_kernels(source, config.num_layers) if layout.keep_quantized else None
   for n, mode in layout.groups:
