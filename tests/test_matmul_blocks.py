@@ -493,8 +493,8 @@ def test_memory_report_counts_the_kept_blocks(mixed_gguf):
 
 
 def test_offload_planner_sizes_resident_layers_as_held(mixed_gguf):
-  """`offload_tail_layers="auto"` plans with the bytes the resident layers and head are held in
-  (kept blocks; offloaded layers stay float32): the plan's device and host weight bytes are
+  """`offload_tail_layers="auto"` plans with the bytes the layers and head are held in (kept
+  blocks, resident and offloaded alike): the plan's device and host weight bytes are
   `memory_report()`'s, with nothing offloaded where the float sizing would offload layers.
   (`test_offload_smollm.py` checks a plan that offloads a tail.)"""
   from jaxtier.offload.planner import ModelBytes
@@ -511,7 +511,8 @@ def test_offload_planner_sizes_resident_layers_as_held(mixed_gguf):
   between = jaxtier.LLM(path, device_memory_gb=(reserve + floats - 1) / 1e9, **kw)
   assert between.offload.offload_tail_layers == 0  # the float sizing offloaded layers here
   assert between.memory_report()["device_weight_bytes"] == plan.device_weight_bytes
-  # One byte short of the kept weights: offloading n layers would free their kept bytes but
-  # buffer two float32 layers, more than all four kept layers take, so nothing fits.
+  # One byte short of the kept weights: these layers mix formats, so an offloaded tail is a stack
+  # in the one layout that holds them all (8-bit values per 16), and offloading n layers would
+  # free their kept bytes but buffer two such layers, more than the four kept layers take.
   with pytest.raises(ValueError, match="Does not fit"):
     jaxtier.LLM(path, device_memory_gb=(reserve + plan.model.weight_bytes - 1) / 1e9, **kw)

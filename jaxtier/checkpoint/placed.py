@@ -426,6 +426,13 @@ def _packed_head_blocks(placer: _Placer, config: ModelConfig, dtype, layout: Lay
                       placement.DEVICE)
 
 
+def _tail_per_layer(layout: Layout, blocks: Sequence[dict] | None) -> bool:
+  """Whether an offloaded tail is held per layer (`Layout.offload_per_layer`): where every layer
+  keeps the same formats, so one offloaded layer's bytes are every layer's (the planner's
+  `ModelBytes.layer_bytes`); layers of mixed formats offload as a compact stack instead."""
+  return layout.offload_per_layer and (not blocks or all(b == blocks[0] for b in blocks))
+
+
 def _compact_head_format(config: ModelConfig, source: TensorSource | None, layout: Layout
                          ) -> quant.WeightFormat | None:
   """The layout (`jaxtier.quant`) the LM head keeps the table's blocks in on the portable path,
@@ -476,8 +483,8 @@ def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Lay
   per_split = [nbytes(state) for _, state in group.splits]
   layers = (tuple(per_split) if len(per_split) == c.num_layers
             else (per_split[0] // c.num_layers,) * c.num_layers)  # one stack of all layers
-  if layout.offload_per_layer and mode == "unrolled":  # the tail held as the head's layers
-    offloaded = sum(layers) // c.num_layers
+  if _tail_per_layer(layout, blocks) and mode == "unrolled":  # held as the head's layers
+    offloaded = layers[-1]
   else:
     stack = _abstract_group(c, dtype, "offload", every, layout.fused, compact=compact)
     offloaded = nbytes(stack.splits[0][1]) // c.num_layers
@@ -568,7 +575,7 @@ def _arrange(config: ModelConfig, dtype, layout: Layout, placer: _Placer) -> Tra
     pending.append(_abstract_group(config, dtype, mode, layers, layout.fused, blocks,
                                    layout.block_activations,
                                    None if mode == "unrolled" else compact(layers),
-                                   layout.offload_per_layer))
+                                   _tail_per_layer(layout, blocks)))
     first += n
   placer.place_groups(pending, config.num_layers)
   groups = []
