@@ -32,6 +32,14 @@ machine that has JAX but not jaxtier's other dependencies):
   of the weight's shape (`float_weight_copies`, the names of any that do; XLA:CPU does write
   one, so a dry run reports `fused` false); and the engine on the tiny Qwen3 fixture quantized to
   int4, resident and with an offloaded tail, giving the same greedy tokens.
+- `attention`: paged attention at the default model's attention shape (3 kv heads, 9 query heads,
+  head_dim 64, bfloat16 pages of 16 slots): the Pallas Triton kernel
+  (`jaxtier.kvcache.paged_attention_gpu`) against the XLA path (`paged_attention`), seconds per
+  decode call at batch 1, 8 and 32 with contexts of 1024 and 4096, the bytes/s achieved on the K
+  and V pages read against the device's read rate (half its copy rate), and prefill tokens/s of a
+  512-token chunk at contexts 0 and 2048; the largest difference between the two. With
+  `--allow_cpu` on a CPU it runs tiny shapes with the kernel in Pallas interpret mode (`interpret`
+  true in its JSON), only so that the section executes.
 
 Each section is timed and guarded: an error is recorded in the section and the next one runs; a
 section that would start past `--budget_s` is skipped. The JSON is rewritten after every section,
@@ -57,7 +65,7 @@ _OUT = flags.DEFINE_string("out", "validate_gpu.json", "where the JSON goes")
 _ALLOW_CPU = flags.DEFINE_bool("allow_cpu", False, "run on a CPU (small shapes; a dry run)")
 _BUDGET = flags.DEFINE_float("budget_s", 420.0, "no section starts after this many seconds")
 _SECTIONS = flags.DEFINE_list("sections", ["env", "link", "hf_tiny", "engine_tiny", "sampling",
-                                           "decode", "experts", "quant"],
+                                           "decode", "experts", "quant", "attention"],
                               "sections to run, in order")
 _DECODE_BATCHES = flags.DEFINE_list("decode_batches", ["1", "8", "32"], "decode batch sizes")
 _DECODE_OFFLOAD = flags.DEFINE_list("decode_offload", ["8", "16"],
@@ -524,6 +532,71 @@ def section_quant(link: dict | None) -> dict:
   return out
 
 
+def _attention_args(rng, b: int, t: int, context: int, kv: int, n: int, d: int, c: int, dtype):
+  """Paged attention arguments: b rows whose t queries end at position context + t - 1, each row's
+  pages a random part of a pool of exactly the pages the rows use."""
+  import jax.numpy as jnp
+  import numpy as np
+  blocks = -(-(context + t) // c)
+  f = b * blocks
+  k_kfcd, v_kfcd = (jnp.asarray(rng.standard_normal((kv, f, c, d), np.float32), dtype)
+                    for _ in range(2))
+  pages_bm = jnp.asarray(rng.permutation(f).reshape(b, blocks), jnp.int32)
+  pos_bt = jnp.broadcast_to(jnp.arange(context, context + t, dtype=jnp.int32), (b, t))
+  q_btnd = jnp.asarray(rng.standard_normal((b, t, n, d)), dtype)
+  return q_btnd, k_kfcd, v_kfcd, pages_bm, pos_bt
+
+
+def section_attention(link: dict | None) -> dict:
+  """The Pallas Triton paged attention kernel against the XLA path (see the module docstring)."""
+  import functools
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jaxtier.kvcache.paged_attention import paged_attention
+  from jaxtier.kvcache.paged_attention_gpu import paged_attention_gpu
+  interpret = jax.default_backend() == "cpu"
+  kv, n, d, c = 3, 9, 64, 16
+  batches, contexts, chunk, chunk_contexts, repeats = (1, 8, 32), (1024, 4096), 512, (0, 2048), 10
+  if interpret:
+    batches, contexts, chunk, chunk_contexts, repeats = (1, 2), (64,), 16, (0, 32), 2
+  kernel = jax.jit(functools.partial(paged_attention_gpu, interpret=interpret))
+  impls = {"pallas": kernel, "xla": paged_attention}
+  copy_gbps = (link or {}).get("device_copy_gbps")
+  out = {"shape": {"kv_heads": kv, "q_heads": n, "head_dim": d, "block_size": c,
+                   "dtype": "bfloat16"}, "interpret": interpret, "decode": {}, "prefill": {}}
+  if interpret:
+    out["note"] = "CPU dry run: tiny shapes, the kernel in Pallas interpret mode; not a timing"
+  rng = np.random.default_rng(0)
+  worst = 0.0
+
+  def run_all(args):
+    nonlocal worst
+    results = {name: np.asarray(fn(*args), np.float32) for name, fn in impls.items()}
+    worst = max(worst, float(np.abs(results["pallas"] - results["xla"]).max()))
+    return {f"{name}_s": _timed(lambda fn=fn: jax.block_until_ready(fn(*args)), repeats)
+            for name, fn in impls.items()}
+
+  for context in contexts:
+    for b in batches:
+      args = _attention_args(rng, b, 1, context - 1, kv, n, d, c, jnp.bfloat16)
+      cell = run_all(args)
+      kv_bytes = 2 * b * context * kv * d * 2  # K and V slots read, bfloat16
+      cell["kv_bytes"] = kv_bytes
+      for name in impls:
+        cell[f"{name}_gbps"] = kv_bytes / cell[f"{name}_s"] / 1e9
+        if copy_gbps:  # reading at the device's copy rate (read plus write) / 2
+          cell[f"{name}_over_hbm_bound"] = cell[f"{name}_s"] / (kv_bytes / (copy_gbps * 1e9 / 2))
+      out["decode"][f"batch_{b}_context_{context}"] = cell
+  for context in chunk_contexts:
+    cell = run_all(_attention_args(rng, 1, chunk, context, kv, n, d, c, jnp.bfloat16))
+    for name in impls:
+      cell[f"{name}_tokens_per_s"] = chunk / cell[f"{name}_s"]
+    out["prefill"][f"chunk_{chunk}_context_{context}"] = cell
+  out["max_abs_diff_pallas_xla"] = worst
+  return out
+
+
 def main(argv):
   del argv
   import jax
@@ -537,7 +610,7 @@ def main(argv):
       continue
     start = time.perf_counter()
     try:
-      if name in ("decode", "experts", "quant"):
+      if name in ("decode", "experts", "quant", "attention"):
         value = globals()[f"section_{name}"](result["sections"].get("link"))
       else:
         value = globals()[f"section_{name}"]()

@@ -11,9 +11,8 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 def test_validate_gpu_dry_run(tmp_path):
   out = tmp_path / "v.json"
   subprocess.run([sys.executable, "scripts/validate_gpu.py", f"--out={out}", "--allow_cpu",
-                  "--sections=env,link,hf_tiny,engine_tiny,sampling,experts,quant"], cwd=ROOT,
-                 check=True,
-                 capture_output=True, timeout=600)
+                  "--sections=env,link,hf_tiny,engine_tiny,sampling,experts,quant,attention"],
+                 cwd=ROOT, check=True, capture_output=True, timeout=600)
   sections = json.loads(out.read_text())["sections"]
   assert all("error" not in s for s in sections.values()), sections
   assert sections["env"]["backend"] == "cpu"
@@ -31,6 +30,11 @@ def test_validate_gpu_dry_run(tmp_path):
   # XLA:CPU writes the dequantized weight before its dot: the check sees it (a GPU must not)
   assert not sections["quant"]["fused"] and quant["int4"]["1"]["float_weight_copies"]
   assert sections["quant"]["engine_int4"]["offloaded_equals_resident"]
+  attention = sections["attention"]
+  assert attention["interpret"] and set(attention["decode"]) == {"batch_1_context_64",
+                                                                 "batch_2_context_64"}
+  assert all(cell["pallas_s"] > 0 and cell["xla_s"] > 0 for cell in attention["decode"].values())
+  assert attention["max_abs_diff_pallas_xla"] < 2e-2
 
 
 def test_validate_gpu_refuses_cpu_without_flag(tmp_path):
