@@ -18,7 +18,8 @@ from jaxtier.scheduler.policies import VICTIM_POLICIES
 DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto",) + tuple(ELEMENT_BYTES)
 LAYER_EXECUTIONS = ("auto", "scan", "unrolled")
-ATTENTION_IMPLS = ("auto", "xla", "cpu", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "xla_gathered", "cpu", "pallas", "pallas_tpu", "pallas_interpret",
+                   "pallas_tpu_interpret")
 KERNELS = ("auto", "portable")
 EXPERT_OFFLOAD_MODES = ("auto", "stream", "host")
 WEIGHT_FORMATS = ("auto", "float")
@@ -142,10 +143,17 @@ class EngineArgs:
       None, "append a per-step JSONL trace of the engine to this file (read by "
       "scripts/doctor.py); default: no trace")
   attention_impl: str = _arg(
-      "auto", "paged attention: cpu (C++ kernels for decode and prefill rows reading the paged "
-      "pool in place, built on first use; see jaxtier.cpu_kernels), xla, pallas (the GPU kernel "
-      "for decode steps), or auto: cpu for a pool on one CPU device when a C++ compiler is "
-      "found, else xla", ATTENTION_IMPLS)
+      "auto", "paged attention (see jaxtier.kvcache.paged_attention): cpu (C++ kernels for "
+      "decode and prefill rows reading the paged pool in place, built on first use; see "
+      "jaxtier.cpu_kernels), pallas (the Pallas GPU kernel, decode and prefill rows), pallas_tpu "
+      "(JAX's Pallas TPU kernel, decode steps of float pools whose head_dim is a multiple of 128 "
+      "and block_size of 16), xla (the platform's XLA path: a loop over chunks on CPU, "
+      "xla_gathered on an accelerator), xla_gathered (one gather and a masked softmax), "
+      "pallas_interpret / pallas_tpu_interpret (the GPU / TPU kernel run on CPU by Pallas' "
+      "interpreter, to check it), or auto: cpu for a pool on one CPU device when a C++ compiler "
+      "is found, pallas on one GPU, pallas_tpu on one TPU, else xla. Layers and calls a kernel "
+      "does not serve (a sliding window or soft cap, prefill on TPU) take an XLA path",
+      ATTENTION_IMPLS)
   kernels: str = _arg(
       "auto", "which implementations may run. auto: the best for the platform (on CPU the C++ "
       "kernels: attention, packed and block-quantized matmuls, argmax). portable: only the code "

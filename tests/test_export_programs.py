@@ -15,7 +15,7 @@ import pytest
 from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
-from jaxtier import cpu_kernels
+from jaxtier import cpu_kernels, kvcache
 from jaxtier.checkpoint import hf
 from jaxtier.engine import runner as runner_module
 from jaxtier.engine import sizing
@@ -53,15 +53,21 @@ def cuda_resident():
   return export.export_programs(TINY, "cuda", max_num_seqs=4)
 
 
-def check_accelerator_facts(result: dict, config, offloaded: int) -> None:
-  """What a GPU or TPU program of the engine must be: see the assertions."""
+STEPS = ("decode", "prefill")  # the programs that attend
+
+
+def check_accelerator_facts(result: dict, config, offloaded: int, attention: str) -> None:
+  """What a GPU or TPU program of the engine must be: see the assertions. `attention`: the path
+  the steps take ("pallas": the GPU kernel, one custom call in the scanned layers' body)."""
   programs = result["programs"]
   assert set(programs) == set(export.PROGRAMS)
   for name, facts in programs.items():
     assert facts["ok"] and facts["error"] is None, (name, facts["error"])
     assert facts["cpu_custom_calls"] == 0, name
-    assert facts["pallas_kernels"] == 0, name
     assert facts["host_compute_ops"] == 0, (name, facts["host_compute"])
+    assert facts["attention"] == (attention if name in STEPS else None), name
+    kernel = name in STEPS and attention.startswith("pallas")
+    assert facts["pallas_kernels"] >= 1 if kernel else facts["pallas_kernels"] == 0, name
   out = programs["swap_out"]
 
   host = offloaded * layer_bytes(config)
@@ -84,24 +90,46 @@ def check_accelerator_facts(result: dict, config, offloaded: int) -> None:
 def test_cuda_plan_resolves_every_auto_for_the_platform(cuda_offloaded):
   plan = cuda_offloaded["plan"]
   assert cuda_offloaded["platform"] == "cuda"
+  # attention "auto": the cache resolves it for the platform (the GPU kernel, see the programs)
   assert (plan["dtype"], plan["kv_cache_dtype"], plan["kernels"], plan["layer_execution"],
-          plan["attention_impl"]) == ("bfloat16", "bfloat16", "portable", "scan", "xla")
+          plan["attention_impl"]) == ("bfloat16", "bfloat16", "portable", "scan", "auto")
   assert plan["offload_tail_layers"] == 2
 
 
 def test_cuda_programs_offloaded(cuda_offloaded, tiny_config):
-  check_accelerator_facts(cuda_offloaded, tiny_config, offloaded=2)
+  check_accelerator_facts(cuda_offloaded, tiny_config, offloaded=2, attention="pallas")
 
 
 def test_cuda_programs_resident_move_no_weights(cuda_resident, tiny_config):
-  check_accelerator_facts(cuda_resident, tiny_config, offloaded=0)
+  check_accelerator_facts(cuda_resident, tiny_config, offloaded=0, attention="pallas")
   assert cuda_resident["plan"]["offload_tail_layers"] == 0
 
 
 def test_tpu_programs_offloaded(tiny_config):
   result = export.export_programs(TINY, "tpu", offload_tail_layers=1, max_num_seqs=4)
   assert result["platform"] == "tpu" and result["plan"]["kernels"] == "portable"
-  check_accelerator_facts(result, tiny_config, offloaded=1)
+  # head_dim 12: the TPU kernel wants a multiple of 128, so both steps take the gathered XLA path
+  check_accelerator_facts(result, tiny_config, offloaded=1, attention="xla_gathered")
+
+
+def test_attention_paths_tell_the_implementations_apart():
+  """The kernels by their custom calls, the XLA paths by their functions; JAX's TPU kernel is a
+  function "paged_attention" too, not the chunked loop."""
+  q = jax.ShapeDtypeStruct((2, 1, 8, 128), jnp.bfloat16)
+  pages = jax.ShapeDtypeStruct((2, 12, 16, 128), jnp.bfloat16)
+  rest = (jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2, 1), jnp.int32))
+
+  def text(fn, platform):  # fn called from a program, as the model calls it
+    return jax.export.export(jax.jit(lambda *a: fn(*a)), platforms=[platform])(
+        q, pages, pages, *rest).mlir_module()
+
+  assert export.attention_paths(text(kvcache.paged_attention_tpu, "tpu")) == "pallas_tpu"
+  assert export.attention_paths(text(kvcache.paged_attention, "cpu")) == "xla"
+  assert export.attention_paths(text(kvcache.paged_attention_gathered, "tpu")) == "xla_gathered"
+  both = lambda *a: kvcache.paged_attention_tpu(*a) + kvcache.paged_attention_gathered(*a,
+                                                                                     window=4)
+  assert export.attention_paths(text(both, "tpu")) == "pallas_tpu+xla_gathered"
+  assert export.attention_paths(text(lambda q, *a: q * 2, "tpu")) is None
 
 
 def test_machine_for_another_platform_measures_nothing_here():
@@ -229,10 +257,12 @@ def test_script_writes_the_json(tmp_path):
   result = json.loads(path.read_text())
   assert json.loads(proc.stdout.strip().splitlines()[-1]) == result
   assert result["platform"] == "tpu" and result["host_weight_bytes"] > 0
-  for facts in result["programs"].values():
+  for name, facts in result["programs"].items():
     assert set(facts) >= {"ok", "error", "cpu_custom_calls", "host_compute_ops",
-                          "host_offload_compute_ops", "h2d_bytes", "d2h_bytes", "pallas_kernels"}
+                          "host_offload_compute_ops", "h2d_bytes", "d2h_bytes", "pallas_kernels",
+                          "attention"}
     assert facts["ok"]
+    assert facts["attention"] == ("xla_gathered" if name in STEPS else None), name
   bad = subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", "export_programs.py"), "--platform=cuda",
        f"--model={TINY}", "--offload_tail_layers=99"],

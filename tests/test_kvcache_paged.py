@@ -3,16 +3,19 @@
 Shape legend: l layers, b batch, t new tokens, n query heads, k kv heads, d head dim, m table width.
 """
 
+import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtier import cpu_kernels
+from jaxtier import cpu_kernels, sharding
 from jaxtier.kvcache import (ContiguousKVCache, PagedCacheConfig, PagedKVCache, PagedMetadata,
                              attend, device_pool_bytes, quantize_int8, write_chunk)
+from jaxtier.kvcache.paged import attention_path, resolve_attention_impl
 from jaxtier.kvcache.quant import decode, encode
 
 L, K, G, D, C = 3, 2, 3, 8, 4
@@ -69,8 +72,8 @@ def schedule(lengths):
   return [first, second, done[:, None] + 1, done[:, None] + 2]
 
 
-@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=needs_kernels), "xla", "reference",
-                                  "pallas_interpret"])
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=needs_kernels), "xla", "xla_gathered",
+                                  "reference", "pallas_interpret"])
 def test_equals_contiguous_cache_over_prefill_chunks_and_decode(impl):
   rng = np.random.default_rng(0)
   lengths = [9, 14, 6]
@@ -206,16 +209,122 @@ def test_cuda_export_of_a_step_moves_nothing_between_memory_kinds():
   """On a GPU the model's step takes the device pool alone (the host tier stays outside the
   cache): no transfer, no host argument, the pool aliased to the output."""
   rng = np.random.default_rng(3)
-  config = cache_config(num_host_blocks=8, attention_impl="xla")  # what "auto" picks on a GPU
-  cache = PagedKVCache.create(config)
+  cache = PagedKVCache.abstract(cache_config(num_host_blocks=8), platform="gpu")
+  assert cache.config.attention_impl == "pallas"
   meta = PagedMetadata.create(block_tables(rng, [5, 9]), NUM_BLOCKS)
   step = random_step(rng, np.array([[4], [8]]))
-  module = jax.export.export(run_layers, platforms=["cuda"])(cache, *step, meta).mlir_module()
+  module = jax.export.export(run_layers, platforms=["cuda"], disabled_checks=TRITON)(
+      cache, *step, meta).mlir_module()
   assert "annotate_device_placement" not in module
   signature = module[module.index("func.func public @main"):].split("->")[0]
   assert "pinned_host" not in signature
   pool_args = [arg for arg in signature.split("%arg") if "tf.aliasing_output" in arg]
   assert len(pool_args) == 2  # K and V
+
+
+TRITON = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+def exported_attention(impl: str, platform: str, t: int, window=None, cap=None, head_dim=D,
+                       block_size=C, kv_cache_dtype="bfloat16") -> str:
+  """StableHLO of one layer's `attend` over a cache built for `platform` (nothing allocated)."""
+  config = PagedCacheConfig(L, K, head_dim, NUM_BLOCKS, block_size, 0, kv_cache_dtype, impl)
+  cache = PagedKVCache.abstract(config, platform=platform.replace("cuda", "gpu"))
+  q = jax.ShapeDtypeStruct((2, t, K * G, head_dim), jnp.bfloat16)
+  pos = jax.ShapeDtypeStruct((2, t), jnp.int32)
+  meta = PagedMetadata(jax.ShapeDtypeStruct((2, 6), jnp.int32))
+  fn = jax.jit(lambda cache, q, pos, meta: attend(cache, jnp.int32(1), q, pos, meta, window, cap))
+  return jax.export.export(fn, platforms=[platform], disabled_checks=TRITON)(
+      cache, q, pos, meta).mlir_module()
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_gpu_programs_run_the_kernel_or_the_gathered_path_never_the_loop(t):
+  """"auto" on a GPU: the Triton kernel for decode and prefill, the gathered XLA path for a
+  sliding-window or soft-capped layer; the chunked loop (CPU's XLA path) in neither."""
+  kernel = exported_attention("auto", "cuda", t)
+  assert "__gpu$xla.gpu.triton" in kernel and "@paged_attention(" not in kernel
+  for window, cap in ((8, None), (None, 30.0)):
+    xla = exported_attention("auto", "cuda", t, window, cap)
+    assert "__gpu$xla.gpu.triton" not in xla and "@paged_attention(" not in xla
+    assert "@paged_attention_gathered(" in xla and "stablehlo.while" not in xla
+  explicit = exported_attention("xla", "cuda", t)
+  assert "@paged_attention_gathered(" in explicit and "stablehlo.while" not in explicit
+
+
+def test_tpu_programs_run_the_kernel_for_decode_steps_it_fits():
+  decode = exported_attention("auto", "tpu", 1, cap=30.0, head_dim=128, block_size=16)
+  assert "tpu_custom_call" in decode and "@paged_attention_gathered(" not in decode
+  for t, window, head_dim, dtype in ((5, None, 128, "bfloat16"), (1, 8, 128, "bfloat16"),
+                                     (1, None, D, "bfloat16"), (1, None, 128, "int8")):
+    other = exported_attention("auto", "tpu", t, window, head_dim=head_dim, block_size=16,
+                               kv_cache_dtype=dtype)
+    assert "tpu_custom_call" not in other and "stablehlo.while" not in other, (t, window)
+    assert "@paged_attention_gathered(" in other
+
+
+def test_auto_resolves_per_platform():
+  one = sharding.make_mesh(1, [jax.devices("cpu")[0]])
+  assert resolve_attention_impl("auto", one, "gpu") == "pallas"
+  assert resolve_attention_impl("auto", one, "cuda") == "pallas"
+  assert resolve_attention_impl("auto", one, "tpu") == "pallas_tpu"
+  for platform in ("gpu", "tpu"):
+    assert resolve_attention_impl("xla", one, platform) == "xla_gathered"
+  assert resolve_attention_impl("xla", one, "cpu") == "xla"
+  assert resolve_attention_impl("xla_gathered", one, "cpu") == "xla_gathered"
+  split = types.SimpleNamespace(devices=np.array(jax.devices("cpu") * 2))  # two devices
+  assert resolve_attention_impl("auto", split, "gpu") == "xla_gathered"  # kernels: one device
+  with pytest.raises(ValueError, match="needs a TPU"):
+    resolve_attention_impl("pallas_tpu", one, "gpu")
+  with pytest.raises(ValueError, match="needs a GPU"):
+    resolve_attention_impl("pallas", one, "tpu")
+
+
+def test_attention_path_sends_what_a_kernel_cannot_serve_to_an_xla_path():
+  decode = dict(t=1, head_dim=128, block_size=16, quantized=False, window=False, cap=False)
+  for impl in ("pallas", "pallas_interpret", "pallas_tpu", "pallas_tpu_interpret", "cpu", "xla",
+               "xla_gathered", "reference"):
+    assert attention_path(impl, **decode) == impl
+  assert attention_path("pallas", **{**decode, "t": 7, "quantized": True}) == "pallas"
+  assert attention_path("pallas", **{**decode, "cap": True}) == "xla_gathered"
+  assert attention_path("pallas_interpret", **{**decode, "window": True}) == "xla_gathered"
+  assert attention_path("pallas", **{**decode, "block_size": 12}) == "xla_gathered"
+  assert attention_path("pallas_tpu", **{**decode, "cap": True}) == "pallas_tpu"
+  for change in ({"t": 7}, {"window": True}, {"quantized": True}, {"head_dim": 64},
+                 {"block_size": 8}):
+    assert attention_path("pallas_tpu", **{**decode, **change}) == "xla_gathered", change
+  assert attention_path("cpu", **{**decode, "window": True}) == "xla"
+  assert attention_path("reference", **{**decode, "window": True}) == "reference"
+
+
+def test_tpu_kernel_through_the_cache_in_interpret_mode():
+  """A decode step of a bfloat16 cache of the kernel's shapes with "pallas_tpu_interpret": the
+  TPU kernel (its cap included) equals the reference; the prefill before it took the gathered
+  path."""
+  rng = np.random.default_rng(9)
+  d, c = 128, 16
+  config = PagedCacheConfig(1, K, d, 8, c, 0, "bfloat16", "pallas_tpu_interpret")
+  ref_config = dataclasses.replace(config, attention_impl="reference")
+  table = np.array([[3, 5, -1], [1, -1, -1], [6, 0, 2]], np.int32)
+  meta = PagedMetadata.create(table, 8)
+  prefill = np.where(np.arange(20)[None] < np.array([[20], [9], [17]]), np.arange(20)[None], -1)
+  steps = []
+  for positions in (prefill, np.array([[20], [9], [-1]])):
+    b, t = positions.shape
+    steps.append([jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32) for h in (K * G, K, K)]
+                 + [jnp.asarray(positions, jnp.int32)])
+  step = jax.jit(PagedKVCache.update_and_attend, static_argnames="cap")
+  outs = []
+  for cfg in (config, ref_config):
+    cache = PagedKVCache.create(cfg)
+    for q, k, v, pos in steps:
+      cache, out = step(cache, jnp.int32(0), q, k, v, pos, meta, cap=20.0)
+      outs.append(np.asarray(out))
+  # prefill: the gathered path's probabilities meet bfloat16 values in bfloat16; decode: the
+  # kernel computes in float32
+  for got, want, tol in zip(outs[:2], outs[2:], (2e-2, 1e-4)):
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+  assert np.all(outs[1][2] == 0)
 
 
 def test_config_and_metadata_validation():

@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtier.kvcache.paged_attention import _row_group
-from jaxtier.kvcache import (dequantize_int8, paged_attention, paged_attention_pallas,
-                             paged_attention_reference, quantize_int8)
+from jaxtier.kvcache.paged_attention import _row_group, tpu_kernel_fits
+from jaxtier.kvcache import (dequantize_int8, paged_attention, paged_attention_gathered,
+                             paged_attention_reference, paged_attention_tpu, quantize_int8)
 
-IMPLS = {"xla": paged_attention, "reference": paged_attention_reference}
+IMPLS = {"xla": paged_attention, "xla_gathered": paged_attention_gathered,
+         "reference": paged_attention_reference}
 
 
 def numpy_attention(q_btnd, k_bskd, v_bskd, pos_bt, window=None):
@@ -186,19 +187,72 @@ def test_bfloat16_pages(impl):
   np.testing.assert_allclose(out, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("cap", [None, 1.5])
 @pytest.mark.parametrize("quantized", [False, True])
-def test_pallas_kernel_interpret_matches_reference(quantized):
-  rng = np.random.default_rng(3)
-  q, kp, vp, table, pos = map(jnp.asarray, make_case(rng, b=3, t=1, kv=2, g=3, d=16, c=4,
-                                                     lengths=[3, 29, 14]))
-  pos = pos.at[2].set(-1)  # a padding row
+def test_gathered_path_matches_reference(window, cap, quantized):
+  """The accelerator's XLA path over ragged rows (padding rows, a padded chunk, tables wider
+  than a sequence), GQA, int8 pages, a sliding window and a soft cap, against the reference."""
+  rng = np.random.default_rng(12)
+  q, kp, vp, table, pos = map(jnp.asarray, make_case(rng, b=5, t=3, kv=2, g=4, d=16, c=4,
+                                                     lengths=[3, 40, 17, 9, 26]))
+  pos = pos.at[3].set(-1).at[1, :2].set(-1)
   scales = ()
   if quantized:
     (kp, ks), (vp, vs) = quantize_int8(kp), quantize_int8(vp)
     scales = (ks, vs)
-  want = paged_attention_reference(q, kp, vp, table, pos, *scales)
-  got = paged_attention_pallas(q, kp, vp, table, pos, *scales, interpret=True)
+  want = paged_attention_reference(q, kp, vp, table, pos, *scales, window=window, cap=cap)
+  got = paged_attention_gathered(q, kp, vp, table, pos, *scales, window=window, cap=cap)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  assert np.all(np.asarray(got[3]) == 0)
+
+
+def test_gathered_path_is_one_gather_per_pool_without_loops():
+  """No loop, and the context gathered once for K and once for V: what an accelerator runs."""
+  rng = np.random.default_rng(13)
+  args = map(jnp.asarray, make_case(rng, b=4, t=1, kv=2, g=2, d=8, c=4, lengths=[5, 90, 3, 40]))
+  text = paged_attention_gathered.lower(*args).as_text()
+  assert "stablehlo.while" not in text
+  assert text.count("\"stablehlo.gather\"(") == 2
+
+
+@pytest.mark.parametrize("shape", [dict(d=16, c=4, g=3), dict(d=128, c=16, g=8)])
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_tpu_kernel_interpret_matches_reference(shape, cap):
+  """JAX's Pallas TPU kernel in Pallas' TPU interpret mode: bfloat16 pages (the kernel computes
+  in bfloat16 K and V), GQA, a table wider than the longest sequence, a padding row."""
+  rng = np.random.default_rng(3)
+  q, kp, vp, table, pos = map(jnp.asarray, make_case(rng, b=3, t=1, kv=2, lengths=[3, 29, 14],
+                                                     **shape))
+  kp, vp = kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16)
+  pos = pos.at[2].set(-1)  # a padding row: the kernel skips it, its output stays 0
+  assert tpu_kernel_fits(1, shape["d"], shape["c"], False) == (shape["d"] == 128)
+  want = paged_attention_reference(q, kp, vp, table, pos, cap=cap)
+  got = paged_attention_tpu(q, kp, vp, table, pos, cap=cap, interpret=True)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  assert np.all(np.asarray(got[2]) == 0)
+
+
+def test_tpu_kernel_serves_float_decode_steps_of_its_shapes():
+  assert tpu_kernel_fits(1, 128, 16, False) and tpu_kernel_fits(1, 256, 32, False)
+  assert not tpu_kernel_fits(2, 128, 16, False)  # prefill
+  assert not tpu_kernel_fits(1, 128, 16, True)  # int8: its scales would be head_dim wide
+  assert not tpu_kernel_fits(1, 64, 16, False) and not tpu_kernel_fits(1, 128, 8, False)
+
+
+@pytest.mark.parametrize("shape", [dict(d=128, c=16), dict(d=64, c=16)])
+def test_tpu_kernel_exports_for_tpu_here(shape):
+  """On this CPU the kernel lowers for TPU (Mosaic's "tpu_custom_call"), where its shape fits."""
+  rng = np.random.default_rng(5)
+  q, kp, vp, table, pos = map(jnp.asarray, make_case(rng, b=2, t=1, kv=2, g=4, lengths=[9, 30],
+                                                     **shape))
+  args = (q.astype(jnp.bfloat16), kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16), table, pos)
+  export = jax.export.export(paged_attention_tpu, platforms=["tpu"])
+  if shape["d"] != 128:
+    with pytest.raises(ValueError, match="TPU kernel serves"):
+      export(*args)
+    return
+  assert "tpu_custom_call" in export(*args).mlir_module()
 
 
 @hypothesis.settings(max_examples=6, deadline=None)
@@ -208,8 +262,9 @@ def test_pallas_kernel_interpret_matches_reference(quantized):
 def test_random_shapes_match_dense(c, g, t, lengths, seed):
   case = make_case(np.random.default_rng(seed), b=len(lengths), t=t, kv=2, g=g, d=4, c=c,
                    lengths=lengths)
-  out = paged_attention(*map(jnp.asarray, case))
-  np.testing.assert_allclose(out, expected(*case), atol=1e-5, rtol=1e-5)
+  for impl in (paged_attention, paged_attention_gathered):
+    np.testing.assert_allclose(impl(*map(jnp.asarray, case)), expected(*case), atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_validation_names_the_problem():
@@ -222,6 +277,9 @@ def test_validation_names_the_problem():
     paged_attention(q[..., :4], kp, vp, table, pos)
   with pytest.raises(ValueError, match="k_scales must be given"):
     paged_attention(q, kp.astype(jnp.int8), vp.astype(jnp.int8), table, pos)
-  with pytest.raises(ValueError, match="decode steps only"):
-    paged_attention_pallas(jnp.concatenate([q, q], 1), kp, vp, table,
-                           jnp.concatenate([pos, pos], 1))
+  with pytest.raises(ValueError, match="TPU kernel serves decode steps"):
+    paged_attention_tpu(jnp.concatenate([q, q], 1), kp, vp, table,
+                        jnp.concatenate([pos, pos], 1), interpret=True)
+  (kq, ks), (vq, vs) = quantize_int8(kp), quantize_int8(vp)
+  with pytest.raises(ValueError, match="TPU kernel serves decode steps"):
+    paged_attention_tpu(q, kq, vq, table, pos, ks, vs, interpret=True)

@@ -112,7 +112,7 @@ class Sizing:
   dtype: str
   kv_cache_dtype: str
   kernels: str  # "auto" or "portable"
-  attention_impl: str  # "auto" resolved to "xla" under kernels="portable"
+  attention_impl: str  # "auto" resolved to "xla" under kernels="portable" on a CPU
   layer_execution: str  # "scan" or "unrolled"
   keep_quantized: bool  # layers may keep a GGUF file's blocks (or `quantization`'s)
   block_activations: str  # "float32" or "int16"
@@ -404,7 +404,7 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
   return Sizing(
       dtype=dtype, kv_cache_dtype=kv_dtype, kernels=kernels,
       attention_impl=("xla" if kernels == "portable" and args.attention_impl == "auto"
-                      else args.attention_impl),
+                      and machine.platform == "cpu" else args.attention_impl),
       layer_execution=layer_execution,
       keep_quantized=keep, block_activations=activations,
       tensor_parallel_size=tp,

@@ -5,7 +5,8 @@ from jaxtier.kvcache.contiguous import ContiguousKVCache
 from jaxtier.kvcache.paged import (KVBlocks, PagedCacheConfig, PagedKVCache, PagedMetadata, attend,
                                    device_pool_bytes, host_pool_bytes, write_chunk)
 from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_cpu,
-                                             paged_attention_pallas, paged_attention_reference)
+                                             paged_attention_gathered, paged_attention_reference,
+                                             paged_attention_tpu)
 from jaxtier.kvcache.quant import KV_CACHE_DTYPES, dequantize_int8, quantize_int8
 from jaxtier.kvcache.swap import HostTier, SwapReport, swap_in, swap_out
 
@@ -13,6 +14,7 @@ __all__ = [
     "ContiguousKVCache", "HostTier", "KVBlocks", "KV_CACHE_DTYPES", "PagedCacheConfig", "PagedKVCache",
     "PagedMetadata", "SwapReport", "attend", "dense_attention", "dequantize_int8",
     "device_pool_bytes", "host_pool_bytes", "paged_attention", "paged_attention_cpu",
-    "paged_attention_pallas", "paged_attention_reference", "quantize_int8", "swap_in", "swap_out",
+    "paged_attention_gathered", "paged_attention_reference", "paged_attention_tpu",
+    "quantize_int8", "swap_in", "swap_out",
     "write_chunk",
 ]

@@ -28,12 +28,15 @@ from jaxtier import sharding
 from jaxtier.checks import check_choice, check_int
 from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier import cpu_kernels
+from jaxtier.kvcache import paged_attention_gpu as gpu_kernel
 from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_cpu,
-                                              paged_attention_pallas, paged_attention_reference)
+                                              paged_attention_gathered, paged_attention_reference,
+                                              paged_attention_tpu, tpu_kernel_fits)
 from jaxtier.kvcache.quant import (KV_CACHE_DTYPES, SCALE_DTYPE, encode, quantize_int8,
                                    storage_dtype)
 
-ATTENTION_IMPLS = ("auto", "xla", "cpu", "reference", "pallas", "pallas_interpret")
+ATTENTION_IMPLS = ("auto", "xla", "xla_gathered", "cpu", "reference", "pallas", "pallas_interpret",
+                   "pallas_tpu", "pallas_tpu_interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +46,15 @@ class PagedCacheConfig:
   No field has a default: the pool sizes, block size, dtype and attention path are engine
   arguments (`jaxtier.engine_args.EngineArgs` holds their defaults; the engine sizes both pools
   in blocks before it builds the cache), and the shape is the model's. `attention_impl` picks the
-  attention path: "cpu" is the CPU kernels (`jaxtier.cpu_kernels`; decode and prefill rows),
-  "pallas" the GPU kernel (decode steps; prefill rows take the XLA path), "xla" the XLA path,
-  "reference" and "pallas_interpret" the test paths; "auto" becomes "cpu" for a pool on one CPU
-  device when the kernels build, else "xla" (see `resolve_attention_impl`).
+  attention path (see `paged_attention`'s module docstring): "cpu" is the CPU kernels
+  (`jaxtier.cpu_kernels`; decode and prefill rows), "pallas" the GPU kernel (decode and prefill
+  rows), "pallas_tpu" the TPU kernel (decode steps it fits; others take the gathered XLA path),
+  "xla" the XLA path of the platform (the chunked loop on CPU, "xla_gathered" on accelerators),
+  "xla_gathered" the gathered XLA path anywhere, "reference" the test path, and
+  "pallas_interpret" / "pallas_tpu_interpret" the kernels run on CPU by Pallas' interpreters;
+  "auto" becomes "cpu" for a pool on one CPU device when the kernels build, "pallas" / "pallas_tpu"
+  for a pool on one GPU / TPU, else the platform's XLA path (see `resolve_attention_impl`;
+  `attention_path` says which path each call takes).
 
   Attributes:
     num_layers, num_kv_heads, head_dim: the model's KV shape.
@@ -162,9 +170,9 @@ class PagedKVCache:
     `jaxtier.sharding`), or on `device` (default: this process's first device).
 
     The pool holds `config.num_device_blocks` blocks (the host tier, `swap.HostTier.empty`,
-    takes memory only as blocks are swapped out); "auto" attention is resolved for the mesh (`resolve_attention_impl`)
-    and kept in the returned cache's config. Raises ValueError when the kv heads do not split
-    over the mesh.
+    takes memory only as blocks are swapped out); "auto" attention is resolved for the mesh
+    (`resolve_attention_impl`) and kept in the returned cache's config. Raises ValueError when
+    the kv heads do not split over the mesh.
     """
     return cls._build(config, device, mesh, None, _zeros)
 
@@ -222,23 +230,37 @@ class PagedKVCache:
     return cache, attend(cache, layer, q_btnd, pos_bt, meta, window, cap)
 
 
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
 def resolve_attention_impl(impl: str, mesh: jax.sharding.Mesh, platform: str | None = None
                            ) -> str:
-  """The attention path a pool on `mesh` runs; "auto" picks the CPU kernel where it applies.
+  """The attention path a pool on `mesh` runs; "auto" picks the platform's kernel where it applies.
 
-  The CPU kernel is a custom call XLA cannot split, so it serves pools on one CPU device; a pool
-  split over several devices, or one on an accelerator, runs the XLA path. Asking for "cpu"
-  where it cannot run, or for "pallas" off a GPU, is a ValueError. `platform`: the platform the
-  program runs on, where it is not the mesh's (a program exported for another platform).
+  The kernels are custom calls XLA cannot split, so they serve pools on one device: "auto" is
+  "cpu" on one CPU device (where the C++ kernels build), "pallas" on one GPU, "pallas_tpu" on
+  one TPU, and the platform's XLA path otherwise; "xla" is the chunked loop on CPU and
+  "xla_gathered" on an accelerator (whose launches make the loop's small steps slow). Asking
+  for "cpu" where it cannot run, for "pallas" off a GPU or "pallas_tpu" off a TPU, is a
+  ValueError. `platform`: the platform the program runs on, where it is not the mesh's (a
+  program exported for another platform).
   """
   platform = platform or mesh.devices.flat[0].platform
-  platform = "gpu" if platform in ("cuda", "rocm") else platform
+  platform = "gpu" if platform in GPU_PLATFORMS else platform
   if impl == "pallas" and platform != "gpu":
     raise ValueError(f"attention_impl='pallas' needs a GPU, got a {platform} device "
                      "(use 'pallas_interpret' to run the kernel on CPU)")
+  if impl == "pallas_tpu" and platform != "tpu":
+    raise ValueError(f"attention_impl='pallas_tpu' needs a TPU, got a {platform} device "
+                     "(use 'pallas_tpu_interpret' to run the kernel on CPU)")
+  one = mesh.devices.size == 1
+  if impl == "xla" or (impl == "auto" and platform != "cpu" and not one):
+    return "xla" if platform == "cpu" else "xla_gathered"
+  if impl == "auto" and platform in ("gpu", "tpu"):
+    return "pallas" if platform == "gpu" else "pallas_tpu"
   if impl not in ("auto", "cpu"):
     return impl
-  fits = platform == "cpu" and mesh.devices.size == 1
+  fits = platform == "cpu" and one
   if impl == "auto":
     return "cpu" if fits and cpu_kernels.available() else "xla"
   if not fits:
@@ -247,6 +269,31 @@ def resolve_attention_impl(impl: str, mesh: jax.sharding.Mesh, platform: str | N
   if not cpu_kernels.available():
     raise ValueError(f"attention_impl='cpu' is unavailable: {cpu_kernels.unavailable_reason()}")
   return impl
+
+
+def attention_path(impl: str, t: int, head_dim: int, block_size: int, quantized: bool,
+                   window: bool, cap: bool) -> str:
+  """The implementation a call of `attend` runs under a resolved `impl`: `impl` itself where it
+  serves the call, else the XLA path its platform runs. t: query tokens per row; window, cap:
+  whether the layer has a sliding window, a soft cap.
+
+  The CPU and GPU kernels take neither window nor cap ("cpu" falls back to the chunked "xla",
+  the GPU kernel to "xla_gathered"); the GPU kernel serves the shapes `paged_attention_gpu.
+  supports` (power-of-two block sizes), decode and prefill; the TPU kernel takes a cap, and
+  serves decode steps where `tpu_kernel_fits`. The interpret impls follow their kernel's rules,
+  so a CPU runs what the accelerator would.
+  """
+  if impl in ("reference", "xla", "xla_gathered"):
+    return impl
+  if impl == "cpu":
+    return "xla" if window or cap else impl
+  if impl in ("pallas", "pallas_interpret"):
+    fits = gpu_kernel.supports(head_dim, block_size)
+    return impl if fits and not window and not cap else "xla_gathered"
+  if impl in ("pallas_tpu", "pallas_tpu_interpret"):
+    fits = tpu_kernel_fits(t, head_dim, block_size, quantized)
+    return impl if fits and not window else "xla_gathered"
+  raise ValueError(f"attention_impl={impl!r} is not resolved (see resolve_attention_impl)")
 
 
 def _check(cache: PagedKVCache, x_btkd, pos_bt, meta, name: str) -> None:
@@ -325,22 +372,26 @@ def attend(cache: PagedKVCache, layer: jax.Array, q_btnd: jax.Array, pos_bt: jax
            meta: PagedMetadata, window: jax.Array | int | None = None,
            cap: float | None = None) -> jax.Array:
   """Attention of queries at `pos_bt` over the cached tokens of `layer` (within a sliding
-  `window`, scores soft-capped at `cap`, where given); output [b, t, n, d]. A layer with a window
-  or a cap runs the XLA path where the attention path is a kernel without them ("cpu",
-  "pallas")."""
+  `window`, scores soft-capped at `cap`, where given); output [b, t, n, d]. The implementation
+  is `attention_path`'s for the cache's attention_impl: a layer with a window or a cap runs an
+  XLA path where the kernel has neither."""
   _check(cache, q_btnd, pos_bt, meta, "q")
-  dev, impl = cache.device, cache.config.attention_impl
+  cfg, dev = cache.config, cache.device
   args = (q_btnd, _flat(dev.k), _flat(dev.v), _pages_bm(cache, layer, meta), pos_bt,
           _flat(dev.k_scales), _flat(dev.v_scales))
-  if impl == "reference":
+  path = attention_path(cfg.attention_impl, q_btnd.shape[1], cfg.head_dim, cfg.block_size,
+                        cfg.quantized, window is not None, cap is not None)
+  if path == "reference":
     return paged_attention_reference(*args, window, cap)
-  if window is not None or cap is not None:
+  if path == "xla":
     return paged_attention(*args, window, cap)
-  if impl.startswith("pallas") and q_btnd.shape[1] == 1:
-    return paged_attention_pallas(*args, interpret=impl == "pallas_interpret")
-  if impl == "cpu":
+  if path == "xla_gathered":
+    return paged_attention_gathered(*args, window, cap)
+  if path == "cpu":
     return paged_attention_cpu(*args)
-  return paged_attention(*args)
+  if path.startswith("pallas_tpu"):
+    return paged_attention_tpu(*args, cap, interpret=path == "pallas_tpu_interpret")
+  return gpu_kernel.paged_attention_gpu(*args, interpret=path == "pallas_interpret")
 
 
 def write_and_attend_cpu(cache: PagedKVCache, layer: jax.Array, q_b1nd: jax.Array,

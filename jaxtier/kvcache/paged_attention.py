@@ -1,46 +1,61 @@
 """Paged attention: queries attend to keys and values stored in fixed-size blocks of a shared pool.
 
 Pages hold float32, bfloat16, uint16 (bfloat16 bit patterns, how the cache stores bfloat16 on CPU)
-or int8 values with float32 scales per token and kv head. Four implementations, one signature:
+or int8 values with float32 scales per token and kv head. Six implementations, one signature
+(`paged.attend` picks one per call, see `paged.attention_path`):
 - `paged_attention_reference`: gathers every sequence token by token into a dense [batch, slots]
   array and calls `dense_attention`. Obviously right; a token-granular gather plus a transpose.
-- `paged_attention`: the XLA path (everything off CPU but Pallas decode steps), flash-decoding
-  style: a loop over chunks of the block tables with an online softmax, up to the last chunk a
-  query can see. Each step gathers whole blocks (contiguous block_size x head_dim runs per kv
-  head) of ~128 slots, so no dense copy of the context is materialized, and INT8 scales are
-  folded into scores and probabilities instead of dequantizing K and V. Rows are sorted by
-  length and run in small groups, each to its own longest context. On CPU it runs 2-4x faster
-  than one big gather (and than `dense_attention`) at long contexts.
-- `paged_attention_pallas`: the Pallas GPU kernel shipped with JAX
-  (`jax.experimental.pallas.ops.gpu.paged_attention`) for decode steps (one query per sequence);
-  `interpret=True` runs it on CPU.
+- `paged_attention`: the XLA path on CPU, flash-decoding style: a loop over chunks of the block
+  tables with an online softmax, up to the last chunk a query can see. Each step gathers whole
+  blocks (contiguous block_size x head_dim runs per kv head) of ~128 slots, so no dense copy of
+  the context is materialized, and INT8 scales are folded into scores and probabilities instead
+  of dequantizing K and V. Rows are sorted by length and run in small groups, each to its own
+  longest context. On CPU it runs 2-4x faster than one big gather (and than `dense_attention`) at
+  long contexts; on an accelerator its hundreds of small sequential steps run launch-bound.
+- `paged_attention_gathered`: the XLA path on accelerators (GPU, TPU): one batched gather of
+  every row's table pages (whole blocks, kv-head major, the pool's order) and one masked float32
+  softmax, INT8 scales folded in as above. A few large ops instead of a loop: the portable
+  reference there, and the path of the layers and shapes the kernels do not serve.
+- `paged_attention_gpu` (in `jaxtier.kvcache.paged_attention_gpu`): the Pallas Triton GPU
+  kernel, decode steps and prefill rows, power-of-two block sizes; `interpret=True` runs it on
+  CPU.
+- `paged_attention_tpu`: JAX's Pallas TPU decode kernel
+  (`jax.experimental.pallas.ops.tpu.paged_attention`), which reads `k_pages` in this pool's own
+  layout; decode steps of float pools only, where `tpu_kernel_fits` (its scales must be
+  head_dim-wide, a copy 4x the int8 pool per call, so int8 pools take the gathered path), with
+  `cap` but no window. `interpret=True` runs it on CPU in Pallas' TPU interpret mode. JAX's
+  `ragged_paged_attention` is not used: it takes one page-major pool with K and V interleaved
+  per head ([pages, block_size, 2 * kv_heads, head_dim]) and one scale per tensor, which this
+  pool ([kv_heads, pages, ...], K and V apart, a scale per token) becomes only by a copy of the
+  whole pool per step.
 - `paged_attention_cpu`: on CPU, C++ kernels called through the XLA FFI (`jaxtier.cpu_kernels`;
   one for decode steps, one for prefill rows) that read each table's pages in place: XLA:CPU's
   gathers copy every chunk first, and at long contexts those copies were most of a decode step.
 
 The pool is addressed by flat page ids: the cache stores [kv_heads, layers, blocks, block_size,
 head_dim] and views it as [kv_heads, layers * blocks, block_size, head_dim] (a free reshape), so
-block `i` of layer `l` is page `l * blocks + i`. That is the kernel's native `k_pages` layout, which
+block `i` of layer `l` is page `l * blocks + i`. That is the kernels' native `k_pages` layout, which
 lets every layer read the stacked pool without slicing a per-layer copy out of it.
 
 Key slot `s` of a sequence is token position `s`: it lives in page `pages_bm[b, s // c]` at offset
 `s % c`. A query at position `p` attends to slots `0..p`, or with a sliding `window` W to slots
 `p - W + 1..p`; scores may be soft-capped (`cap`, Gemma 2). The reference and XLA paths take
-`window` and `cap`; the Pallas and CPU kernels have neither, so such a layer runs the XLA path.
-Negative positions are padding (output 0).
+`window` and `cap`, the TPU kernel `cap` only; the GPU and CPU kernels have neither, so such a
+layer runs an XLA path. Negative positions are padding (output 0).
 Page ids below zero mark unused table entries; they are never read for a visible slot.
 
 Shape legend: b batch, t query tokens, n query heads, k kv heads, g = n // k, d head dim, f flat
 pages (layers * blocks), c block size (slots per block), m blocks per sequence (table width),
-s key slots (m * c, or one chunk's slots in the fast path), x chunks of the fast path's scan,
-q query rows per kv head in the fast path (t * g, t major).
+s key slots (m * c, or one chunk's slots in the chunked path), x chunks of the chunked path's
+scan, q query rows per kv head in the XLA paths (t * g, t major).
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu import paged_attention as tpu_paged
 
 from jaxtier import cpu_kernels
 from jaxtier.kvcache.attention import dense_attention, in_window
@@ -95,7 +110,22 @@ def paged_attention_reference(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_
                          dense_bskd(v_pages_kfcd, v_scales_kfc), pos_bt, window, cap)
 
 
-CHUNK_SLOTS = 128  # key slots per step of the fast path's scan
+def _kv_major_queries(q_btnd, kv: int) -> jax.Array:
+  """Queries scaled by 1 / sqrt(d), kv-head major: [k, b, q = t * g, d] (t major)."""
+  b, t, n, d = q_btnd.shape
+  q_btkgd = q_btnd.reshape(b, t, kv, n // kv, d) * jnp.asarray(d ** -0.5, q_btnd.dtype)
+  return jnp.transpose(q_btkgd, (2, 0, 1, 3, 4)).reshape(kv, b, t * (n // kv), d)
+
+
+def _token_major_output(out_kbqd, q_btnd) -> jax.Array:
+  """[k, b, t * g, d] -> [b, t, n, d] in the queries' dtype."""
+  b, t, n, d = q_btnd.shape
+  kv = out_kbqd.shape[0]
+  out_btkgd = jnp.transpose(out_kbqd.reshape(kv, b, t, n // kv, d), (1, 2, 0, 3, 4))
+  return out_btkgd.reshape(b, t, n, d).astype(q_btnd.dtype)
+
+
+CHUNK_SLOTS = 128  # key slots per step of the chunked path's scan
 
 
 def _chunked_tables(pages_bm: jax.Array, block_size: int) -> tuple[jax.Array, int]:
@@ -148,12 +178,12 @@ def _chunk_step(q_kbqd, pos_bt, pages, num_slots: int, window, cap, carry, xs):
   return (new_max_kbq, sum_kbq * rescale_kbq + probs_kbqs.sum(-1), out_kbqd), None
 
 
-ROW_GROUP = 16  # most rows of one group of the fast path's loop
+ROW_GROUP = 16  # most rows of one group of the chunked path's loop
 GROUP_QUERIES = 256  # most query tokens of one group: a chunk step's scores stay in cache
 
 
 def _row_group(t: int) -> int:
-  """Rows per group of the fast path for t query tokens per row."""
+  """Rows per group of the chunked path for t query tokens per row."""
   return max(1, min(ROW_GROUP, GROUP_QUERIES // t))
 
 
@@ -184,7 +214,7 @@ def _attend_rows(q_kbqd, pos_bt, tables_xbm, pages, num_slots: int, chunk_slots:
 @jax.jit
 def paged_attention(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc=None,
                     v_scales_kfc=None, window=None, cap=None) -> jax.Array:
-  """Paged attention, the default XLA path: an online-softmax loop over chunks of each table.
+  """Paged attention, the XLA path on CPU: an online-softmax loop over chunks of each table.
 
   Rows run in groups of `_row_group(t)` (ROW_GROUP rows for decode, fewer for longer rows, so
   one step's scores stay in cache). Each step gathers ~CHUNK_SLOTS slots of a group's sequences
@@ -201,8 +231,7 @@ def paged_attention(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scal
   b, t, n, d = q_btnd.shape
   kv, f, c, _ = k_pages_kfcd.shape
   g = n // kv
-  q_btkgd = q_btnd.reshape(b, t, kv, g, d) * jnp.asarray(d ** -0.5, q_btnd.dtype)
-  q_kbqd = jnp.transpose(q_btkgd, (2, 0, 1, 3, 4)).reshape(kv, b, t * g, d)
+  q_kbqd = _kv_major_queries(q_btnd, kv)
   pages = (k_pages_kfcd, v_pages_kfcd, k_scales_kfc, v_scales_kfc)
   num_slots = pages_bm.shape[1] * c
   pages_bm = jnp.clip(pages_bm, 0, f - 1)
@@ -228,35 +257,105 @@ def paged_attention(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scal
         (q_gkbqd, pos_gbt, tables_gxbm))
     out_kbqd = jnp.zeros((kv, rows, t * g, d), out_gkbqd.dtype).at[:, order].set(
         jnp.moveaxis(out_gkbqd, 0, 1).reshape(kv, rows, t * g, d))[:, :b]
-  out_btkgd = jnp.transpose(out_kbqd.reshape(kv, b, t, g, d), (1, 2, 0, 3, 4))
-  return out_btkgd.reshape(b, t, n, d).astype(q_btnd.dtype)
+  return _token_major_output(out_kbqd, q_btnd)
+
+
+@jax.jit
+def paged_attention_gathered(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt,
+                             k_scales_kfc=None, v_scales_kfc=None, window=None, cap=None
+                             ) -> jax.Array:
+  """Paged attention, the XLA path on accelerators: one gather and one masked softmax.
+
+  Each row's table pages are gathered at once, whole blocks in the pool's kv-head-major order
+  ([k, b, m * c, d]), and every query row attends to all of its row's slots under a mask (slots
+  after its position, or before its sliding `window`, are hidden); scores and probabilities are
+  float32, soft-capped at `cap` where given, with INT8 scales folded into them instead of
+  dequantizing K and V. A handful of large ops whatever the context, where `paged_attention`
+  loops over chunks and row groups. Output [b, t, n, d].
+  """
+  check_paged_inputs(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc,
+                     v_scales_kfc)
+  b, _, n, _ = q_btnd.shape
+  kv, f, c, _ = k_pages_kfcd.shape
+  s = pages_bm.shape[1] * c
+  q_kbqd = _kv_major_queries(q_btnd, kv)
+  pages_bm = jnp.clip(pages_bm, 0, f - 1)
+
+  def gather_kbs(pages_kf):
+    return decode(pages_kf[:, pages_bm]).reshape((kv, b, s) + pages_kf.shape[3:])
+
+  k_kbsd = gather_kbs(k_pages_kfcd).astype(q_kbqd.dtype)
+  scores_kbqs = jnp.einsum("kbqd,kbsd->kbqs", q_kbqd, k_kbsd, preferred_element_type=jnp.float32)
+  if k_scales_kfc is not None:
+    scores_kbqs *= gather_kbs(k_scales_kfc)[:, :, None]
+  scores_kbqs = softcap(scores_kbqs, cap)
+  visible_bts = in_window(jnp.arange(s), pos_bt[:, :, None], window)
+  visible_bqs = jnp.repeat(visible_bts, n // kv, axis=1)  # q = t * g, t major
+  scores_kbqs = jnp.where(visible_bqs[None], scores_kbqs, -jnp.inf)
+  max_kbq = scores_kbqs.max(-1)
+  probs_kbqs = jnp.exp(scores_kbqs - jnp.where(jnp.isfinite(max_kbq), max_kbq, 0.0)[..., None])
+  sum_kbq = probs_kbqs.sum(-1)
+  weights_kbqs, v_kbsd = probs_kbqs, gather_kbs(v_pages_kfcd)
+  if v_scales_kfc is not None:
+    weights_kbqs = probs_kbqs * gather_kbs(v_scales_kfc)[:, :, None]
+    v_kbsd = v_kbsd.astype(jnp.float32)
+  out_kbqd = jnp.einsum("kbqs,kbsd->kbqd", weights_kbqs.astype(v_kbsd.dtype), v_kbsd,
+                        preferred_element_type=jnp.float32)
+  return _token_major_output(out_kbqd / jnp.where(sum_kbq > 0, sum_kbq, 1.0)[..., None], q_btnd)
+
+
+TPU_LANES = 128  # head_dim must be a multiple of the TPU's vector lanes
+TPU_SUBLANES = 16  # block_size must be a multiple of a bfloat16 tile's rows
+TPU_COMPUTE_SLOTS = 512  # most key slots per step of the TPU kernel (pages per compute block)
+
+
+def tpu_kernel_fits(t: int, head_dim: int, block_size: int, quantized: bool) -> bool:
+  """Whether `paged_attention_tpu` serves a call: decode steps (t == 1) of a float pool whose
+  head_dim is a multiple of TPU_LANES and block size of TPU_SUBLANES (Mosaic's (16, 128)
+  bfloat16 tiles of its page buffers; a bound kept conservative, untried on other shapes)."""
+  return (t == 1 and not quantized and head_dim % TPU_LANES == 0
+          and block_size % TPU_SUBLANES == 0)
 
 
 def _largest_divisor_at_most(value: int, limit: int) -> int:
   return max(i for i in range(1, min(value, limit) + 1) if value % i == 0)
 
 
-def paged_attention_pallas(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt,
-                           k_scales_kfc=None, v_scales_kfc=None, *, interpret: bool = False
-                           ) -> jax.Array:
-  """Decode-step paged attention (t == 1) with JAX's Pallas GPU kernel; output [b, 1, n, d].
+@functools.partial(jax.jit, static_argnames=("cap", "interpret"))
+def paged_attention_tpu(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc=None,
+                        v_scales_kfc=None, cap: float | None = None, *, interpret: bool = False
+                        ) -> jax.Array:
+  """Decode-step paged attention (t == 1) with JAX's Pallas TPU kernel; output [b, 1, n, d].
 
-  On GPU (Triton) block_size * pages per compute block and head_dim must be powers of two, and
-  uint16 (bfloat16 bits) pages are bitcast to bfloat16 first: store bfloat16 natively there.
+  The kernel reads the pool in place (its `k_pages` layout is the pool's) in compute blocks of
+  up to TPU_COMPUTE_SLOTS slots (a divisor of the table width), upcasting K and V to bfloat16
+  (float32 pools lose precision there; the cache stores bfloat16 on TPU); `cap` soft-caps the
+  scores. Raises ValueError for a call `tpu_kernel_fits` rejects, but with interpret=True (Pallas'
+  TPU interpret mode on CPU) only for t != 1 and int8 pages.
   """
   check_paged_inputs(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc,
                      v_scales_kfc)
-  if q_btnd.shape[1] != 1:
-    raise ValueError(f"the Pallas kernel serves decode steps only; got {q_btnd.shape[1]=} tokens")
+  b, t, n, d = q_btnd.shape
+  kv, f, c, _ = k_pages_kfcd.shape
+  quantized = k_scales_kfc is not None
+  if t != 1 or quantized or not (interpret or tpu_kernel_fits(t, d, c, quantized)):
+    raise ValueError(f"the TPU kernel serves decode steps of float pools with head_dim a "
+                     f"multiple of {TPU_LANES} and block_size of {TPU_SUBLANES}; got {t=} "
+                     f"tokens, {d=}, {c=}, pages {k_pages_kfcd.dtype}")
   m = pages_bm.shape[1]
-  k_splits = _largest_divisor_at_most(m, 16)
-  q_bnd = q_btnd[:, 0] * jnp.asarray(q_btnd.shape[-1] ** -0.5, q_btnd.dtype)  # kernel: no scaling
-  out_bnd = pallas_paged.paged_attention(
-      q_bnd, decode(k_pages_kfcd), decode(v_pages_kfcd),
-      jnp.clip(pages_bm, 0, k_pages_kfcd.shape[1] - 1), jnp.maximum(pos_bt[:, 0] + 1, 0),
-      k_scales_kfc, v_scales_kfc, k_splits=k_splits,
-      pages_per_compute_block=_largest_divisor_at_most(m // k_splits, 8), interpret=interpret)
-  return out_bnd[:, None]
+  q_bnd = q_btnd[:, 0] * jnp.asarray(d ** -0.5, q_btnd.dtype)  # the kernel does not scale
+  call = functools.partial(
+      tpu_paged.paged_attention, q_bnd, decode(k_pages_kfcd), decode(v_pages_kfcd),
+      jnp.maximum(pos_bt[:, 0] + 1, 0), jnp.clip(pages_bm, 0, f - 1),
+      attn_logits_soft_cap=cap,
+      pages_per_compute_block=_largest_divisor_at_most(m, max(1, TPU_COMPUTE_SLOTS // c)))
+  if interpret:
+    with pltpu.force_tpu_interpret_mode():
+      out_bnd = call()
+  else:
+    out_bnd = call()
+  # rows of length 0 (padding) are skipped by the kernel: their output is never written
+  return jnp.where(pos_bt[:, 0, None, None] >= 0, out_bnd, 0).astype(q_btnd.dtype)[:, None]
 
 
 def paged_attention_cpu(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc=None,

@@ -32,6 +32,11 @@ program's entry holds:
 - `h2d_bytes`, `d2h_bytes`: bytes one call moves to and from the device (a swap of x blocks: all
   x of them; a decode step with offloaded layers: every offloaded weight once);
 - `pallas_kernels`: Pallas (Triton, Mosaic) custom calls;
+- `attention`: the paged attention implementations the program calls (`attention_paths`; see
+  `jaxtier.kvcache.paged_attention`): "pallas" (the GPU kernel), "pallas_tpu" (the TPU kernel),
+  "cpu" (the C++ kernels), "xla_gathered" (the accelerators' XLA path), "xla" (the chunked
+  loop, CPU's XLA path) or "reference", several joined by "+" (a kernel and the XLA path its
+  sliding-window or soft-capped layers take), None for a program without attention;
 - `key`: the `Runner` program it is.
 
 "sample_transformed", the sampler of rows with logit transforms (penalties, biases, allowed ids,
@@ -41,6 +46,7 @@ with a whole-vocabulary grammar mask.
 
 import dataclasses
 import functools
+import re
 from typing import Any
 
 import jax
@@ -127,14 +133,46 @@ def representative_programs(engine_config, vocab_size: int) -> dict[str, tuple]:
   return out
 
 
-# jaxtier's CPU kernels carry no compatibility guarantee, which `jax.export` refuses by default:
-# exported anyway, so that a program calling them is counted (`cpu_custom_calls`), not lost.
-_UNCHECKED = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in cpu_kernels.TARGETS)
+# jaxtier's CPU kernels and Pallas' Triton calls carry no compatibility guarantee, which
+# `jax.export` refuses by default: exported anyway, so that a program calling them is counted
+# (`cpu_custom_calls`, `pallas_kernels`), not lost.
+_UNCHECKED = tuple(jax.export.DisabledSafetyCheck.custom_call(t)
+                   for t in cpu_kernels.TARGETS + hlo.KERNEL_TARGETS)
+
+# How each attention implementation shows in a program: a kernel by its custom-call targets...
+ATTENTION_TARGETS = {
+    "pallas": tuple(t for t in hlo.KERNEL_TARGETS if t != "tpu_custom_call"),
+    "pallas_tpu": ("tpu_custom_call",),
+    "cpu": (cpu_kernels.ATTENTION_TARGET, cpu_kernels.PREFILL_ATTENTION_TARGET,
+            cpu_kernels.WRITE_ATTENTION_TARGET)}
+# ... an XLA path by its jitted function (`jaxtier.kvcache.paged_attention`; a function name
+# repeated takes a suffix "_<n>"). JAX's TPU kernel is a function "paged_attention" too: the
+# chunked loop's is the one with a loop.
+ATTENTION_FUNCTIONS = {"xla_gathered": "paged_attention_gathered",
+                       "reference": "paged_attention_reference", "xla": "paged_attention"}
+ATTENTION_PATHS = ("pallas", "pallas_tpu", "cpu", "xla_gathered", "xla", "reference")
+_FUNCTION = re.compile(r"^\s*func\.func (?:public |private )?@([\w$.-]+)", re.MULTILINE)
 
 # Programs exported together: a program after the ones whose outputs it takes (`_build_each`).
 _GROUPS = (("decode", "sample", "sample_transformed", "follow", "logprobs"),
            ("prefill", "prompt_logprobs"),
            ("swap_out",), ("swap_in",))
+
+
+def attention_paths(mlir_text: str, targets: dict[str, int] | None = None) -> str | None:
+  """The paged attention implementations a module calls (ATTENTION_PATHS' names, in that order,
+  joined by "+"), or None where it calls none; `targets`: its `hlo.custom_call_targets`, where
+  already counted."""
+  targets = hlo.custom_call_targets(mlir_text) if targets is None else targets
+  found = {path for path, names in ATTENTION_TARGETS.items() if any(targets.get(t) for t in names)}
+  starts = list(_FUNCTION.finditer(mlir_text)) + [None]
+  for match, end in zip(starts, starts[1:]):
+    body = mlir_text[match.end():end.start() if end else len(mlir_text)]
+    name = re.sub(r"_\d+$", "", match.group(1))
+    for path, function in ATTENTION_FUNCTIONS.items():
+      if name == function and (path != "xla" or "stablehlo.while" in body):
+        found.add(path)
+  return "+".join(p for p in ATTENTION_PATHS if p in found) or None
 
 
 def program_facts(mlir_text: str, unknown_trips: int | None = None) -> dict:
@@ -148,6 +186,7 @@ def program_facts(mlir_text: str, unknown_trips: int | None = None) -> dict:
           "h2d_bytes": report.transfer_bytes(True, unknown_trips),
           "d2h_bytes": report.transfer_bytes(False, unknown_trips),
           "pallas_kernels": sum(n for t, n in targets.items() if hlo.is_kernel(t)),
+          "attention": attention_paths(mlir_text, targets),
           "host_compute": list(report.host_compute),
           "host_offload_compute": list(report.host_offload_compute)}
 
@@ -161,8 +200,8 @@ def _message(e: Exception, most: int = 2000) -> str:
 def _failed(key: tuple, error: str) -> dict:
   return {"ok": False, "error": error, "cpu_custom_calls": None, "host_compute_ops": None,
           "host_offload_compute_ops": None, "h2d_bytes": None, "d2h_bytes": None,
-          "pallas_kernels": None, "host_compute": None, "host_offload_compute": None,
-          "key": list(key)}
+          "pallas_kernels": None, "attention": None, "host_compute": None,
+          "host_offload_compute": None, "key": list(key)}
 
 
 def export_engine_programs(engine: AbstractEngine, platform: str,
