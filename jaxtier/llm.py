@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from jaxtier import checkpoint, matmul, offload, quant, sharding
 from jaxtier.checkpoint import placed
 from jaxtier.checkpoint.quantized import QuantizedSource, block_format
-from jaxtier.engine import sizing
+from jaxtier.engine import link, sizing
 from jaxtier.engine.engine import Engine, EngineConfig
 from jaxtier.checks import check_prompt_ids
 from jaxtier.engine_args import EngineArgs
@@ -305,8 +305,20 @@ class LLM:
     padded reference driver (`run_batch`) holds no pools beside it."""
     if self._engine is None:
       self._engine = Engine(nnx.merge(self.graphdef, self.state), self.tokenizer,
-                            self.engine_config)
+                            self.engine_config, tail=self._link_tail())
     return self._engine
+
+  def _link_tail(self) -> link.Tail:
+    """The offloaded tail as the engine's link budget sees it: the weight bytes it streams each
+    step (host-resident weights less the routed experts the host computes) and the planner's
+    predicted compute seconds of a step, where the planner ran."""
+    if not self.offload.offload_tail_layers:
+      return link.NO_TAIL
+    host = sum(v for k, v in offload.bytes_by_memory_kind(self.state).items()
+               if k != offload.DEVICE)
+    plan = self.offload.plan
+    return link.Tail(max(host - _host_expert_bytes(self.loaded.model), 0),
+                     plan.compute_step_s if plan is not None else None)
 
   @property
   def model(self) -> nnx.Module:

@@ -22,7 +22,7 @@ import jaxtier
 from conftest import fixture_path
 from jaxtier import checkpoint
 from jaxtier.buckets import pow2_buckets_up_to
-from jaxtier.engine import batch
+from jaxtier.engine import batch, link
 from jaxtier.engine.engine import Engine, EngineConfig
 from jaxtier.generate import generate_batch
 from jaxtier.sampling import SamplingParams
@@ -45,14 +45,14 @@ def prompts_of(lengths, vocab: int = 300, seed: int = 0) -> list[list[int]]:
   return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
 
 
-def engine_of(model, tokenizer, **overrides) -> Engine:
+def engine_of(model, tokenizer, tail=link.NO_TAIL, **overrides) -> Engine:
   config = dict(max_model_len=MAX_LEN, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
                 num_device_blocks=64, num_host_blocks=32, kv_cache_dtype="float32",
                 preemption_mode="swap", watermark=0.01, victim_policy="longest_waiting",
                 enable_prefix_caching=True, host_prefix_caching=True, trace_path=None,
                 attention_impl="auto", kernels="auto", async_scheduling=True)
   config.update(overrides)
-  return Engine(model, tokenizer, EngineConfig(**config))
+  return Engine(model, tokenizer, EngineConfig(**config), tail=tail)
 
 
 def run(engine: Engine, prompts, params, seeds=None, arrive_every: int = 1, aborts=None):

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from jaxtier import scheduler
 from jaxtier.engine.batch import StepArrays
+from jaxtier.engine.link import TIERS, StepLink
 from jaxtier.scheduler.metrics import prefix_figures
 
 
@@ -32,6 +33,22 @@ class Totals:
   planned_ahead: int = 0  # steps dispatched before the previous step's tokens were read
   device_blocks_peak: int = 0  # blocks requests held (cached blocks give way on demand)
   host_blocks_peak: int = 0
+  link_bytes: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+  link_seconds: float = 0.0  # link seconds of every step (`jaxtier.engine.link.step_link`)
+  link_hidden_seconds: float = 0.0  # the part of them within their steps' compute
+  link_stall_seconds: float = 0.0  # the rest: link seconds beyond their steps' compute
+  link_stalled_steps: int = 0
+  link_max_step_bytes: int = 0
+
+  def add_link(self, step: StepLink) -> None:
+    """Counts one step's link traffic and its overlap with compute."""
+    for tier, nbytes in step.bytes.items():
+      self.link_bytes[tier] += nbytes
+    self.link_seconds += step.link_s
+    self.link_hidden_seconds += step.hidden_s
+    self.link_stall_seconds += step.stall_s
+    self.link_stalled_steps += step.stall_s > 0
+    self.link_max_step_bytes = max(self.link_max_step_bytes, sum(step.bytes.values()))
 
   def add_step(self, plan: scheduler.Plan, calls: Sequence[StepArrays], seconds: float,
                m: scheduler.Metrics, block_bytes: int) -> None:
@@ -90,6 +107,27 @@ def figures(m: scheduler.Metrics, totals: Totals, block_bytes: int,
       "decode_step_seconds_mean": (totals.decode_seconds / totals.decode_steps
                                    if totals.decode_steps else None),
       "steps_planned_ahead": totals.planned_ahead,
+      **link_figures(totals, m.steps),
+  }
+
+
+def link_figures(totals: Totals, steps: int) -> dict:
+  """The host link's traffic and its overlap with compute (`jaxtier.engine.link`): bytes moved by
+  tier (swap-in, swap-out, prefix load, prefix write-back, weight prefetch of the offloaded tail)
+  in all and per step, the link seconds they took, the share of those the steps' compute hid
+  (None before any link time), and the stall: link time beyond each step's compute, summed, in
+  milliseconds."""
+  per_step = max(steps, 1)
+  return {
+      "link_bytes": dict(totals.link_bytes),
+      "link_bytes_per_step": {tier: n / per_step for tier, n in totals.link_bytes.items()},
+      "link_bytes_max_step": totals.link_max_step_bytes,
+      "link_seconds": totals.link_seconds,
+      "link_hidden_seconds": totals.link_hidden_seconds,
+      "link_hidden_fraction": (totals.link_hidden_seconds / totals.link_seconds
+                               if totals.link_seconds > 0 else None),
+      "link_stall_ms": totals.link_stall_seconds * 1e3,
+      "link_stalled_steps": totals.link_stalled_steps,
   }
 
 

@@ -1,6 +1,6 @@
 """Measured machine figures: host -> device link bandwidth and one layer's compute time (the
-planner's inputs), and the read bandwidth, matmul rate and weight-matmul time that benchmarks
-bound a step with.
+planner's inputs), device -> host bandwidth (swap-outs), and the read bandwidth, matmul rate and
+weight-matmul time that benchmarks bound a step with.
 
 All are medians over repeats after a warm-up. On CPU the "link" is a memcpy between two views of
 one memory and the layer runs on the CPU: the numbers are real but say nothing about a GPU.
@@ -113,6 +113,17 @@ def link_bytes_per_s(nbytes: int = 64 * 2**20, repeats: int = 5,
   host = jax.sharding.SingleDeviceSharding(device, memory_kind=placement.PINNED_HOST)
   source = jax.device_put(np.ones(nbytes // 4, np.float32), host)
   target = host.with_memory_kind(placement.DEVICE)
+  return source.nbytes / _median_seconds(lambda: jax.device_put(source, target), repeats)
+
+
+def d2h_bytes_per_s(nbytes: int = 64 * 2**20, repeats: int = 5,
+                    device: jax.Device | None = None) -> float:
+  """Bandwidth of `jax.device_put` from device memory to pinned host memory, bytes per second
+  (the direction of swap-outs and prefix-cache write-backs)."""
+  device = device or jax.local_devices()[0]
+  on_device = jax.sharding.SingleDeviceSharding(device, memory_kind=placement.DEVICE)
+  source = jax.device_put(np.ones(nbytes // 4, np.float32), on_device)
+  target = on_device.with_memory_kind(placement.PINNED_HOST)
   return source.nbytes / _median_seconds(lambda: jax.device_put(source, target), repeats)
 
 

@@ -112,11 +112,13 @@ def book(state: SchedulerState, decision: Decision) -> tuple[SchedulerState, Pla
   counters = _count(state.counters, config.block_size, p, admit, len(swap_in.seqs),
                     len(copies_out), len(copies_in), host_full,
                     (looked_up, len(writeback), len(evicted), host_evictions))
+  swapped = _merge(p.swapped[len(swap_in.seqs):], swapped_out)
   next_state = SchedulerState(
       config, device, host, waiting=_merge(state.waiting[len(admit.seqs):], dropped),
-      running=running, swapped=_merge(p.swapped[len(swap_in.seqs):], swapped_out), in_flight=plan,
+      running=running, swapped=swapped, in_flight=plan,
       next_order=state.next_order, counters=counters, device_cache=device_cache,
-      host_cache=host_cache, rates=state.rates)
+      host_cache=host_cache, rates=state.rates,
+      swap_wait_steps=state.swap_wait_steps + 1 if swapped and not swap_in.seqs else 0)
   return next_state, plan
 
 

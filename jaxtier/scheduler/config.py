@@ -46,11 +46,17 @@ class SchedulerConfig:
     prefetch_swap_in: True: a swap-in is planned one step before the request computes, so the engine
       overlaps the copy with that step's compute; False: it computes in the step that swaps it in.
     block_bytes: bytes of one block (see jaxtier.kv_bytes.kv_block_bytes); needed for byte budgets, 0 if unknown.
-    link_bytes_per_step: bytes the host link moves per step (None: unlimited).
-    kv_link_share: the high-priority part of link_bytes_per_step that KV swaps may use; the rest is
-      the low-priority part for weight prefetch. Swap-outs are never deferred, but swap-ins stop once
-      the share is spent (the first swap-in of a step always goes, so none waits forever).
+    link_bytes_per_step: bytes the host link moves per step while the step computes (None:
+      unlimited); `policies.link_fields` derives the link fields from a measured rate.
+    kv_link_share: the high-priority part of link_bytes_per_step that KV swap-ins and host-tier
+      prefix loads may use; the rest is the low-priority part for weight prefetch. Swap-outs and
+      write-backs are never deferred (their bytes still count against the weights' grant).
+      Swap-ins stop once the share is spent, except one that blocks a request
+      (`policies.swap_in_blocks`), which goes ahead of the weights; a prefix load that does not fit
+      loads the blocks that do and recomputes the rest.
     weight_prefetch_bytes_per_step: the weight bytes the offload plan wants to prefetch each step.
+    swap_in_max_wait_steps: steps the swapped queue may go without a swap-in before its head blocks
+      (`policies.swap_in_blocks`) and swaps in past the KV share.
   """
   num_device_blocks: int
   num_host_blocks: int
@@ -69,6 +75,7 @@ class SchedulerConfig:
   link_bytes_per_step: int | None = None
   kv_link_share: float = 0.75
   weight_prefetch_bytes_per_step: int = 0
+  swap_in_max_wait_steps: int = 8
 
   def __post_init__(self):
     check_int("num_device_blocks", self.num_device_blocks, 1)
@@ -94,6 +101,7 @@ class SchedulerConfig:
   def _check_link(self):
     check_int("block_bytes", self.block_bytes, 0)
     check_int("weight_prefetch_bytes_per_step", self.weight_prefetch_bytes_per_step, 0)
+    check_int("swap_in_max_wait_steps", self.swap_in_max_wait_steps, 0)
     if not 0.0 <= self.kv_link_share <= 1.0:
       raise ValueError(f"kv_link_share={self.kv_link_share!r}: expected 0 <= x <= 1")
     if self.link_bytes_per_step is not None:

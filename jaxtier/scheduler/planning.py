@@ -8,7 +8,8 @@ One step is decided in four phases over block counts, then booked in one allocat
      and more than one request runs, the victim policy picks a running request to swap out (or
      recompute).
   3. Swap-in: only in a step that preempted nothing, swapped requests come back in queue order while
-     they fit above the watermark (or fit at all, when nothing runs) and the KV link share allows.
+     they fit above the watermark (or fit at all, when nothing runs) and the KV link share allows;
+     only a swap-in that blocks a request (`policies.swap_in_blocks`) may pass the share.
   4. Admission: only when nothing is left swapped, waiting requests start in queue order while their
      first chunk fits above the watermark (or fits at all, when nothing runs). The first that does not
      fit stops admission, so a long request is not starved by shorter ones behind it.
@@ -17,7 +18,8 @@ With prefix caching, unreferenced cached device blocks count as free (booking ev
 pool runs short), and an admitted request starts after its longest cached prefix: device hits are
 shared at once; host hits are loaded into new device blocks like a swap-in (planned one step before
 the request computes when swap-ins are prefetched), unless the measured rates say recomputing them
-is cheaper. A hit never covers the prompt's last token, whose logits the first step needs.
+is cheaper, or the KV link share has no room for them (the hits that fit are loaded, the rest
+recomputed). A hit never covers the prompt's last token, whose logits the first step needs.
 """
 
 from jaxtier.scheduler import allocator
@@ -55,7 +57,7 @@ def decide(state: SchedulerState) -> Decision:
     budget = config.max_num_batched_tokens - sum(preemption.kept_tokens)
     num_running = len(preemption.kept)
     swap_in, free, budget, spent = _swap_in(config, preemption.swapped, num_running,
-                                            preemption.free, budget)
+                                            preemption.free, budget, state.swap_wait_steps)
     if len(swap_in.seqs) == len(preemption.swapped):
       admit = _admit(config, state, num_running + len(swap_in.seqs), free, budget, spent)
   return Decision(preemption, swap_in, admit)
@@ -160,8 +162,9 @@ def _fits(free: int, blocks: int, config: SchedulerConfig, num_running: int) -> 
 
 
 def _swap_in(config: SchedulerConfig, swapped: tuple[Seq, ...], num_running: int, free: int,
-             budget: int) -> tuple[Choice, int, int, int]:
-  """Brings swapped requests back in queue order while blocks and the KV link share allow.
+             budget: int, waited_steps: int = 0) -> tuple[Choice, int, int, int]:
+  """Brings swapped requests back in queue order while blocks and the KV link share allow; one
+  that blocks a request (`policies.swap_in_blocks`) goes past the share.
 
   Returns the choice, the device blocks and tokens left, and the link bytes spent.
   """
@@ -179,7 +182,8 @@ def _swap_in(config: SchedulerConfig, swapped: tuple[Seq, ...], num_running: int
     cost = len(seq.blocks) * config.block_bytes
     if not _fits(free, book + reserve, config, num_running + len(seqs)):
       break
-    if spent and spent + cost > link_budget:
+    if spent + cost > link_budget and not (spent == 0 and policies.swap_in_blocks(
+        len(seqs), num_running, waited_steps, config.swap_in_max_wait_steps)):
       break
     seqs.append(seq)
     tokens.append(num_tokens)
@@ -209,11 +213,11 @@ def _admit(config: SchedulerConfig, state: SchedulerState, num_running: int, fre
       shared = tuple(b for b in prefix.hit_blocks(device_cache, usable[:on_device])
                      if not device_cache.refcount(b) and b not in pinned)
       if config.host_tier:
-        on_host = prefix.num_hits(host_cache, usable, on_device)
-        cost = on_host * config.block_bytes
-        if on_host and not (_load_pays(state.rates, on_host, config)
-                            and (not spent or spent + cost <= link_budget)):
-          on_host, skipped = 0, on_host
+        found = prefix.num_hits(host_cache, usable, on_device)
+        on_host = _loadable(found, link_budget - spent, config.block_bytes)
+        if on_host and not _load_pays(state.rates, on_host, config):
+          on_host = 0
+        skipped = found - on_host
     computed = (on_device + on_host) * block_size
     load = on_host and config.prefetch_swap_in  # copy this step, compute from the next
     num_tokens = 0 if load else min(seq.seq_len - computed, budget)
@@ -233,6 +237,13 @@ def _admit(config: SchedulerConfig, state: SchedulerState, num_running: int, fre
     spent += on_host * config.block_bytes
   return Choice(tuple(seqs), tuple(tokens), tuple(blocks), tuple(device_hits), tuple(host_hits),
                 tuple(passed))
+
+
+def _loadable(hits: int, room: float, block_bytes: int) -> int:
+  """How many of `hits` host-tier blocks fit in `room` bytes of the KV link share."""
+  if hits == 0 or room == float("inf") or block_bytes == 0:
+    return hits
+  return max(0, min(hits, int(room // block_bytes)))
 
 
 def _load_pays(rates: Rates | None, num_blocks: int, config: SchedulerConfig) -> bool:

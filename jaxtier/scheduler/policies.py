@@ -85,3 +85,41 @@ def weight_prefetch_bytes(link_bytes_per_step: int | None, kv_link_share: float,
   own_share = link_bytes_per_step - math.floor(link_bytes_per_step * kv_link_share)
   left = max(link_bytes_per_step - kv_bytes_spent, 0)
   return min(weight_bytes_wanted, own_share, left)
+
+
+def link_fields(h2d_bytes_per_s: float | None, step_s: float | None,
+                weight_bytes_per_step: int = 0) -> dict[str, int | float | None]:
+  """The link fields of a `SchedulerConfig` for a host link of `h2d_bytes_per_s` (host -> device
+  bytes per second) under steps whose compute takes `step_s` seconds.
+
+  The rule (one link, one budget): a step's host -> device copies are hidden while they take no
+  longer than its compute, so the link moves `link_bytes_per_step = floor(h2d_bytes_per_s *
+  step_s)` bytes per step (at least 1). The offloaded tail's weights must arrive every step, so
+  they come off the top: KV swap-ins and host-tier prefix loads may spend the rest,
+  `kv_link_share = max(0, (link_bytes_per_step - weight_bytes_per_step) / link_bytes_per_step)`
+  of it (`kv_link_budget`). With no rate or no step time the budget is unlimited
+  (`link_bytes_per_step` None, the whole link for KV).
+  """
+  if not h2d_bytes_per_s or not step_s or h2d_bytes_per_s <= 0 or step_s <= 0:
+    return {"link_bytes_per_step": None, "kv_link_share": 1.0,
+            "weight_prefetch_bytes_per_step": weight_bytes_per_step}
+  link = max(1, math.floor(h2d_bytes_per_s * step_s))
+  return {"link_bytes_per_step": link,
+          "kv_link_share": max(0.0, (link - weight_bytes_per_step) / link),
+          "weight_prefetch_bytes_per_step": weight_bytes_per_step}
+
+
+def swap_in_blocks(queue_position: int, num_running: int, waited_steps: int,
+                   max_wait_steps: int) -> bool:
+  """Whether a swap-in blocks a request, and so may go ahead of weight prefetch: past the step's
+  KV link budget, the weights' grant shrinking by what it takes (the step is expected to stall).
+
+  Only the head of the swapped queue (`queue_position` 0, by priority then arrival) ever blocks,
+  and only when either
+    - nothing else can run: no request runs this step (`num_running` 0; admission waits while
+      any request is swapped, so without it the step computes nothing), or
+    - the swapped queue has gone `max_wait_steps` steps or more without a swap-in
+      (`waited_steps`), so a busy batch cannot hold it back for ever.
+  Any other swap-in waits for a step whose budget has room for it.
+  """
+  return queue_position == 0 and (num_running == 0 or waited_steps >= max_wait_steps)

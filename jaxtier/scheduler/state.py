@@ -175,6 +175,8 @@ class SchedulerState:
     next_order: arrival order of the next request.
     device_cache, host_cache: the prefix-cache index of each pool (empty with caching off).
     rates: the engine's latest measured rates, or None.
+    swap_wait_steps: steps in a row that ended with requests swapped and none swapped in
+      (`policies.swap_in_blocks`).
   """
   config: SchedulerConfig
   device: allocator.BlockPool
@@ -191,6 +193,7 @@ class SchedulerState:
   device_cache: prefix.TierIndex = prefix.EMPTY_INDEX
   host_cache: prefix.TierIndex = prefix.EMPTY_INDEX
   rates: Rates | None = None
+  swap_wait_steps: int = 0
 
 
 def initial_state(config: SchedulerConfig) -> SchedulerState:

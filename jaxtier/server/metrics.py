@@ -2,8 +2,9 @@
 
 Per-request counters and latency histograms (time to first token, inter-token latency, end to end)
 are observed by the HTTP layer as updates stream through `track`; the engine's figures (queue,
-KV blocks per tier, swaps, preemptions, model steps, weight bytes streamed from the host) are read
-from the engine's last step when `/metrics` is scraped.
+KV blocks per tier, swaps, preemptions, model steps, weight bytes streamed from the host, the host
+link's bytes by tier and their overlap with compute) are read from the engine's last step when
+`/metrics` is scraped.
 """
 
 import time
@@ -94,10 +95,47 @@ class _EngineCollector:
     moved.add_metric(["writeback"], figures["prefix_writeback_bytes"])
     moved.add_metric(["load"], figures["prefix_load_bytes"])
     yield moved
+    yield from _link_metrics(figures)
     yield CounterMetricFamily(
         "jaxtier_weight_transfer_bytes", "weight bytes streamed from host memory to the device "
         "(host-resident weight bytes per model call times model calls)",
         value=figures["model_calls"] * self._weight_bytes_per_call)
+
+
+def _link_metrics(figures: dict):
+  """The host link's traffic and its overlap with compute (`jaxtier.engine.link`)."""
+  moved = CounterMetricFamily("jaxtier_link_bytes", "bytes moved over the host link, by tier: "
+                              "swap_in, prefix_load, weight_prefetch (host -> device), swap_out, "
+                              "prefix_writeback (device -> host)", labels=["tier"])
+  for tier, nbytes in sorted(figures["link_bytes"].items()):
+    moved.add_metric([tier], nbytes)
+  yield moved
+  yield CounterMetricFamily("jaxtier_link_seconds", "link seconds of those bytes (measured swap "
+                            "seconds per block, else the measured rates)",
+                            value=figures["link_seconds"])
+  yield CounterMetricFamily("jaxtier_link_hidden_seconds", "link seconds within their steps' "
+                            "(modeled) compute", value=figures["link_hidden_seconds"])
+  yield CounterMetricFamily("jaxtier_link_stall_seconds", "link seconds beyond their steps' "
+                            "(modeled) compute", value=figures["link_stall_ms"] / 1e3)
+  yield CounterMetricFamily("jaxtier_link_stalled_steps", "steps whose link time passed their "
+                            "compute", value=figures["link_stalled_steps"])
+  if figures["link_hidden_fraction"] is not None:
+    yield GaugeMetricFamily("jaxtier_link_hidden_fraction", "share of the link seconds hidden "
+                            "behind compute since the start", value=figures["link_hidden_fraction"])
+  rates = GaugeMetricFamily("jaxtier_link_bytes_per_second", "the host link's bandwidth measured "
+                            "at start-up, by direction", labels=["direction"])
+  for direction in ("h2d", "d2h"):
+    rate = figures.get(f"link_{direction}_bytes_per_s")
+    if rate is not None:
+      rates.add_metric([direction], rate)
+  yield rates
+  budget = figures.get("link_budget_bytes_per_step")
+  if budget is not None:
+    yield GaugeMetricFamily("jaxtier_link_budget_bytes_per_step", "host -> device bytes a step's "
+                            "compute hides: the scheduler's link budget", value=budget)
+    yield GaugeMetricFamily("jaxtier_kv_link_budget_bytes_per_step", "the part of it KV "
+                            "swap-ins and prefix loads may spend (the rest: weight prefetch)",
+                            value=figures["kv_link_budget_bytes_per_step"])
 
 
 class ServerMetrics:
