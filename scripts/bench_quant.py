@@ -141,6 +141,8 @@ class Format:
 
 QUALITY_FORMATS = {
     "float32": Format("hf", {}),
+    # no quantization, bfloat16 compute: how far rounding alone moves the greedy tokens
+    "bfloat16": Format("hf", {"dtype": "bfloat16"}),
     "int8": Format("hf", {"quantization": "int8"}),
     "int4_g32": Format("hf", {"quantization": "int4", "quantization_group_size": 32}),
     "int4_g64": Format("hf", {"quantization": "int4", "quantization_group_size": 64}),
