@@ -207,6 +207,20 @@ def test_gathered_path_matches_reference(window, cap, quantized):
   assert np.all(np.asarray(got[3]) == 0)
 
 
+@pytest.mark.parametrize("window, cap", [(None, None), (7, 1.5)])
+def test_gathered_path_over_key_chunks_matches_reference(window, cap):
+  """A table wider than `gather_slots`: key chunks with an online softmax, same values."""
+  rng = np.random.default_rng(14)
+  q, kp, vp, table, pos = map(jnp.asarray, make_case(rng, b=4, t=3, kv=2, g=3, d=16, c=4,
+                                                     lengths=[3, 40, 17, 26]))
+  pos = pos.at[2].set(-1)
+  want = paged_attention_reference(q, kp, vp, table, pos, window=window, cap=cap)
+  got = paged_attention_gathered(q, kp, vp, table, pos, window=window, cap=cap, gather_slots=8)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  text = paged_attention_gathered.lower(q, kp, vp, table, pos, gather_slots=8).as_text()
+  assert "stablehlo.while" in text
+
+
 def test_gathered_path_is_one_gather_per_pool_without_loops():
   """No loop, and the context gathered once for K and once for V: what an accelerator runs."""
   rng = np.random.default_rng(13)

@@ -128,10 +128,12 @@ def _token_major_output(out_kbqd, q_btnd) -> jax.Array:
 CHUNK_SLOTS = 128  # key slots per step of the chunked path's scan
 
 
-def _chunked_tables(pages_bm: jax.Array, block_size: int) -> tuple[jax.Array, int]:
-  """Tables [chunks, b, blocks per chunk], padded with page 0 (masked by slot position)."""
+def _chunked_tables(pages_bm: jax.Array, block_size: int, chunk_slots: int = CHUNK_SLOTS
+                    ) -> tuple[jax.Array, int]:
+  """Tables [chunks, b, blocks per chunk] of about `chunk_slots` slots a chunk, padded with page
+  0 (masked by slot position)."""
   b, m = pages_bm.shape
-  per_chunk = max(1, min(m, CHUNK_SLOTS // block_size))
+  per_chunk = max(1, min(m, chunk_slots // block_size))
   padded = -(-m // per_chunk) * per_chunk
   pages_bm = jnp.pad(pages_bm, ((0, 0), (0, padded - m)))
   return jnp.moveaxis(pages_bm.reshape(b, padded // per_chunk, per_chunk), 1, 0), per_chunk
@@ -260,10 +262,13 @@ def paged_attention(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scal
   return _token_major_output(out_kbqd, q_btnd)
 
 
-@jax.jit
+GATHER_SLOTS = 4096  # widest table the gathered path attends in one step; wider ones in chunks
+
+
+@functools.partial(jax.jit, static_argnames=("gather_slots",))
 def paged_attention_gathered(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt,
-                             k_scales_kfc=None, v_scales_kfc=None, window=None, cap=None
-                             ) -> jax.Array:
+                             k_scales_kfc=None, v_scales_kfc=None, window=None, cap=None,
+                             gather_slots: int = GATHER_SLOTS) -> jax.Array:
   """Paged attention, the XLA path on accelerators: one gather and one masked softmax.
 
   Each row's table pages are gathered at once, whole blocks in the pool's kv-head-major order
@@ -272,6 +277,10 @@ def paged_attention_gathered(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_b
   float32, soft-capped at `cap` where given, with INT8 scales folded into them instead of
   dequantizing K and V. A handful of large ops whatever the context, where `paged_attention`
   loops over chunks and row groups. Output [b, t, n, d].
+
+  Tables wider than `gather_slots` slots run in key chunks of that many instead (the same
+  online softmax as the CPU loop's steps, for all rows at once, up to the last chunk a query
+  sees): a few large steps, so the gathered keys and the scores stay bounded at long contexts.
   """
   check_paged_inputs(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc,
                      v_scales_kfc)
@@ -280,6 +289,11 @@ def paged_attention_gathered(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_b
   s = pages_bm.shape[1] * c
   q_kbqd = _kv_major_queries(q_btnd, kv)
   pages_bm = jnp.clip(pages_bm, 0, f - 1)
+  if s > gather_slots:
+    tables_xbm, per_chunk = _chunked_tables(pages_bm, c, gather_slots)
+    pages = (k_pages_kfcd, v_pages_kfcd, k_scales_kfc, v_scales_kfc)
+    return _token_major_output(_attend_rows(q_kbqd, pos_bt, tables_xbm, pages, s,
+                                            per_chunk * c, window, cap), q_btnd)
 
   def gather_kbs(pages_kf):
     return decode(pages_kf[:, pages_bm]).reshape((kv, b, s) + pages_kf.shape[3:])
