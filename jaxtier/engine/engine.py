@@ -171,7 +171,8 @@ class Engine:
                                       config.kv_cache_dtype, config.block_size)
     self.tail = tail
     self.link_rates = link.measured_rates()
-    platform = sharding.mesh_of(nnx.state(model)).devices.flat[0].platform
+    mesh = sharding.mesh_of(nnx.state(model))  # None: parameters on one device, no mesh
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]).platform
     self._link_budgeted = link.budget_applies(platform)  # off CPU only
     self._compute_only_s: collections.deque[float] = collections.deque(maxlen=link.STEP_WINDOW)
     self.scheduler_config = scheduler.SchedulerConfig(
