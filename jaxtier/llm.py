@@ -87,6 +87,11 @@ def _bytes_by_format(tree) -> dict[str, int]:
   return out
 
 
+def _host_bytes(state) -> int:
+  """Bytes of `state`'s arrays outside device memory (the offloaded weights)."""
+  return sum(v for k, v in offload.bytes_by_memory_kind(state).items() if k != offload.DEVICE)
+
+
 def _host_expert_bytes(model) -> int:
   """Bytes of the routed experts `model` keeps in host memory outside its offloaded tail (its
   `ExpertOffloadedLayers` groups')."""
@@ -314,10 +319,8 @@ class LLM:
     predicted compute seconds of a step, where the planner ran."""
     if not self.offload.offload_tail_layers:
       return link.NO_TAIL
-    host = sum(v for k, v in offload.bytes_by_memory_kind(self.state).items()
-               if k != offload.DEVICE)
     plan = self.offload.plan
-    return link.Tail(max(host - _host_expert_bytes(self.loaded.model), 0),
+    return link.Tail(max(_host_bytes(self.state) - _host_expert_bytes(self.loaded.model), 0),
                      plan.compute_step_s if plan is not None else None)
 
   @property
@@ -389,8 +392,7 @@ class LLM:
         offload_expert_layers=self.sizing.experts.layers,
         expert_stream_from_tokens=self.sizing.experts.stream_from_tokens,
         expert_offload=self.sizing.experts.report,
-        weight_transfer_bytes_per_step=sum(
-            v for k, v in offload.bytes_by_memory_kind(self.state).items() if k != offload.DEVICE),
+        weight_transfer_bytes_per_step=_host_bytes(self.state),
         offload_predicted_step_seconds=plan.predicted_step_s if plan is not None else None,
         offload_compute_step_seconds=plan.compute_step_s if plan is not None else None)
     return stats

@@ -196,9 +196,8 @@ def _attend_rows(q_kbqd, pos_bt, tables_xbm, pages, num_slots: int, chunk_slots:
   Only the chunks that hold a slot visible to some query of the group run: up to the last
   position's chunk, and under a sliding window from the chunk of the earliest query's first
   visible slot."""
-  kv, b, q, d = q_kbqd.shape
   step = functools.partial(_chunk_step, q_kbqd, pos_bt, pages, num_slots, window, cap)
-  init = (jnp.full((kv, b, q), -jnp.inf), jnp.zeros((kv, b, q)), jnp.zeros((kv, b, q, d)))
+  init = _empty_carry(q_kbqd)
   live = jnp.clip((jnp.max(pos_bt) + chunk_slots) // chunk_slots, 0, tables_xbm.shape[0])
   first = 0
   if window is not None:
@@ -210,6 +209,17 @@ def _attend_rows(q_kbqd, pos_bt, tables_xbm, pages, num_slots: int, chunk_slots:
     return step(carry, (table_bm, i * chunk_slots))[0]
 
   _, sum_kbq, out_kbqd = jax.lax.fori_loop(first, live, body, init)
+  return _normalized(out_kbqd, sum_kbq)
+
+
+def _empty_carry(q_kbqd):
+  """The online softmax's carry before any slot: (running max, running sum, output)."""
+  kv, b, q, d = q_kbqd.shape
+  return jnp.full((kv, b, q), -jnp.inf), jnp.zeros((kv, b, q)), jnp.zeros((kv, b, q, d))
+
+
+def _normalized(out_kbqd, sum_kbq):
+  """The output divided by its softmax sum (rows that saw no slot stay 0)."""
   return out_kbqd / jnp.where(sum_kbq > 0, sum_kbq, 1.0)[..., None]
 
 
@@ -284,38 +294,20 @@ def paged_attention_gathered(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_b
   """
   check_paged_inputs(q_btnd, k_pages_kfcd, v_pages_kfcd, pages_bm, pos_bt, k_scales_kfc,
                      v_scales_kfc)
-  b, _, n, _ = q_btnd.shape
   kv, f, c, _ = k_pages_kfcd.shape
   s = pages_bm.shape[1] * c
   q_kbqd = _kv_major_queries(q_btnd, kv)
   pages_bm = jnp.clip(pages_bm, 0, f - 1)
+  pages = (k_pages_kfcd, v_pages_kfcd, k_scales_kfc, v_scales_kfc)
   if s > gather_slots:
     tables_xbm, per_chunk = _chunked_tables(pages_bm, c, gather_slots)
-    pages = (k_pages_kfcd, v_pages_kfcd, k_scales_kfc, v_scales_kfc)
     return _token_major_output(_attend_rows(q_kbqd, pos_bt, tables_xbm, pages, s,
                                             per_chunk * c, window, cap), q_btnd)
 
-  def gather_kbs(pages_kf):
-    return decode(pages_kf[:, pages_bm]).reshape((kv, b, s) + pages_kf.shape[3:])
-
-  k_kbsd = gather_kbs(k_pages_kfcd).astype(q_kbqd.dtype)
-  scores_kbqs = jnp.einsum("kbqd,kbsd->kbqs", q_kbqd, k_kbsd, preferred_element_type=jnp.float32)
-  if k_scales_kfc is not None:
-    scores_kbqs *= gather_kbs(k_scales_kfc)[:, :, None]
-  scores_kbqs = softcap(scores_kbqs, cap)
-  visible_bts = in_window(jnp.arange(s), pos_bt[:, :, None], window)
-  visible_bqs = jnp.repeat(visible_bts, n // kv, axis=1)  # q = t * g, t major
-  scores_kbqs = jnp.where(visible_bqs[None], scores_kbqs, -jnp.inf)
-  max_kbq = scores_kbqs.max(-1)
-  probs_kbqs = jnp.exp(scores_kbqs - jnp.where(jnp.isfinite(max_kbq), max_kbq, 0.0)[..., None])
-  sum_kbq = probs_kbqs.sum(-1)
-  weights_kbqs, v_kbsd = probs_kbqs, gather_kbs(v_pages_kfcd)
-  if v_scales_kfc is not None:
-    weights_kbqs = probs_kbqs * gather_kbs(v_scales_kfc)[:, :, None]
-    v_kbsd = v_kbsd.astype(jnp.float32)
-  out_kbqd = jnp.einsum("kbqs,kbsd->kbqd", weights_kbqs.astype(v_kbsd.dtype), v_kbsd,
-                        preferred_element_type=jnp.float32)
-  return _token_major_output(out_kbqd / jnp.where(sum_kbq > 0, sum_kbq, 1.0)[..., None], q_btnd)
+  # the whole table as one chunk: one online-softmax step from the empty carry is the softmax
+  (_, sum_kbq, out_kbqd), _ = _chunk_step(q_kbqd, pos_bt, pages, s, window, cap,
+                                          _empty_carry(q_kbqd), (pages_bm, 0))
+  return _token_major_output(_normalized(out_kbqd, sum_kbq), q_btnd)
 
 
 TPU_LANES = 128  # head_dim must be a multiple of the TPU's vector lanes

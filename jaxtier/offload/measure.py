@@ -106,25 +106,28 @@ def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats:
   return _median_seconds(lambda: run(x, layers, head), repeats)
 
 
+def _copy_bytes_per_s(nbytes: int, repeats: int, device: jax.Device | None, source_kind: str,
+                      target_kind: str) -> float:
+  """Bandwidth of `jax.device_put` of `nbytes` from `source_kind` to `target_kind` memory of
+  `device` (default: the first local one), bytes per second."""
+  device = device or jax.local_devices()[0]
+  place = jax.sharding.SingleDeviceSharding(device, memory_kind=source_kind)
+  source = jax.device_put(np.ones(nbytes // 4, np.float32), place)
+  target = place.with_memory_kind(target_kind)
+  return source.nbytes / _median_seconds(lambda: jax.device_put(source, target), repeats)
+
+
 def link_bytes_per_s(nbytes: int = 64 * 2**20, repeats: int = 5,
                      device: jax.Device | None = None) -> float:
   """Bandwidth of `jax.device_put` from pinned host memory to device memory, bytes per second."""
-  device = device or jax.local_devices()[0]
-  host = jax.sharding.SingleDeviceSharding(device, memory_kind=placement.PINNED_HOST)
-  source = jax.device_put(np.ones(nbytes // 4, np.float32), host)
-  target = host.with_memory_kind(placement.DEVICE)
-  return source.nbytes / _median_seconds(lambda: jax.device_put(source, target), repeats)
+  return _copy_bytes_per_s(nbytes, repeats, device, placement.PINNED_HOST, placement.DEVICE)
 
 
 def d2h_bytes_per_s(nbytes: int = 64 * 2**20, repeats: int = 5,
                     device: jax.Device | None = None) -> float:
   """Bandwidth of `jax.device_put` from device memory to pinned host memory, bytes per second
   (the direction of swap-outs and prefix-cache write-backs)."""
-  device = device or jax.local_devices()[0]
-  on_device = jax.sharding.SingleDeviceSharding(device, memory_kind=placement.DEVICE)
-  source = jax.device_put(np.ones(nbytes // 4, np.float32), on_device)
-  target = on_device.with_memory_kind(placement.PINNED_HOST)
-  return source.nbytes / _median_seconds(lambda: jax.device_put(source, target), repeats)
+  return _copy_bytes_per_s(nbytes, repeats, device, placement.DEVICE, placement.PINNED_HOST)
 
 
 def layer_compute_s(config: ModelConfig, dtype, batch: int, tokens: int, context: int,
