@@ -1,4 +1,5 @@
-"""The offline API, in the shape vLLM users know: `LLM(model).generate(prompts, SamplingParams(...))`."""
+"""The offline API, in the shape vLLM users know: `LLM(model).generate(prompts,
+SamplingParams(...))`."""
 
 import dataclasses
 import time
@@ -10,22 +11,23 @@ from absl import logging
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxtier import checkpoint, matmul, offload, quant, sharding
+from jaxtier import checkpoint, offload
 from jaxtier.checkpoint import placed
 from jaxtier.checkpoint.quantized import QuantizedSource, block_format
-from jaxtier.engine import link, sizing
+from jaxtier.common.checks import check_prompt_ids
+from jaxtier.engine import doctor, link, sizing
+from jaxtier.engine.args import EngineArgs
 from jaxtier.engine.engine import Engine, EngineConfig
-from jaxtier.checks import check_prompt_ids
-from jaxtier.engine_args import EngineArgs
-from jaxtier.generate import Completion, StepUpdate, generate_batch
-from jaxtier.logprobs import LogprobDict
+from jaxtier.engine.padded import Completion, StepUpdate, generate_batch
+from jaxtier.kernels.cpu import matmul
+from jaxtier.model import quant, sharding
 from jaxtier.offload import expert_cost, hardware, measure
 from jaxtier.offload.experts import ExpertOffloadedLayers
 from jaxtier.offload.planner import ModelBytes
-from jaxtier.sampling import SamplingParams
+from jaxtier.sampling.logprobs import LogprobDict
+from jaxtier.sampling.samplers import SamplingParams
 from jaxtier.scheduler import Request
-from jaxtier.tools import doctor
-from jaxtier.tokenizer import Message, resolve_chat_template
+from jaxtier.text.tokenizer import Message, resolve_chat_template
 
 Prompt = str | Sequence[int]
 
@@ -73,7 +75,7 @@ class RequestOutput:
 
 def _bytes_by_format(tree) -> dict[str, int]:
   """{format: bytes} over the array leaves of `tree`: packed block formats by
-  `matmul.weight_format`, the values of compact projections (`jaxtier.quant`) as "int8",
+  `matmul.weight_format`, the values of compact projections (`jaxtier.model.quant`) as "int8",
   "uint4" or "u4x2" (4-bit, two to a byte), other arrays by their dtype's name."""
   out: dict[str, int] = {}
   for path, a in jax.tree_util.tree_leaves_with_path(tree):
@@ -216,7 +218,7 @@ class LLM:
   Args:
     model: a registry name (see `models/`), a Hugging Face directory, a .gguf file or a jaxtier
       Orbax directory.
-    **engine_args: the engine arguments, `jaxtier.engine_args.EngineArgs` (same names as the
+    **engine_args: the engine arguments, `jaxtier.engine.args.EngineArgs` (same names as the
       scripts' flags): dtype, max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
       num_device_blocks / kv_cache_memory_gb, num_host_blocks / swap_space_gb, kv_cache_dtype
       ("auto", "float32", "bfloat16", "int8"), preemption_mode, watermark, victim_policy,
@@ -231,7 +233,7 @@ class LLM:
   device shard or, for the offloaded tail, to pinned host memory.
 
   With offloaded layers on CPU, call
-  `jaxtier.cpu_allocator.retain_freed_memory(single_arena=True)` first: the d + 1 fetched layers
+  `jaxtier.kernels.cpu.heap.retain_freed_memory(single_arena=True)` first: the d + 1 fetched layers
   are step temporaries, which glibc maps afresh (page-faulting) every step once they pass 32 MB.
   """
 
@@ -402,7 +404,7 @@ class LLM:
     self.engine.reset_prefix_cache()
 
   def doctor(self) -> str:
-    """The symptom -> remedy rows that this run's figures show (see `jaxtier.tools.doctor`)."""
+    """The symptom -> remedy rows that this run's figures show (see `jaxtier.engine.doctor`)."""
     stats = self.stats()
     return doctor.report(doctor.diagnose(stats), stats)
 

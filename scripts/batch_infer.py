@@ -12,7 +12,7 @@ order). Skipped records are listed in `<output>.rejects.jsonl` ({"id", "line", "
 checked again by the next run, which generates those that are valid then (e.g. under a larger
 --max_model_len); the file is rewritten to what is still rejected, removed when nothing is.
 
-Input: `jaxtier.batch_input`, a Grain data source over the file's non-blank lines. With
+Input: `jaxtier.batch.reader`, a Grain data source over the file's non-blank lines. With
 --num_processes=N, process i takes records i, i + N, i + 2N, ... (a Grain iterator sharded by JAX
 process) and runs its own engine on its own local devices.
 
@@ -55,7 +55,8 @@ import numpy as np
 from tqdm import tqdm
 
 import jaxtier
-from jaxtier import batch_input, batch_output, engine_flags
+from jaxtier.batch import reader as batch_input, files as batch_output
+from jaxtier.engine import flags as engine_flags
 from jaxtier.server.records import BatchRecord, parse_record
 
 FLAGS = flags.FLAGS

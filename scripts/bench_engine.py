@@ -78,7 +78,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from jaxtier import engine_flags
+from jaxtier.engine import flags as engine_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seed", 0, "seed of the workloads (prompt kinds, lengths, texts, max_tokens)")
@@ -575,8 +575,8 @@ def engine_decode_tokens_per_s(llm, ids: list[int], new_tokens: int, request_id:
 def decode_section(tokenizer, hf, name: str = "decode_steps", **overrides) -> dict:
   import jax
   from flax import nnx
-  from jaxtier import matmul
-  from jaxtier.kv_bytes import kv_bytes_per_token
+  from jaxtier.common.kv_bytes import kv_bytes_per_token
+  from jaxtier.kernels.cpu import matmul
   batches = sorted(int(b) for b in FLAGS.batches)
   contexts = sorted(int(c) for c in FLAGS.contexts)
   widest = max(batches)
@@ -607,7 +607,7 @@ def decode_section(tokenizer, hf, name: str = "decode_steps", **overrides) -> di
   dtype = next(x.dtype for x in leaves if np.issubdtype(x.dtype, np.floating))
   model = nnx.merge(llm.graphdef, llm.state)
   packed = any(getattr(node, "packed", False) is True for _, node in nnx.iter_graph(model))
-  # the formats the model holds its packed layers and head in (`jaxtier.matmul`)
+  # the formats the model holds its packed layers and head in (`jaxtier.kernels.cpu.matmul`)
   from jaxtier.model import FusedDecoderLayer
   kernels = ("qkv_kernel", "o_kernel", "gate_up_kernel", "down_kernel")  # measure's order
   layer_formats = [[matmul.weight_format(getattr(node, name)[...]) for name in kernels]

@@ -15,10 +15,10 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-import jaxtier
 from jaxtier import checkpoint
+import jaxtier
 from jaxtier.checkpoint import registry
-from jaxtier.generate import generate_batch
+from jaxtier.engine.padded import generate_batch
 from jaxtier.offload import measure
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler import Request

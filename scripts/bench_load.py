@@ -50,7 +50,7 @@ must give exactly the Orbax parameters.
 `jaxtier.LLM(model, offload_tail_layers=n, max_model_len=512, max_num_seqs=1)` generating
 `--decode_tokens` greedy tokens (`ignore_eos`) after one warm-up generate (median of
 `--decode_repeats` timed generates, each including its short prompt's prefill), each n in its own
-process with freed memory retained (`jaxtier.cpu_allocator`), and the ratio to n = 0.
+process with freed memory retained (`jaxtier.kernels.cpu.heap`), and the ratio to n = 0.
 
 `summary`: per source and n, after against before for peak device bytes, seconds and peak RSS.
 
@@ -221,7 +221,7 @@ def measure_load(source: str, n: int, method: str, path: str, num_layers: int) -
 
 
 def measure_decode(n: int) -> dict:
-  from jaxtier import cpu_allocator
+  from jaxtier.kernels.cpu import heap as cpu_allocator
   # before JAX starts its threads; one arena, as the scripts that offload
   retained = cpu_allocator.retain_freed_memory(single_arena=n > 0)
   import jaxtier
@@ -286,7 +286,7 @@ def write_safetensors(orbax_dir: str, directory: str) -> None:
 
 
 def hf_config(config) -> dict:
-  """The `config.json` fields `jaxtier.config.config_from_hf` reads, for `config`."""
+  """The `config.json` fields `jaxtier.model.config.config_from_hf` reads, for `config`."""
   scaling = config.rope_scaling
   rope = None if scaling.rope_type == "default" else {
       "rope_type": scaling.rope_type, "factor": scaling.factor,

@@ -8,7 +8,7 @@ the same way ("scan": every layer a scan iteration; "unrolled": per-layer buffer
 `layer_execution="auto"` picks on CPU), so drift on a shared machine hits both alike; compilation is
 timed apart. Each row also counts the step's minor page faults: XLA:CPU temporaries above 32 MB
 (d + 1 fetched layers of 14 MB from d = 2 on) page-fault on every step unless freed memory is
-retained (`jaxtier.cpu_allocator`, on by default here as in the batch and serving scripts;
+retained (`jaxtier.kernels.cpu.heap`, on by default here as in the batch and serving scripts;
 `--noretain_freed_memory` shows the cost). The planner's predictions for the same configurations
 on the GPU presets close it.
 
@@ -30,11 +30,12 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-from jaxtier import checkpoint, cpu_allocator, offload
-from jaxtier.config import ModelConfig
-from jaxtier.generate import model_step, step_fn
+from jaxtier import checkpoint, offload
+from jaxtier.engine.padded import model_step, step_fn
+from jaxtier.kernels.cpu import heap as cpu_allocator
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.model import GroupedTransformer, Transformer
+from jaxtier.model.config import ModelConfig
 from jaxtier.offload import measure
 from jaxtier.sampling import SamplingArrays, SamplingParams
 from jaxtier.tools import hlo
@@ -58,7 +59,7 @@ flags.DEFINE_integer("synthetic_intermediate", 14336, "device mode: MLP width (L
 flags.DEFINE_integer("prefill_batch", 4, "device mode: prefill step sequences")
 flags.DEFINE_integer("prefill_tokens", 1024, "device mode: prefill step tokens per sequence")
 flags.DEFINE_bool("retain_freed_memory", True, "keep freed host memory for reuse "
-                  "(jaxtier.cpu_allocator), as the batch and serving scripts do")
+                  "(jaxtier.kernels.cpu.heap), as the batch and serving scripts do")
 
 
 class Stepper:

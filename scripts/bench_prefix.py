@@ -45,7 +45,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from jaxtier import engine_flags
+from jaxtier.engine import flags as engine_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seed", 0, "seed of the workload (texts, turn counts)")

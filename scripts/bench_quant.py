@@ -42,10 +42,10 @@ speed: decode tokens/s at each of `--batches` for the resident formats (float32,
   and against each of its baselines (a compact format against float32, an offloaded one against
   the same format resident and, if compact, against float32 offloaded) the median over rounds of
   the ratio of the two visits of that round. With an offloaded format among them, freed memory
-  is retained in one arena for the whole process (`jaxtier.cpu_allocator`, as
+  is retained in one arena for the whole process (`jaxtier.kernels.cpu.heap`, as
   `scripts/bench_offload.py` runs), so every row runs with the same allocator.
 
-Formats the engine does not offer (an engine argument `jaxtier.engine_args.EngineArgs` does not
+Formats the engine does not offer (an engine argument `jaxtier.engine.args.EngineArgs` does not
 have yet) or refuses (a ValueError while building) are rows with a "skipped" reason.
 
 The float32 Hugging Face directory: config.json (LlamaForCausalLM), model.safetensors (float32,
@@ -81,7 +81,9 @@ import numpy as np
 from absl import app, flags, logging
 
 import jaxtier
-from jaxtier import cache_dirs, cpu_allocator, engine_args
+from jaxtier.common import cache_dirs
+from jaxtier.engine import args as engine_args
+from jaxtier.kernels.cpu import heap as cpu_allocator
 
 FLAGS = flags.FLAGS
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -123,7 +125,7 @@ flags.DEFINE_integer("new_tokens", 64, "speed section: tokens each request gener
 flags.DEFINE_integer("rounds", 3, "speed section: timed rounds (after one untimed round)",
                      lower_bound=1)
 flags.DEFINE_bool("retain_freed_memory", True, "keep freed host memory for reuse "
-                  "(jaxtier.cpu_allocator, in one arena when offloading), as the batch and "
+                  "(jaxtier.kernels.cpu.heap, in one arena when offloading), as the batch and "
                   "serving scripts do")
 flags.DEFINE_string("out", None, "also write the JSON object to this file")
 
@@ -225,7 +227,7 @@ def hf_tensors(source, config) -> dict[str, np.ndarray]:
 
 
 def hf_config(config, tokenizer) -> dict:
-  """config.json of a Llama `config` (a `jaxtier.config.ModelConfig`)."""
+  """config.json of a Llama `config` (a `jaxtier.model.config.ModelConfig`)."""
   if config.architecture != "llama" or config.norm_offset or config.num_experts:
     raise ValueError(f"a {config.architecture} model: only Llama checkpoints are converted")
   scaling = config.rope_scaling
@@ -260,7 +262,7 @@ def write_tokenizer(tokenizer, directory: str) -> None:
 def check_written(directory: str, config, tokenizer, text: str) -> None:
   """Raises ValueError unless `directory`'s config and tokenizer read back as written."""
   from jaxtier.checkpoint import hf
-  from jaxtier.tokenizer import load_tokenizer_dir
+  from jaxtier.text.tokenizer import load_tokenizer_dir
   read = hf.read_config(directory)
   if read != config:
     raise ValueError(f"{directory}: config.json reads back as {read}, not {config}")
@@ -344,7 +346,7 @@ def release(llm) -> None:
 def weight_figures(llm) -> dict:
   """Where the weights live and how they are held (`LLM.memory_report`); `block_activations`
   "none" where no weight is held in blocks."""
-  from jaxtier import matmul
+  from jaxtier.kernels.cpu import matmul
   report = llm.memory_report()
   blocks = any(fmt in matmul.BYTES_PER_COLUMN for fmt in report["weight_bytes_by_format"])
   return {key: report[key] for key in ("device_weight_bytes", "host_weight_bytes",

@@ -38,7 +38,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from jaxtier import engine_flags
+from jaxtier.engine import flags as engine_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sections", ["load", "hol", "pressure", "attack", "warmup", "fuzz"],

@@ -18,8 +18,8 @@ import time
 from absl import app, flags
 
 import jaxtier
-from jaxtier import structured
 from jaxtier.sampling import SamplingParams
+from jaxtier.sampling import structured
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "registry name or model directory")

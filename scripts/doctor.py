@@ -16,7 +16,7 @@ import sys
 
 from absl import app, flags
 
-from jaxtier.tools import doctor
+from jaxtier.engine import doctor
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("stats", None, "the run's stats, a JSON object (LLM.stats())", required=True)

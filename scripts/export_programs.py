@@ -1,7 +1,7 @@
 """Exports the programs an engine runs for a GPU or TPU, without weights or the device, and prints
 what each asks of that platform, read from its StableHLO, as one JSON object.
 
-The engine flags are `scripts/batch_infer.py`'s (`jaxtier.engine_flags`); every "auto" is resolved
+The engine flags are `scripts/batch_infer.py`'s (`jaxtier.engine.flags`); every "auto" is resolved
 for `--platform` (default cuda; bfloat16, the portable kernels, scanned layers), not for this
 machine. The
 model's state and KV cache are abstract, with the shardings and memory kinds loading would give
@@ -23,8 +23,8 @@ import sys
 
 from absl import app, flags, logging
 
-from jaxtier import engine_flags
-from jaxtier.engine_args import EngineArgs
+from jaxtier.engine import flags as engine_flags
+from jaxtier.engine.args import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("json", None, "also write the JSON object to this file")

@@ -19,7 +19,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxtier import checkpoint, offload, sharding
+from jaxtier import checkpoint, offload
+from jaxtier.model import sharding
 from jaxtier.offload import measure
 
 FLAGS = flags.FLAGS

@@ -23,7 +23,7 @@ import threading
 
 from absl import app, flags, logging
 
-from jaxtier import engine_flags
+from jaxtier.engine import flags as engine_flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("served_model_name", None, "model name clients send and /v1/models lists; "

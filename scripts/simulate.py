@@ -23,7 +23,7 @@ import json
 
 from absl import app, flags
 
-from jaxtier.kv_bytes import ELEMENT_BYTES, kv_block_bytes
+from jaxtier.common.kv_bytes import ELEMENT_BYTES, kv_block_bytes
 from jaxtier.scheduler import SchedulerConfig
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 from jaxtier.tools import simulator

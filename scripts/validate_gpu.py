@@ -26,15 +26,15 @@ machine that has JAX but not jaxtier's other dependencies):
   host-to-device rate.
 - `quant`: one projection of Llama-8B's MLP (4096 x 14336; smaller with `--allow_cpu`) as
   bfloat16, int8 (a scale per output channel) and int4 (uint4, a scale and minimum per 32 rows,
-  `jaxtier.quant`): seconds of x @ w at 1, 8 and 32 rows against the bound weight bytes / device
-  copy rate, the largest difference from the dequantized weight's product, and whether XLA fused
-  the dequantization into the dot: no instruction outside a fusion's body produces a float array
-  of the weight's shape (`float_weight_copies`, the names of any that do; XLA:CPU does write
+  `jaxtier.model.quant`): seconds of x @ w at 1, 8 and 32 rows against the bound weight bytes /
+  device copy rate, the largest difference from the dequantized weight's product, and whether XLA
+  fused the dequantization into the dot: no instruction outside a fusion's body produces a float
+  array of the weight's shape (`float_weight_copies`, the names of any that do; XLA:CPU does write
   one, so a dry run reports `fused` false); and the engine on the tiny Qwen3 fixture quantized to
   int4, resident and with an offloaded tail, giving the same greedy tokens.
 - `attention`: paged attention at the default model's attention shape (3 kv heads, 9 query heads,
   head_dim 64, bfloat16 pages of 16 slots): the Pallas Triton kernel
-  (`jaxtier.kvcache.paged_attention_gpu`) against the XLA path (`paged_attention`), seconds per
+  (`jaxtier.attention.pallas_gpu`) against the XLA path (`paged_attention`), seconds per
   decode call at batch 1, 8 and 32 with contexts of 1024 and 4096, the bytes/s achieved on the K
   and V pages read against the device's read rate (half its copy rate), and prefill tokens/s of a
   512-token chunk at contexts 0 and 2048; the largest difference between the two. With
@@ -192,10 +192,10 @@ def _greedy_ids(llm, prompts, max_tokens):
 def section_engine_tiny() -> dict:
   import jax
   import numpy as np
-  import jaxtier
   from jaxtier import checkpoint
+  import jaxtier
   from flax import nnx
-  from jaxtier.generate import generate_batch
+  from jaxtier.engine.padded import generate_batch
   from jaxtier.sampling import SamplingParams
   from jaxtier.scheduler import Request
   directory = os.path.join(FIXTURES, "tiny_llama")
@@ -414,9 +414,9 @@ def section_experts(link: dict | None) -> dict:
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
-  from jaxtier.config import ModelConfig
   from jaxtier.kvcache import ContiguousKVCache
   from jaxtier.model import GroupedTransformer, Transformer
+  from jaxtier.model.config import ModelConfig
   from jaxtier.offload import expert_cost, hardware
   from jaxtier.offload.experts import expert_group
   small = _ALLOW_CPU.value
@@ -479,7 +479,7 @@ def section_quant(link: dict | None) -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jaxtier import quant
+  from jaxtier.model import quant
   k, n = (512, 1024) if _ALLOW_CPU.value else (4096, 14336)
   rng = np.random.default_rng(0)
   w = (rng.normal(size=(k, n)) * 0.02).astype(np.float32)
@@ -553,8 +553,8 @@ def section_attention(link: dict | None) -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jaxtier.kvcache.paged_attention import paged_attention
-  from jaxtier.kvcache.paged_attention_gpu import paged_attention_gpu
+  from jaxtier.attention.pallas_gpu import paged_attention_gpu
+  from jaxtier.attention.xla_chunked import paged_attention
   interpret = jax.default_backend() == "cpu"
   kv, n, d, c = 3, 9, 64, 16
   batches, contexts, chunk, chunk_contexts, repeats = (1, 8, 32), (1024, 4096), 512, (0, 2048), 10

@@ -28,11 +28,11 @@ def smollm_llm():
 
 @pytest.fixture(scope="session")
 def built_cpu_kernels():
-  """The CPU kernels (`jaxtier.cpu_kernels`), built (or found in the kernel cache) once for the
-  whole session, before the first test that uses it: this process keeps the library it loaded, so
-  no later test builds it again, even one that points JAXTIER_CACHE_DIR elsewhere. Skips where no
+  """The CPU kernels (`jaxtier.kernels.cpu.library`), built (or found in the kernel cache) once for
+  the whole session, before the first test that uses it: this process keeps the library it loaded,
+  so no later test builds it again, even one that points JAXTIER_CACHE_DIR elsewhere. Skips where no
   C++ compiler exists; a build that fails is a failure, not a fallback to the XLA paths."""
-  from jaxtier import cpu_kernels
+  from jaxtier.kernels.cpu import library as cpu_kernels
   if cpu_kernels._compiler() is None:
     pytest.skip("no C++ compiler to build the CPU kernels")
   if not cpu_kernels.available():

@@ -1,12 +1,12 @@
-"""References the packed-weight tests compare `jaxtier.matmul` against: the inverse of `pack`, the
-gguf package's own Q4_1 and Q8_0 quantization, and a float layer's fused kernels quantized by it
-(the blocks a GGUF file of that layer holds)."""
+"""References the packed-weight tests compare `jaxtier.kernels.cpu.matmul` against: the inverse of
+`pack`, the gguf package's own Q4_1 and Q8_0 quantization, and a float layer's fused kernels
+quantized by it (the blocks a GGUF file of that layer holds)."""
 
 import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtier import matmul
+from jaxtier.kernels.cpu import matmul
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

@@ -22,8 +22,8 @@ import jax  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 from flax import nnx  # pylint: disable=wrong-import-position
 
-import jaxtier  # pylint: disable=wrong-import-position
 from jaxtier import offload  # pylint: disable=wrong-import-position
+import jaxtier  # pylint: disable=wrong-import-position
 from jaxtier.tools import hlo  # pylint: disable=wrong-import-position
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.\n",

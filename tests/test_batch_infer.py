@@ -214,7 +214,7 @@ def test_a_rerun_with_other_settings_is_refused_or_started_over(tmp_path):
 
 
 def test_a_two_process_run_after_a_one_process_run_names_the_files_to_delete(tmp_path):
-  from jaxtier import batch_input  # pylint: disable=g-import-not-at-top
+  from jaxtier.batch import reader as batch_input  # pylint: disable=g-import-not-at-top
   src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
   src.write_text(json.dumps({"id": 1, "prompt": "x"}) + "\n")
   out.write_text("")  # as the README's main job leaves --output, with its checkpoint

@@ -25,12 +25,12 @@ from hypothesis import strategies as st
 import jaxtier
 from conftest import fixture_path
 from jaxtier import checkpoint
-from jaxtier.buckets import row_bucket
-from jaxtier.engine import batch, runner
+from jaxtier.common.buckets import row_bucket
+from jaxtier.engine import step_inputs as batch, runner
+from jaxtier.engine.args import EngineArgs
 from jaxtier.engine.engine import warmup_programs
-from jaxtier.engine_args import EngineArgs
-from jaxtier.logprobs import MAX_LOGPROBS
 from jaxtier.sampling import SamplingArrays, SamplingParams
+from jaxtier.sampling.logprobs import MAX_LOGPROBS
 from jaxtier.server import AsyncEngine, create_app
 
 MAX_NUM_SEQS = 64  # the default: warm-up shapes are checked for every count up to it

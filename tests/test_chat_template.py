@@ -12,8 +12,8 @@ import shutil
 import pytest
 
 import jaxtier
-from jaxtier.engine_args import EngineArgs
-from jaxtier.tokenizer import load_tokenizer_dir, resolve_chat_template
+from jaxtier.engine.args import EngineArgs
+from jaxtier.text.tokenizer import load_tokenizer_dir, resolve_chat_template
 from conftest import fixture_path
 
 CHAT_DIR = fixture_path("tiny_llama_chat")
@@ -103,7 +103,7 @@ def test_chat_template_argument_overrides_the_models(tmp_path):
 
 def test_chat_template_flag_reaches_llm_kwargs(tmp_path):
   from absl import flags
-  from jaxtier import engine_flags
+  from jaxtier.engine import flags as engine_flags
   path = tmp_path / "echo.jinja"
   path.write_text("{{ messages[0]['content'] }}")
   saved = flags.FLAGS["chat_template"].value

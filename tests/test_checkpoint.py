@@ -12,7 +12,7 @@ import pytest
 from jaxtier import checkpoint
 from jaxtier.checkpoint import hf, registry
 from jaxtier.checkpoint.params import model_from_params
-from jaxtier.tokenizer import load_tokenizer_dir
+from jaxtier.text.tokenizer import load_tokenizer_dir
 from conftest import fixture_path
 from test_model_tiny import full_logits
 

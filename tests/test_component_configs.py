@@ -1,6 +1,6 @@
 """The inner configs take the engine arguments' names and leave their defaults to `EngineArgs`.
 
-`jaxtier.engine_args.EngineArgs` is where an engine argument's name, default and range are
+`jaxtier.engine.args.EngineArgs` is where an engine argument's name, default and range are
 written. A component config (the scheduler's, the paged cache's, the engine's, the offload
 planner's dataclasses) that holds one of those values names its field as the argument does and
 gives it no default, so that a default cannot drift from the argument's; and none of them keeps
@@ -14,10 +14,10 @@ import pkgutil
 
 import pytest
 
-import jaxtier.offload
+from jaxtier.engine.args import ARG_NAMES
 from jaxtier.engine.engine import EngineConfig
-from jaxtier.engine_args import ARG_NAMES
 from jaxtier.kvcache import PagedCacheConfig
+import jaxtier.offload
 from jaxtier.scheduler import SchedulerConfig
 
 OLD_SYNONYMS = ("max_running", "max_tokens_per_step", "num_blocks", "host_pool_gib",

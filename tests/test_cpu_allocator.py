@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from jaxtier import cpu_allocator
+from jaxtier.kernels.cpu import heap as cpu_allocator
 
 PROGRAM = """
 import ctypes, json, sys

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from conftest import fixture_path
-from jaxtier.detokenize import REPLACEMENT, IncrementalDecoder, find_stop
-from jaxtier.tokenizer import load_tokenizer_dir
+from jaxtier.text.detokenize import REPLACEMENT, IncrementalDecoder, find_stop
+from jaxtier.text.tokenizer import load_tokenizer_dir
 
 TOKENIZERS = {name: load_tokenizer_dir(fixture_path(name)) for name in ("tiny_llama", "tiny_qwen2")}
 TEXT = "Héllo wörld, ñandú 日本語 ✓ 12345  spaces\nnew line"

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jaxtier.tools import doctor
+from jaxtier.engine import doctor
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "doctor.py")
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -315,7 +315,7 @@ def test_module_imports_no_jax_and_matplotlib_only_lazily():
 
 
 def test_importing_the_doctor_loads_no_jax():
-  program = ("import sys, jaxtier.tools.doctor; "
+  program = ("import sys, jaxtier.engine.doctor; "
              "assert not any(m.split('.')[0] in ('jax', 'jaxlib') for m in sys.modules)")
   proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=ROOT,
                         timeout=60)

@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 import jaxtier
 from conftest import fixture_path
 from jaxtier import checkpoint
-from jaxtier.buckets import pow2_buckets_up_to
-from jaxtier.engine import batch, link
+from jaxtier.common.buckets import pow2_buckets_up_to
+from jaxtier.engine import step_inputs as batch, link
 from jaxtier.engine.engine import Engine, EngineConfig
-from jaxtier.generate import generate_batch
+from jaxtier.engine.padded import generate_batch
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler import Request
 

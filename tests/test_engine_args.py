@@ -8,9 +8,9 @@ import sys
 import pytest
 
 import jaxtier
-from jaxtier import engine_args
+from jaxtier.engine import args as engine_args
 from jaxtier.engine import sizing
-from jaxtier.engine_args import EngineArgs
+from jaxtier.engine.args import EngineArgs
 
 
 @pytest.mark.parametrize("kwargs, match", [

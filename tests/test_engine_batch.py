@@ -1,4 +1,5 @@
-"""Plan columns -> padded step arrays (`jaxtier.engine.batch`), without a model or a device call.
+"""Plan columns -> padded step arrays (`jaxtier.engine.step_inputs`), without a model or a device
+call.
 
 Each expected array is written out by hand from the plan, not computed by the code under test.
 """
@@ -8,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxtier.buckets import pow2_bucket, row_bucket, row_buckets_up_to
-from jaxtier.engine import batch
+from jaxtier.common.buckets import pow2_bucket, row_bucket, row_buckets_up_to
+from jaxtier.engine import step_inputs as batch
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler import ComputeBatch
 
@@ -197,7 +198,7 @@ def test_a_fixed_width_pads_every_table_to_it():
 
 
 def test_rows_pad_to_a_power_of_two_then_to_small_steps():
-  from jaxtier.buckets import row_bucket, row_buckets_up_to
+  from jaxtier.common.buckets import row_bucket, row_buckets_up_to
   assert [row_bucket(n) for n in (1, 3, 5, 8, 9, 17, 33, 64, 65, 129)] == [
       1, 4, 8, 8, 16, 24, 40, 64, 80, 160]  # past 64 rows, steps of 1/8 of the power of two
   assert row_buckets_up_to(20) == [1, 2, 4, 8, 16, 24]

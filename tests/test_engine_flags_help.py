@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from jaxtier import engine_args
-from jaxtier.engine_args import EngineArgs
+from jaxtier.engine import args as engine_args
+from jaxtier.engine.args import EngineArgs
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # The batch job's --seed is its own flag: it seeds each record's sampling (default: none).

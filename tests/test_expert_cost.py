@@ -9,7 +9,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxtier.config import ModelConfig
+from jaxtier.model.config import ModelConfig
 from jaxtier.offload import expert_cost as ec
 from jaxtier.offload import hardware
 

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jaxtier
 from jaxtier import offload
-from jaxtier.config import ModelConfig, config_from_hf
+import jaxtier
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.llm import dry_run
 from jaxtier.model import GroupedTransformer, Transformer
+from jaxtier.model.config import ModelConfig, config_from_hf
 from jaxtier.offload.experts import ExpertOffloadedLayers, expert_group, is_expert_param
 from jaxtier.tools.export import export_programs
 from conftest import fixture_path

@@ -15,11 +15,12 @@ import pytest
 from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
-from jaxtier import cpu_kernels, kvcache
+from jaxtier import kvcache
 from jaxtier.checkpoint import hf
 from jaxtier.engine import runner as runner_module
 from jaxtier.engine import sizing
-from jaxtier.engine_args import EngineArgs
+from jaxtier.engine.args import EngineArgs
+from jaxtier.kernels.cpu import library as cpu_kernels
 from jaxtier.offload import placement
 from jaxtier.tools import export, hlo
 from conftest import DEFAULT_MODEL, fixture_path

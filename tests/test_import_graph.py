@@ -9,20 +9,24 @@ the reason in one line.
 
 The layers, from the bottom:
 
-- leaf: standard-library-only modules and plain data: the model config, rotary tables, buckets,
-  KV byte sizes, the cache directory, the argument checks, log-probability types, the batch job's
-  files, the allocator setting, and the doctor's symptom table (`LLM.doctor()` reads it).
+- leaf: standard-library-only modules and plain data: `jaxtier.common` (argument checks, KV byte
+  sizes, buckets, the cache directory, value sets), the model config, rotary tables, soft caps,
+  the expert MLP, log-probability types, attention implementation names, the batch job's files,
+  the allocator setting, and the doctor's symptom table (`LLM.doctor()` reads it).
 - kernels: the CPU kernels and what is built straight on them or on the config alone: the packed
-  matmul, sharding rules, the tokenizer and detokenizer, the samplers, the grammar matchers of
-  structured outputs, the result types.
+  matmul, compact weights, sharding rules, the tokenizer and detokenizer, the samplers, the
+  grammar matchers of structured outputs, the result types.
 - model: the Flax decoder.
+- attention: the paged attention implementations and their dispatch (`jaxtier.attention`).
 - state: the KV caches and the pure-Python scheduler.
 - offload: tail-layer placement, the prefetching scan, the planner.
 - checkpoint: loading weights (it places offloaded layers as it loads).
-- driver: the reference driver (`generate`) and the engine's arguments, each over the layers above.
-- engine: the engine package.
-- api: `jaxtier.LLM` and the scripts' engine flags.
-- top: the HTTP server and the diagnostic tools, which may import anything; nothing imports them.
+- driver: the reference driver (`engine.padded`) and the engine's arguments, each over the layers
+  above.
+- engine: the engine package: sizing and the plan, the step loop, its programs and statistics.
+- api: `jaxtier.LLM`.
+- top: the batch job's logic, the HTTP server and the tools, which may import anything; nothing
+  below imports them.
 """
 
 import ast
@@ -30,46 +34,43 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxtier"
 
-LAYERS = ("leaf", "kernels", "model", "state", "offload", "checkpoint", "driver", "engine", "api",
-          "top")
+LAYERS = ("leaf", "kernels", "model", "attention", "state", "offload", "checkpoint", "driver",
+          "engine", "api", "top")
 
 # Module (or package, covering its submodules) -> layer name.
 LAYER_OF = {
     # The root package's names load lazily (jaxtier.LLM, jaxtier.SamplingParams): importing a
     # name from it reaches `llm`, so only the top may. Matched exactly, not as a prefix.
     "jaxtier": "top",
-    "jaxtier.config": "leaf",
-    "jaxtier.rotary": "leaf",
-    "jaxtier.softcap": "leaf",
-    "jaxtier.moe": "leaf",
-    "jaxtier.buckets": "leaf",
-    "jaxtier.kv_bytes": "leaf",
-    "jaxtier.cache_dirs": "leaf",
-    "jaxtier.checks": "leaf",
-    "jaxtier.logprobs": "leaf",
-    "jaxtier.batch_input": "leaf",
-    "jaxtier.batch_output": "leaf",
-    "jaxtier.cpu_allocator": "leaf",
-    "jaxtier.tools.doctor": "leaf",  # imports nothing of jaxtier; `LLM.doctor()` uses it
-    "jaxtier.cpu_kernels": "kernels",
-    "jaxtier.matmul": "kernels",
-    "jaxtier.quant": "kernels",
-    "jaxtier.sharding": "kernels",
-    "jaxtier.tokenizer": "kernels",
-    "jaxtier.detokenize": "kernels",
+    "jaxtier.common": "leaf",
+    "jaxtier.model.config": "leaf",
+    "jaxtier.model.rotary": "leaf",
+    "jaxtier.model.softcap": "leaf",
+    "jaxtier.model.moe": "leaf",
+    "jaxtier.sampling.logprobs": "leaf",
+    "jaxtier.attention.names": "leaf",
+    "jaxtier.batch.reader": "leaf",
+    "jaxtier.batch.files": "leaf",
+    "jaxtier.kernels.cpu.heap": "leaf",
+    "jaxtier.engine.doctor": "leaf",  # imports nothing of jaxtier; `LLM.doctor()` uses it
+    "jaxtier.kernels": "kernels",
+    "jaxtier.model.quant": "kernels",
+    "jaxtier.model.sharding": "kernels",
+    "jaxtier.text": "kernels",
     "jaxtier.sampling": "kernels",
-    "jaxtier.structured": "kernels",
-    "jaxtier.outputs": "kernels",
+    "jaxtier.engine.outputs": "kernels",
     "jaxtier.model": "model",
+    "jaxtier.attention": "attention",
     "jaxtier.kvcache": "state",
     "jaxtier.scheduler": "state",
     "jaxtier.offload": "offload",
     "jaxtier.checkpoint": "checkpoint",
-    "jaxtier.generate": "driver",
-    "jaxtier.engine_args": "driver",
+    "jaxtier.engine.padded": "driver",
+    "jaxtier.engine.args": "driver",
     "jaxtier.engine": "engine",
     "jaxtier.llm": "api",
-    "jaxtier.engine_flags": "api",
+    "jaxtier.engine.flags": "api",
+    "jaxtier.batch": "top",
     "jaxtier.server": "top",
     "jaxtier.tools": "top",
 }
@@ -143,7 +144,8 @@ def _graph() -> dict[str, dict[str, int]]:
 def test_every_module_has_a_layer():
   missing = [m for m in _modules() if _layer(m) is None]
   assert not missing, (f"modules with no layer: {missing}; add them to LAYER_OF in "
-                       f"tests/test_import_graph.py (the lowest layer above everything they import)")
+                       f"tests/test_import_graph.py (the lowest layer above everything they "
+                       f"import)")
 
 
 def test_every_layer_entry_names_a_module():
@@ -218,3 +220,31 @@ def test_cycle_search_finds_a_cycle_and_accepts_a_dag():
   assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == ["a", "b", "c", "a"]
   assert _cycle({"a": {"b": 1, "c": 1}, "b": {"c": 1}, "c": {"c2": 1}, "c2": {"c": 1}}) == \
       ["c", "c2", "c"]
+
+
+def test_nothing_below_the_api_imports_tools():
+  below = LAYERS[:LAYERS.index("api")]
+  found = [f"{module} imports {target}" for module, targets in _graph().items()
+           for target in targets
+           if target.startswith("jaxtier.tools") and _layer(module) in below]
+  assert not found, "modules below jaxtier.llm import jaxtier.tools:\n" + "\n".join(found)
+
+
+MAX_TOP_LEVEL_ENTRIES = 16
+
+
+def test_top_level_is_the_layers():
+  """The package's top level shows the architecture: packages and a few modules, nothing loose."""
+  entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+  assert len(entries) <= MAX_TOP_LEVEL_ENTRIES, (
+      f"jaxtier/ holds {len(entries)} entries, more than {MAX_TOP_LEVEL_ENTRIES}: {entries}")
+
+
+def test_module_base_names_are_unique():
+  """No two modules share a base name (`__init__.py` aside), so a name says which module it is."""
+  by_name: dict[str, list[str]] = {}
+  for path in sorted(PACKAGE.rglob("*.py")):
+    if path.name != "__init__.py":
+      by_name.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE.parent)))
+  shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+  assert not shared, f"modules sharing a base name: {shared}"

@@ -1,12 +1,14 @@
-"""KV byte counts (`jaxtier.kv_bytes`) against the pools a `PagedKVCache` really allocates."""
+"""KV byte counts (`jaxtier.common.kv_bytes`) against the pools a `PagedKVCache` really
+allocates."""
 
 import pytest
 
-from jaxtier import kv_bytes, offload
-from jaxtier.config import ModelConfig
-from jaxtier.kv_bytes import kv_block_bytes, kv_bytes_per_token
+from jaxtier import offload
+from jaxtier.common import kv_bytes
+from jaxtier.common.kv_bytes import kv_block_bytes, kv_bytes_per_token
 from jaxtier.kvcache import (KV_CACHE_DTYPES, HostTier, PagedCacheConfig, PagedKVCache,
                              device_pool_bytes, host_pool_bytes, swap_out)
+from jaxtier.model.config import ModelConfig
 
 DTYPES = ("float32", "bfloat16", "int8")
 L, K, D, C = 3, 2, 8, 4

@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtier import cpu_kernels, sharding
+from jaxtier.attention.page_format import decode, encode
+from jaxtier.kernels.cpu import library as cpu_kernels
 from jaxtier.kvcache import (ContiguousKVCache, PagedCacheConfig, PagedKVCache, PagedMetadata,
                              attend, device_pool_bytes, quantize_int8, write_chunk)
 from jaxtier.kvcache.paged import attention_path, resolve_attention_impl
-from jaxtier.kvcache.quant import decode, encode
+from jaxtier.model import sharding
 
 L, K, G, D, C = 3, 2, 3, 8, 4
 NUM_BLOCKS = 24

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtier.buckets import pow2_bucket
+from jaxtier.common.buckets import pow2_bucket
 from jaxtier.kvcache import (HostTier, KVBlocks, PagedCacheConfig, PagedKVCache, swap_in,
                              swap_out)
 from jaxtier.kvcache import swap as swap_module

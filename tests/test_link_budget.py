@@ -279,7 +279,7 @@ class _Figures:
 
 
 def test_metrics_expose_the_link_figures(swapped_stats):
-  from jaxtier.server.metrics import _EngineCollector  # pylint: disable=g-import-not-at-top
+  from jaxtier.server.prometheus import _EngineCollector  # pylint: disable=g-import-not-at-top
   registry = CollectorRegistry()
   registry.register(_EngineCollector(_Figures(swapped_stats), 0))
   values = {s.name + "".join(f"{{{k}={v}}}" for k, v in s.labels.items()): s.value

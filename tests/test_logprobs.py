@@ -14,8 +14,8 @@ from conftest import fixture_path
 from test_engine import engine_of
 from jaxtier import checkpoint
 from jaxtier.kvcache import ContiguousKVCache
-from jaxtier.logprobs import Logprob
 from jaxtier.sampling import SamplingParams
+from jaxtier.sampling.logprobs import Logprob
 
 MAX_LEN = 64
 TOL = 1e-4

@@ -1,5 +1,5 @@
-"""Packed weights (`jaxtier.matmul`) and the CPU matmul kernel against float64 numpy, and the
-packed fused layers against the stacked scan of unpacked layers.
+"""Packed weights (`jaxtier.kernels.cpu.matmul`) and the CPU matmul kernel against float64 numpy,
+and the packed fused layers against the stacked scan of unpacked layers.
 
 Skipped only where no C++ compiler exists; a kernel that fails to build is a failure.
 """
@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtier import checkpoint, cpu_kernels, matmul
+from jaxtier import checkpoint
+from jaxtier.kernels.cpu import library as cpu_kernels, matmul
 from jaxtier.kvcache import ContiguousKVCache
-from jaxtier.config import ModelConfig
 from jaxtier.model import FusedDecoderLayer, GroupedTransformer, Transformer, packs_by_default
-from jaxtier.rotary import rotary_tables
+from jaxtier.model.config import ModelConfig
+from jaxtier.model.rotary import rotary_tables
 from conftest import fixture_path
 from matmul_reference import unpack
 

@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxtier import checkpoint
 import jaxtier
-from jaxtier import checkpoint, matmul
 from jaxtier.checkpoint import gguf_file, placed
-from jaxtier.config import ModelConfig
+from jaxtier.kernels.cpu import matmul
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.model import FusedDecoderLayer, Transformer
-from jaxtier.rotary import rotary_tables
+from jaxtier.model.config import ModelConfig
+from jaxtier.model.rotary import rotary_tables
 from matmul_reference import Q4_1, Q8_0, gguf_q4_1, gguf_q8_0, q4_1_kernels, unpack
 from test_checkpoint import llama_gguf_writer
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtier import checkpoint, matmul
+from jaxtier import checkpoint
 from jaxtier.checkpoint import placed
+from jaxtier.kernels.cpu import matmul
 from jaxtier.model import FusedDecoderLayer, Transformer
 from matmul_reference import gguf_q4_1, gguf_q8_0, q4_1_kernels, unpack
 from test_matmul_blocks import handler_inputs, logits_of, q4_config, q8_16_case, write_q4_1_gguf

@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxtier import checkpoint
 import jaxtier
-from jaxtier import checkpoint, cpu_kernels, sharding
-from jaxtier.config import ModelConfig, config_from_hf
+from jaxtier.kernels.cpu import library as cpu_kernels
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.model import FusedDecoderLayer, Transformer, UnrolledLayers
+from jaxtier.model import sharding
+from jaxtier.model.config import ModelConfig, config_from_hf
 from conftest import fixture_path
 
 FAMILIES = ["tiny_qwen3", "tiny_mistral", "tiny_phi3", "tiny_gemma2", "tiny_gemma3", "tiny_mixtral",

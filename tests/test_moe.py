@@ -1,4 +1,4 @@
-"""The grouped mixture-of-experts MLP (`jaxtier.moe.moe_mlp`, ragged_dot over tokens sorted by
+"""The grouped mixture-of-experts MLP (`jaxtier.model.moe.moe_mlp`, ragged_dot over tokens sorted by
 expert) against running every expert on every token (`moe_mlp_reference`) and against a numpy loop
 over tokens; the routers of Mixtral and Qwen3-MoE."""
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtier.moe import (gathered_experts, masked_experts, mixing_weights, moe_mlp,
-                         moe_mlp_reference, route)
+from jaxtier.model.moe import (gathered_experts, masked_experts, mixing_weights, moe_mlp,
+                               moe_mlp_reference, route)
 
 
 def _case(seed: int, n: int, h: int = 16, e: int = 6, f: int = 8):

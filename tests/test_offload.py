@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jaxtier
 from jaxtier import offload
-from jaxtier.config import ModelConfig
-from jaxtier.generate import model_step
+import jaxtier
+from jaxtier.engine.padded import model_step
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.model import Transformer, scan_layers
-from jaxtier.rotary import rotary_tables
-from jaxtier.tools import hlo
+from jaxtier.model.config import ModelConfig
+from jaxtier.model.rotary import rotary_tables
 from jaxtier.sampling import SamplingArrays, SamplingParams
+from jaxtier.tools import hlo
 from conftest import fixture_path
 
 GREEDY = jaxtier.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from jaxtier import offload
-from jaxtier.config import ModelConfig
+from jaxtier.model.config import ModelConfig
 from jaxtier.offload import planner
 from jaxtier.scheduler import SchedulerConfig, policies
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jaxtier
 from jaxtier import checkpoint, offload
-from jaxtier.generate import generate_batch
+import jaxtier
+from jaxtier.engine.padded import generate_batch
 from jaxtier.kvcache import ContiguousKVCache
 from jaxtier.scheduler import Request
 from conftest import DEFAULT_MODEL

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtier.kvcache.paged_attention import _row_group, tpu_kernel_fits
+from jaxtier.attention.pallas_tpu import tpu_kernel_fits
+from jaxtier.attention.xla_chunked import _row_group
 from jaxtier.kvcache import (dequantize_int8, paged_attention, paged_attention_gathered,
                              paged_attention_reference, paged_attention_tpu, quantize_int8)
 

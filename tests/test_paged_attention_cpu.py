@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtier import cpu_kernels, sharding
+from jaxtier.kernels.cpu import library as cpu_kernels
 from jaxtier.kvcache import dequantize_int8, paged_attention_cpu, quantize_int8
 from jaxtier.kvcache.paged import resolve_attention_impl
+from jaxtier.model import sharding
 from tests.test_paged_attention import expected, make_case
 
 pytestmark = pytest.mark.usefixtures("built_cpu_kernels")  # built once per session

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 from jax import export
 
-from jaxtier.kvcache.paged_attention import paged_attention_reference
-from jaxtier.kvcache.paged_attention_gpu import (TRITON_CALL, num_splits, paged_attention_gpu,
-                                                 plan)
-from jaxtier.kvcache.quant import quantize_int8
+from jaxtier.attention.page_format import quantize_int8
+from jaxtier.attention.pallas_gpu import TRITON_CALL, num_splits, paged_attention_gpu, plan
+from jaxtier.attention.reference import paged_attention_reference
 
 BLOCKS = 4  # table width m
 

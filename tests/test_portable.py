@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import jaxtier
-from jaxtier import cpu_kernels
 from jaxtier.engine import runner as runner_module
-from jaxtier.engine_args import EngineArgs
+from jaxtier.engine.args import EngineArgs
+from jaxtier.kernels.cpu import library as cpu_kernels
 from conftest import DEFAULT_MODEL, fixture_path
 
 TINY = fixture_path("tiny_llama")
@@ -38,7 +38,7 @@ def portable():
 
 def test_portable_resolves_to_the_accelerator_path(portable):
   plan = portable.sizing
-  # keep_quantized: a GGUF file's blocks would stay blocks (in `jaxtier.quant`'s layouts)
+  # keep_quantized: a GGUF file's blocks would stay blocks (in `jaxtier.model.quant`'s layouts)
   assert (plan.kernels, plan.layer_execution, plan.attention_impl, plan.keep_quantized) == (
       "portable", "scan", "xla", True)
   assert portable.engine_config.kernels == "portable"

@@ -15,7 +15,8 @@ from jaxtier.kvcache import ContiguousKVCache, PagedKVCache
 from conftest import fixture_path
 
 PACKAGES = ("jaxtier", "jaxtier.checkpoint", "jaxtier.kvcache", "jaxtier.offload", "jaxtier.engine",
-            "jaxtier.scheduler", "jaxtier.server", "jaxtier.tools")
+            "jaxtier.scheduler", "jaxtier.server", "jaxtier.tools", "jaxtier.model",
+            "jaxtier.sampling", "jaxtier.attention")
 
 
 @pytest.mark.parametrize("name", PACKAGES)

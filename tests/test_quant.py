@@ -1,5 +1,5 @@
-"""Compact weights (`jaxtier.quant`, `quantization`, GGUF blocks in stacked layers): the matmul
-against float64 numpy, GGUF blocks against gguf-py's dequantization, compact models against
+"""Compact weights (`jaxtier.model.quant`, `quantization`, GGUF blocks in stacked layers): the
+matmul against float64 numpy, GGUF blocks against gguf-py's dequantization, compact models against
 their dequantized floats, offloaded compact tails against the same model resident, the engine
 argument's bytes, and the CUDA export reading the weights as int4 without a float copy."""
 
@@ -13,11 +13,11 @@ import pytest
 from flax import nnx
 
 import jaxtier
-from jaxtier import quant
 from jaxtier.checkpoint import gguf_file, placed
 from jaxtier.checkpoint.params import TensorSource, is_layer_path, params_from_model
 from jaxtier.checkpoint.quantized import QuantizedSource
 from jaxtier.model import Transformer
+from jaxtier.model import quant
 from jaxtier.sampling import SamplingParams
 from jaxtier.tools import export, hlo
 from conftest import fixture_path
@@ -203,11 +203,11 @@ def test_bad_quantization_arguments_are_clear_errors(q4_file):
   with pytest.raises(ValueError, match="multiples of 128"):
     jaxtier.LLM(TINY, quantization="int4", quantization_group_size=128, kernels="portable")
   with pytest.raises(ValueError, match="quantization_group_size=48"):
-    jaxtier.engine_args.EngineArgs(model=TINY, quantization_group_size=48)
+    jaxtier.engine.args.EngineArgs(model=TINY, quantization_group_size=48)
   with pytest.raises(ValueError, match="weight_format='float'"):
-    jaxtier.engine_args.EngineArgs(model=TINY, quantization="int8", weight_format="float")
+    jaxtier.engine.args.EngineArgs(model=TINY, quantization="int8", weight_format="float")
   with pytest.raises(ValueError, match="quantization"):
-    jaxtier.engine_args.EngineArgs(model=TINY, quantization="int3")
+    jaxtier.engine.args.EngineArgs(model=TINY, quantization="int3")
 
 
 def test_cuda_decode_reads_int4_weights_without_a_float_copy():

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtier import cpu_kernels, sampling
+from jaxtier import sampling
+from jaxtier.kernels.cpu import library as cpu_kernels
 from jaxtier.sampling import SamplingArrays, SamplingParams, sample
 
 sample_jit = jax.jit(sample)

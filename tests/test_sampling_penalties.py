@@ -293,7 +293,7 @@ def test_ids_outside_the_vocabulary_are_refused_at_add_request(tiny):
 
 
 def test_the_reference_driver_refuses_transforms(tiny):
-  from jaxtier.generate import generate_batch
+  from jaxtier.engine.padded import generate_batch
   model, tokenizer = tiny
   graphdef, state = nnx.split(model)
   request = Request.of(0, [1, 2, 3], SamplingParams(repetition_penalty=1.2), 0)

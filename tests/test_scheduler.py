@@ -425,9 +425,10 @@ def test_scheduler_modules_import_no_jax():
         names = [node.module or ""]
       for name in names:
         assert name.split(".")[0] not in ("jax", "jaxlib", "flax", "numpy"), f"{path.name}: {name}"
-        # jaxtier.checks: the shared argument validators, a leaf of the standard library only.
+        # jaxtier.common.checks: the shared argument validators, a leaf of the standard library
+        # only.
         assert not name.startswith("jaxtier.") or name.startswith(
-            ("jaxtier.scheduler", "jaxtier.checks")), path.name
+            ("jaxtier.scheduler", "jaxtier.common.checks")), path.name
 
 
 def test_importing_the_scheduler_loads_no_jax():

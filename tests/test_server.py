@@ -20,7 +20,7 @@ import jaxtier
 from conftest import fixture_path
 from server_support import free_port, uvicorn_on_localhost, wait_until_healthy, warm_engine
 from jaxtier.server import AsyncEngine, EngineError, create_app
-from jaxtier.server.detokenize import IncrementalDetokenizer, stop_prefix_len
+from jaxtier.server.stream_text import IncrementalDetokenizer, stop_prefix_len
 
 MODEL = "tiny"
 SERVE = os.path.join(os.path.dirname(__file__), "..", "scripts", "serve.py")

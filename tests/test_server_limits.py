@@ -22,7 +22,7 @@ from conftest import fixture_path
 from server_support import uvicorn_on_localhost
 from jaxtier.server import AsyncEngine, create_app
 from jaxtier.server.limits import DEFAULT_MAX_REQUEST_BYTES
-from jaxtier.tokenizer import Tokenizer
+from jaxtier.text.tokenizer import Tokenizer
 
 MODEL = "tiny"
 KEY = "sk-test-0123456789"

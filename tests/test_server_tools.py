@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 import jaxtier
 from conftest import fixture_path
 from jaxtier.server import AsyncEngine, create_app
-from jaxtier.server import tools
-from jaxtier.tokenizer import load_tokenizer_dir
+from jaxtier.server import tool_calls as tools
+from jaxtier.text.tokenizer import load_tokenizer_dir
 
 MODEL = "tiny"
 # A template that renders tools (compactly: the fixture's tokenizer spends a token per character).

@@ -8,9 +8,9 @@ memory stays within its share of the host, and the offload planner runs only whe
 
 import pytest
 
-from jaxtier.config import ModelConfig
 from jaxtier.engine import sizing
-from jaxtier.engine_args import EngineArgs
+from jaxtier.engine.args import EngineArgs
+from jaxtier.model.config import ModelConfig
 
 GB = 1e9
 SMOLLM = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576,

@@ -182,8 +182,9 @@ def test_gguf_blocks_kept_give_the_dequantized_models_logits(smollm_llm):
   float32 on load."""
   import jax.numpy as jnp
   from flax import nnx
-  from jaxtier import checkpoint, cpu_kernels
+  from jaxtier import checkpoint
   from jaxtier.checkpoint import placed
+  from jaxtier.kernels.cpu import library as cpu_kernels
   from jaxtier.kvcache import ContiguousKVCache
   from jaxtier.model import FusedDecoderLayer
   if not cpu_kernels.available():
@@ -224,7 +225,7 @@ def test_int16_activations_keep_hugging_faces_greedy_tokens(smollm_llm):
   Where the default resolved to int16, the shared model's own tests above are those checks."""
   import jax.numpy as jnp
   from flax import nnx
-  from jaxtier import cpu_kernels
+  from jaxtier.kernels.cpu import library as cpu_kernels
   if not cpu_kernels.available():
     pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
   assert smollm_llm.block_activations == ("int16" if cpu_kernels.integer_dots() else "float32")

@@ -11,7 +11,7 @@ import pytest
 
 from jaxtier.sampling import (LogitsArrays, SamplingArrays, SamplingParams, grammar_allowed,
                               sample_transformed)
-from jaxtier.structured import GrammarMatcher, StructuredOutputsParams, grammar_tokenizer
+from jaxtier.sampling.structured import GrammarMatcher, StructuredOutputsParams, grammar_tokenizer
 from test_engine import assert_all_free, engine_of, prompts_of, run, tiny  # noqa: F401
 
 SCHEMA = {

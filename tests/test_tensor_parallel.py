@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
+from jaxtier import offload
 import jaxtier
-from jaxtier import offload, sharding
 from jaxtier.checkpoint import hf
+from jaxtier.model import sharding
 from conftest import fixture_path
 
 WORKER = os.path.join(os.path.dirname(__file__), "multidevice_worker.py")

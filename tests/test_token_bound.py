@@ -13,7 +13,7 @@ from tokenizers import models, normalizers, pre_tokenizers, trainers
 
 from conftest import DEFAULT_MODEL, fixture_path
 from jaxtier.checkpoint import gguf_file, registry
-from jaxtier.tokenizer import Tokenizer, byte_level_symbols, load_tokenizer_dir, token_bound
+from jaxtier.text.tokenizer import Tokenizer, byte_level_symbols, load_tokenizer_dir, token_bound
 
 EXAMPLES = 1500 if os.environ.get("JAXTIER_HYPOTHESIS_PROFILE") == "ci" else 150
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time, 1234 tokens.",

@@ -17,8 +17,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from jaxtier.checkpoint.params import Path, TensorSource, check_layers_present, is_layer_path
-from jaxtier.config import ModelConfig
-from jaxtier.tokenizer import Tokenizer
+from jaxtier.model.config import ModelConfig
+from jaxtier.text.tokenizer import Tokenizer
 
 _LAYER_NAMES: dict[str, Path] = {
     "attn_norm.weight": ("layers", "attn_norm", "scale"),
@@ -48,8 +48,8 @@ _GLOBAL_NAMES: dict[str, Path] = {
     "output_norm.weight": ("final_norm", "scale"),
     "output.weight": ("lm_head",),
 }
-# GGUF block types the CPU matmul kernel multiplies as stored (`jaxtier.matmul`), by the format
-# that holds them exactly: blocks of 32 K rows of 4-bit values q with a float32 scale d and
+# GGUF block types the CPU matmul kernel multiplies as stored (`jaxtier.kernels.cpu.matmul`), by the
+# format that holds them exactly: blocks of 32 K rows of 4-bit values q with a float32 scale d and
 # minimum m (w = d q + m, "q4_1") or of 8-bit values with a scale (w = d q, "q8_0"). Each weight
 # comes out bit for bit as the gguf package dequantizes it (d q is exact in float32 in every case,
 # so d q + m rounds once, as the file's own formula does):

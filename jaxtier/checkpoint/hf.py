@@ -10,7 +10,7 @@ import safetensors
 from jaxtier.checkpoint.params import (HF_FUSED_LAYER_NAMES, HF_GLOBAL_NAMES, hf_layer_names,
                                        Path, TensorSource, check_layers_present,
                                        fused_row_splits, is_layer_path)
-from jaxtier.config import ModelConfig, config_from_hf
+from jaxtier.model.config import ModelConfig, config_from_hf
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # A Gemma 3 image-and-text checkpoint: its text tower under a prefix, the vision tower skipped.

@@ -11,9 +11,9 @@ import numpy as np
 
 from jaxtier.checkpoint import gguf_file, hf, orbax_io, placed, registry
 from jaxtier.checkpoint.params import TensorSource, params_from_model
-from jaxtier.config import ModelConfig
-from jaxtier.model import Transformer
-from jaxtier.tokenizer import Tokenizer, load_tokenizer_dir
+from jaxtier.model.config import ModelConfig
+from jaxtier.model.transformer import Transformer
+from jaxtier.text.tokenizer import Tokenizer, load_tokenizer_dir
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -15,8 +15,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxtier.checkpoint.params import Path, TensorSource, _flatten, _unflatten
-from jaxtier.config import ModelConfig, RopeScaling
-from jaxtier.tokenizer import Tokenizer, load_tokenizer_dir
+from jaxtier.model.config import ModelConfig, RopeScaling
+from jaxtier.text.tokenizer import Tokenizer, load_tokenizer_dir
 
 MARKER = "jaxtier_model.json"
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtier.config import ModelConfig
-from jaxtier.model import Transformer
+from jaxtier.model.config import ModelConfig
+from jaxtier.model.transformer import Transformer
 
 Path = tuple[str, ...]
 
@@ -94,11 +94,11 @@ class TensorSource:
     return None
 
   def quantization(self, path: Path, layer: int | None = None) -> str | None:
-    """The block format (`jaxtier.matmul`) that holds exactly the tensor at `path` (every
-    layer's, for a layer tensor, or only `layer`'s) as the source stores it, in blocks along its
-    input axis: "q4_1" (GGUF's Q4_1, Q4_0 or Q4_K), "q8_0" (Q8_0 or Q5_0) or "q8_16" (the other
-    types that fit 8 bits, or layers of different such types); None where it is not stored in
-    such blocks. `read_blocks` then reads it as stored."""
+    """The block format (`jaxtier.kernels.cpu.matmul`) that holds exactly the tensor at `path`
+    (every layer's, for a layer tensor, or only `layer`'s) as the source stores it, in blocks along
+    its input axis: "q4_1" (GGUF's Q4_1, Q4_0 or Q4_K), "q8_0" (Q8_0 or Q5_0) or "q8_16" (the other
+    types that fit 8 bits, or layers of different such types); None where it is not stored in such
+    blocks. `read_blocks` then reads it as stored."""
     del path, layer
     return None
 

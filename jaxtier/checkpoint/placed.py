@@ -2,18 +2,17 @@
 
 Before any weight is read, the model's arrangement (`Layout`: which layers form which group, which
 groups live in pinned host memory, the mesh) fixes a placement for every parameter: a
-`NamedSharding` from `jaxtier.sharding` with its memory kind, `device` for the embedding, norms,
-LM head and resident layers, `pinned_host` for the offloaded tail. `build` then reads each tensor
-from a `TensorSource` into host memory and puts it into its placement with
+`NamedSharding` from `jaxtier.model.sharding` with its memory kind, `device` for the embedding,
+norms, LM head and resident layers, `pinned_host` for the offloaded tail. `build` then reads each
+tensor from a `TensorSource` into host memory and puts it into its placement with
 `jax.make_array_from_callback`, which hands each device only its own shard. Layer tensors go
 checkpoint tensor by checkpoint tensor, each layer group's share in turn (an unrolled group places
 its share layer by layer; a fused q/k/v or gate/up parameter is concatenated on the host once its
 parts are read), so each tensor is read once. Nothing is placed anywhere else first: no step holds
-the whole model on one device, the tail's bytes never exist in device memory, and device-kind
-bytes never exceed the resident share (tested with `jax.live_arrays()` after every tensor). A
-source that can restore into a sharding itself (Orbax) does so for whole tensors. Host memory
-holds, besides the source's memory maps, one group's share of a tensor at a time (of the three
-parts of a fused one).
+the whole model on one device, the tail's bytes never exist in device memory, and device-kind bytes
+never exceed the resident share (tested with `jax.live_arrays()` after every tensor). A source that
+can restore into a sharding itself (Orbax) does so for whole tensors. Host memory holds, besides the
+source's memory maps, one group's share of a tensor at a time (of the three parts of a fused one).
 
 The groups built here are the ones `GroupedTransformer` would cut out of a loaded stacked model
 (`LayerStack`, `UnrolledLayers` fused from q/k/v and gate/up on the host, `OffloadedLayers`), which
@@ -29,14 +28,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxtier import matmul, quant, sharding
 from jaxtier.checkpoint.params import (DERIVED, Path, TensorSource, _flatten, _unflatten,
                                        check_shapes)
 from jaxtier.checkpoint.quantized import layout_of
-from jaxtier.config import ModelConfig
-from jaxtier.model import (CompactTable, DecoderLayer, FusedDecoderLayer, GroupedTransformer,
-                           LayerStack, Transformer, UnrolledLayers, make_layer_stack,
-                           packs_by_default)
+from jaxtier.kernels.cpu import matmul
+from jaxtier.model import quant, sharding
+from jaxtier.model.config import ModelConfig
+from jaxtier.model.transformer import (CompactTable, DecoderLayer, FusedDecoderLayer,
+                                       GroupedTransformer, LayerStack, Transformer, UnrolledLayers,
+                                       make_layer_stack, packs_by_default)
 from jaxtier.offload import placement
 from jaxtier.offload.experts import ExpertOffloadedLayers, is_expert_param
 from jaxtier.offload.prefetch import OffloadedLayers, UnrolledOffloadedLayers
@@ -61,13 +61,13 @@ class Layout:
   (GGUF's Q4_1, Q4_0, Q4_K), Q8_0 likewise (Q8_0, Q5_0), else Q8_16 (every type that fits 8 bits;
   `FusedDecoderLayer(formats=...)`); the layer's other kernels are float32 panels, and a packed
   LM head keeps the table's blocks the same way, instead of dequantizing them on load
-  (`jaxtier.matmul`: the same products, fewer bytes).
+  (`jaxtier.kernels.cpu.matmul`: the same products, fewer bytes).
   `block_activations`: how kept blocks multiply, "float32" (bit for bit the dequantized
   weights' products) or "int16" (x quantized per block; `matmul.pack_q4_1`). `portable`: the
   layers and head as an accelerator holds them (nothing fused or packed for the CPU kernels), so
   a CPU runs the accelerator's program (`kernels="portable"`).
   With `keep_quantized`, stacked groups (scan, offload, experts) hold each projection whose every
-  layer in the group the source stores in blocks in the `jaxtier.quant` layout that holds them
+  layer in the group the source stores in blocks in the `jaxtier.model.quant` layout that holds them
   exactly (`quant.BLOCK_LAYOUTS`; a `checkpoint.quantized.QuantizedSource` presents a float
   checkpoint so), multiplied by `quant.qmatmul`: a tail offloaded so is held and moved compact.
   `table_dtype`: the embedding and LM head tables' dtype where it differs from the model's (a
@@ -115,7 +115,8 @@ class Layout:
 
   @property
   def fused(self) -> bool:
-    """Unrolled layers are fused unless tensor parallel (see `jaxtier.sharding`) or portable."""
+    """Unrolled layers are fused unless tensor parallel (see `jaxtier.model.sharding`) or
+    portable."""
     return sharding.tp_size(self.mesh) == 1 and not self.portable
 
   @property
@@ -210,7 +211,7 @@ class _Group:
   kind: str
   splits: list
   values: list[dict]
-  packed: bool = False  # fused layers whose kernels are packed (`jaxtier.matmul`)
+  packed: bool = False  # fused layers whose kernels are packed (`jaxtier.kernels.cpu.matmul`)
   blocks: tuple[dict, ...] = ()  # per layer: {kernel: block format} kept in the source's blocks
   activations: str = "float32"  # ... multiplied so (`Layout.block_activations`)
   parts: dict = dataclasses.field(default_factory=dict)
@@ -241,8 +242,8 @@ class _Group:
 def stack_formats(source: TensorSource | None, layers: range, platform: str | None = None
                   ) -> dict[str, quant.WeightFormat]:
   """{projection: layout} for a stack of `layers`: each projection whose every layer `source`
-  stores in blocks (`TensorSource.quantization`), in the `jaxtier.quant` layout that holds them
-  (one block format for all the layers, else "q8_16", which holds every 8-bit type); the others
+  stores in blocks (`TensorSource.quantization`), in the `jaxtier.model.quant` layout that holds
+  them (one block format for all the layers, else "q8_16", which holds every 8-bit type); the others
   are absent (float). Each as `platform` (default: jax's backend) holds it (`WeightFormat.on`)."""
   out = {}
   if source is None:
@@ -435,8 +436,8 @@ def _tail_per_layer(layout: Layout, blocks: Sequence[dict] | None) -> bool:
 
 def _compact_head_format(config: ModelConfig, source: TensorSource | None, layout: Layout
                          ) -> quant.WeightFormat | None:
-  """The layout (`jaxtier.quant`) the LM head keeps the table's blocks in on the portable path,
-  where `layout` keeps blocks and the source stores the table in them; else None (the CPU
+  """The layout (`jaxtier.model.quant`) the LM head keeps the table's blocks in on the portable
+  path, where `layout` keeps blocks and the source stores the table in them; else None (the CPU
   kernels pack it instead: `_head_blocks`)."""
   if source is None or not (layout.keep_quantized and layout.portable):
     return None
@@ -468,7 +469,7 @@ def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Lay
   """(bytes of each layer, bytes of everything else, bytes of one offloaded layer) as `build`
   would hold them with every layer resident on the device in `layout`'s first group mode, and
   as an offloaded stack would hold one layer (both keep the blocks of `keep_quantized`: packed
-  in unrolled layers, `jaxtier.quant` layouts in stacks): what the offload planner needs where
+  in unrolled layers, `jaxtier.model.quant` layouts in stacks): what the offload planner needs where
   kept blocks make layers and the LM head smaller than their float parameters. Taken from the
   abstract modules `build` places; nothing is read."""
   c = config

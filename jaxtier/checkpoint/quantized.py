@@ -10,17 +10,18 @@ so the float model never exists whole anywhere.
 The format depends on who multiplies: the CPU kernels (`kernels="auto"` on a CPU) take 32-row
 blocks, so int8 is GGUF's Q8_0 (a float16 scale per 32 rows) and int4 is Q4_1 (a float16 scale
 and minimum per 32 rows; `quantization_group_size` must be 32 there); the portable path
-(`jaxtier.quant`) holds int8 with one scale per output channel and int4 with a scale and minimum
-per `quantization_group_size` rows. Norms, biases, the router and mixture-of-experts tensors stay
-float.
+(`jaxtier.model.quant`) holds int8 with one scale per output channel and int4 with a scale and
+minimum per `quantization_group_size` rows. Norms, biases, the router and mixture-of-experts tensors
+stay float.
 """
 
 from typing import Sequence
 
 import numpy as np
 
-from jaxtier import matmul, quant
 from jaxtier.checkpoint.params import Path, TensorSource, is_layer_path
+from jaxtier.kernels.cpu import matmul
+from jaxtier.model import quant
 
 # On the CPU kernels' path, the block format each quantization is held in.
 CPU_BLOCKS = {"int8": "q8_0", "int4": "q4_1"}
@@ -35,7 +36,7 @@ def block_format(quantization: str, portable: bool) -> str:
 
 
 def layout_of(name: str, group_size: int = 32) -> quant.WeightFormat:
-  """The stacked layers' layout (`jaxtier.quant`) of a block format or quantization name."""
+  """The stacked layers' layout (`jaxtier.model.quant`) of a block format or quantization name."""
   if name in quant.BLOCK_LAYOUTS:
     return quant.BLOCK_LAYOUTS[name]
   return quant.quantized_format(name, group_size)
@@ -43,7 +44,7 @@ def layout_of(name: str, group_size: int = 32) -> quant.WeightFormat:
 
 class QuantizedSource(TensorSource):
   """`source`'s tensors, the projections' kernels (and the head's table where `head`) held in
-  `fmt` ("q8_0" / "q4_1": CPU blocks of 32 rows; "int8" / "int4": `jaxtier.quant` layouts with
+  `fmt` ("q8_0" / "q4_1": CPU blocks of 32 rows; "int8" / "int4": `jaxtier.model.quant` layouts with
   `group_size` rows per int4 scale)."""
 
   def __init__(self, source: TensorSource, fmt: str, group_size: int = 32, head: bool = True,

@@ -1,7 +1,7 @@
 """The model registry: one JSON manifest per known model in `models/`, weights in a cache directory.
 
-The cache directory (`jaxtier.cache_dirs`) is `$JAXTIER_CACHE_DIR`, else `~/.cache/jaxtier`. The
-manifest directory is `$JAXTIER_MODELS_DIR`, else the `models/` folder of the source tree.
+The cache directory (`jaxtier.common.cache_dirs`) is `$JAXTIER_CACHE_DIR`, else `~/.cache/jaxtier`.
+The manifest directory is `$JAXTIER_MODELS_DIR`, else the `models/` folder of the source tree.
 
 A model's cache entry is `<cache>/models/<name>/`. Whoever downloads or converts into it holds
 `entry_lock` (an exclusive `flock` on `<cache>/models/<name>.lock`), so processes that start
@@ -26,7 +26,7 @@ import time
 import zipfile
 from typing import Iterator
 
-from jaxtier.cache_dirs import cache_dir
+from jaxtier.common.cache_dirs import cache_dir
 
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "models")
 

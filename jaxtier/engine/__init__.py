@@ -1,14 +1,14 @@
 """The engine: continuous batching over the paged KV cache, the pure scheduler, swaps and the
 offloaded tail. `Engine.step()` runs one scheduler plan on the device; `jaxtier.LLM` drives it.
 
-Names load lazily; the engine's arguments (`EngineArgs`) live in `jaxtier.engine_args`, which
+Names load lazily; the engine's arguments (`EngineArgs`) live in `jaxtier.engine.args`, which
 imports no JAX, so that scripts check them when flags are parsed.
 """
 
 from importlib import import_module as _import_module
 
-_EXPORTS = {"Engine": "jaxtier.engine.engine", "EngineArgs": "jaxtier.engine_args",
-            "RequestUpdate": "jaxtier.outputs", "EngineModel": "jaxtier.engine.runner"}
+_EXPORTS = {"Engine": "jaxtier.engine.engine", "EngineArgs": "jaxtier.engine.args",
+            "RequestUpdate": "jaxtier.engine.outputs", "EngineModel": "jaxtier.engine.runner"}
 
 __all__ = sorted(_EXPORTS)
 

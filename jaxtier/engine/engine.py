@@ -47,7 +47,7 @@ offloaded tail's weights), updated as compute-only steps are measured; each step
 and its overlap with compute are counted in `stats()`.
 
 The engine's figures (`stats()`) and per-step trace are `jaxtier.engine.stats`; the updates and
-completions it returns are `jaxtier.outputs`.
+completions it returns are `jaxtier.engine.outputs`.
 """
 
 import collections
@@ -60,26 +60,27 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from jaxtier import scheduler, sharding
-from jaxtier.buckets import pow2_buckets_up_to, row_bucket
-from jaxtier.checks import check_prompt_ids
-from jaxtier.detokenize import RequestProgress
-from jaxtier.engine import batch as batching
+from jaxtier import scheduler
+from jaxtier.common.buckets import pow2_buckets_up_to, row_bucket
+from jaxtier.common.checks import check_prompt_ids
+from jaxtier.common.kv_bytes import kv_block_bytes
 from jaxtier.engine import link
-from jaxtier.engine import logprobs as lp
+from jaxtier.engine import logprob_requests as lp
+from jaxtier.engine import step_inputs as batching
+from jaxtier.engine.outputs import Completion, RequestUpdate
 from jaxtier.engine.runner import Runner, program_keys
 from jaxtier.engine.stats import Totals, Trace, figures, trace_line
-from jaxtier.kv_bytes import kv_block_bytes
 from jaxtier.kvcache import (HostTier, PagedCacheConfig, PagedKVCache, device_pool_bytes,
                              host_pool_bytes)
 from jaxtier.kvcache.swap import MAX_SWAP_BLOCKS
-from jaxtier.logprobs import MAX_LOGPROBS
-from jaxtier.outputs import Completion, RequestUpdate
-from jaxtier.sampling import LogitRules, SamplingParams
+from jaxtier.model import sharding
+from jaxtier.sampling.logprobs import MAX_LOGPROBS
+from jaxtier.sampling.samplers import LogitRules, SamplingParams
+from jaxtier.sampling.structured import GrammarMatcher, grammar_tokenizer
 from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED, FINISHED
-from jaxtier.structured import GrammarMatcher, grammar_tokenizer
-from jaxtier.tokenizer import Tokenizer
+from jaxtier.text.detokenize import RequestProgress
+from jaxtier.text.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,7 +89,7 @@ class EngineConfig:
 
   Every field is the engine argument of the same name, resolved (the pool sizes and token budget
   filled in, an "auto" KV dtype replaced by the model's), so none has a default here:
-  `jaxtier.engine_args.EngineArgs` holds the defaults and ranges.
+  `jaxtier.engine.args.EngineArgs` holds the defaults and ranges.
 
   Attributes:
     max_model_len: context window; a request stops with "length" when it fills it.

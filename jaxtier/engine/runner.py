@@ -34,13 +34,13 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from jaxtier.engine.batch import GREEDY, StepArrays
+from jaxtier.engine.step_inputs import GREEDY, StepArrays
 from jaxtier.kvcache import PagedKVCache, PagedMetadata
 from jaxtier.kvcache import swap
 from jaxtier.kvcache.swap import (HostTier, gather_blocks, host_block_shardings,
                                   host_block_specs, part_slices, scatter_blocks)
-from jaxtier.logprobs import TopLogprobs, top_logprobs
-from jaxtier.sampling import LogitsArrays, SamplingArrays, sample, sample_transformed
+from jaxtier.sampling.logprobs import TopLogprobs, top_logprobs
+from jaxtier.sampling.samplers import LogitsArrays, SamplingArrays, sample, sample_transformed
 
 
 class EngineModel(Protocol):

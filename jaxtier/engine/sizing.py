@@ -42,13 +42,13 @@ import dataclasses
 import os
 from typing import Callable
 
-from jaxtier import sharding
-from jaxtier.buckets import pow2_bucket
-from jaxtier.checks import check_offload
-from jaxtier.config import ModelConfig
-from jaxtier.engine_args import (CPU_DEFAULT_HOST_FRACTION, CPU_DEFAULT_KV_GB,
+from jaxtier.common.buckets import pow2_bucket
+from jaxtier.common.checks import check_offload
+from jaxtier.common.kv_bytes import kv_block_bytes
+from jaxtier.engine.args import (CPU_DEFAULT_HOST_FRACTION, CPU_DEFAULT_KV_GB,
                                  CPU_DEFAULT_REQUEST_TOKENS, GB, HOST_PIN_FRACTION, EngineArgs)
-from jaxtier.kv_bytes import kv_block_bytes
+from jaxtier.model import sharding
+from jaxtier.model.config import ModelConfig
 from jaxtier.offload import expert_cost
 from jaxtier.offload.planner import ModelBytes, OffloadPlan, plan
 from jaxtier.scheduler.allocator import blocks_for
@@ -180,7 +180,7 @@ def execution(args: EngineArgs, machine: Machine) -> tuple[str, bool, str]:
 
   `kernels="portable"` runs scanned layers, as an accelerator does. With `weight_format="auto"`
   on one device, blocks are kept (a GGUF file's, or those `quantization` makes): unrolled layers
-  pack them for the CPU kernels, scanned and offloaded layers hold them in `jaxtier.quant`'s
+  pack them for the CPU kernels, scanned and offloaded layers hold them in `jaxtier.model.quant`'s
   layouts. `block_activations` "auto" is int16 where the kernels multiply int16 in vector
   instructions; where no unrolled layer keeps blocks it is "float32" (it has no effect there)."""
   portable = resolved_kernels(args, machine) == "portable"
@@ -482,7 +482,8 @@ def detect_machine(args: EngineArgs, platform: str | None = None) -> Machine:
   host = given if given is not None else host_memory_bytes()
   kernels = dots = False
   if platform == "cpu" and args.kernels != "portable":  # portable never builds the kernels
-    from jaxtier import cpu_kernels  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from jaxtier.kernels.cpu import library as cpu_kernels
     kernels = cpu_kernels.available()
     dots = kernels and cpu_kernels.integer_dots()
   return Machine(platform, len(devices), stats.get("bytes_limit"), host, kernels, dots)

@@ -3,7 +3,7 @@
 The scheduler counts what it decides (steps, swaps, preemptions, prefix hits: `scheduler.metrics`);
 the engine adds what only it sees (tokens read back, model calls, seconds) in a `Totals`, once per
 step (`Totals.add_step`). `figures` joins both into the stats dict `LLM.stats()` returns and
-`jaxtier.tools.doctor` reads; `trace_line` is one step's line of the JSONL trace (`Trace`).
+`jaxtier.engine.doctor` reads; `trace_line` is one step's line of the JSONL trace (`Trace`).
 Everything here is plain Python over the plan and the metrics; nothing touches the device.
 """
 
@@ -12,8 +12,8 @@ import json
 from collections.abc import Sequence
 
 from jaxtier import scheduler
-from jaxtier.engine.batch import StepArrays
 from jaxtier.engine.link import TIERS, StepLink
+from jaxtier.engine.step_inputs import StepArrays
 from jaxtier.scheduler.metrics import prefix_figures
 
 
@@ -149,7 +149,7 @@ def _prefix_cache_figures(m: scheduler.Metrics, block_bytes: int, prefix_caching
 def trace_line(plan: scheduler.Plan, m: scheduler.Metrics, seconds: float, elapsed: float,
                block_bytes: int) -> dict:
   """One step's trace record: `plan`, the metrics after it, its wall time, and the seconds since
-  the engine started. `jaxtier.tools.doctor.read_trace` reads these fields."""
+  the engine started. `jaxtier.engine.doctor.read_trace` reads these fields."""
   swapped_in = len(plan.swap_in) + len(plan.prefetch)
   return {
       "step": plan.step, "time": round(elapsed, 6),

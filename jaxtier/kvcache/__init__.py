@@ -1,13 +1,15 @@
 """KV caches for jaxtier's model: usable on their own, without the engine or the server."""
 
-from jaxtier.kvcache.attention import dense_attention
+from jaxtier.attention.cpu_kernel import paged_attention_cpu
+from jaxtier.attention.dense import dense_attention
+from jaxtier.attention.page_format import KV_CACHE_DTYPES, dequantize_int8, quantize_int8
+from jaxtier.attention.pallas_tpu import paged_attention_tpu
+from jaxtier.attention.reference import paged_attention_reference
+from jaxtier.attention.xla_chunked import paged_attention
+from jaxtier.attention.xla_gathered import paged_attention_gathered
 from jaxtier.kvcache.contiguous import ContiguousKVCache
 from jaxtier.kvcache.paged import (KVBlocks, PagedCacheConfig, PagedKVCache, PagedMetadata, attend,
                                    device_pool_bytes, host_pool_bytes, write_chunk)
-from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_cpu,
-                                             paged_attention_gathered, paged_attention_reference,
-                                             paged_attention_tpu)
-from jaxtier.kvcache.quant import KV_CACHE_DTYPES, dequantize_int8, quantize_int8
 from jaxtier.kvcache.swap import HostTier, SwapReport, swap_in, swap_out
 
 __all__ = [

@@ -17,7 +17,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxtier.kvcache.attention import dense_attention
+from jaxtier.attention.dense import dense_attention
 
 
 @flax.struct.dataclass(frozen=True)

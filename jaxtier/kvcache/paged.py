@@ -24,19 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtier import sharding
-from jaxtier.checks import check_choice, check_int
-from jaxtier.kv_bytes import kv_block_bytes
-from jaxtier import cpu_kernels
-from jaxtier.kvcache import paged_attention_gpu as gpu_kernel
-from jaxtier.kvcache.paged_attention import (paged_attention, paged_attention_cpu,
-                                              paged_attention_gathered, paged_attention_reference,
-                                              paged_attention_tpu, tpu_kernel_fits)
-from jaxtier.kvcache.quant import (KV_CACHE_DTYPES, SCALE_DTYPE, encode, quantize_int8,
-                                   storage_dtype)
-
-ATTENTION_IMPLS = ("auto", "xla", "xla_gathered", "cpu", "reference", "pallas", "pallas_interpret",
-                   "pallas_tpu", "pallas_tpu_interpret")
+from jaxtier.attention import dispatch
+from jaxtier.attention.dispatch import attention_path, resolve_attention_impl
+from jaxtier.attention.names import ATTENTION_IMPLS
+from jaxtier.attention.page_format import (KV_CACHE_DTYPES, SCALE_DTYPE, encode, quantize_int8,
+                                           storage_dtype)
+from jaxtier.common.checks import check_choice, check_int
+from jaxtier.common.kv_bytes import kv_block_bytes
+from jaxtier.kernels.cpu import library as cpu_kernels
+from jaxtier.model import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,16 +40,16 @@ class PagedCacheConfig:
   """Shape, pool sizes, storage dtype and attention path of a paged cache.
 
   No field has a default: the pool sizes, block size, dtype and attention path are engine
-  arguments (`jaxtier.engine_args.EngineArgs` holds their defaults; the engine sizes both pools
+  arguments (`jaxtier.engine.args.EngineArgs` holds their defaults; the engine sizes both pools
   in blocks before it builds the cache), and the shape is the model's. `attention_impl` picks the
   attention path (see `paged_attention`'s module docstring): "cpu" is the CPU kernels
-  (`jaxtier.cpu_kernels`; decode and prefill rows), "pallas" the GPU kernel (decode and prefill
-  rows), "pallas_tpu" the TPU kernel (decode steps it fits; others take the gathered XLA path),
-  "xla" the XLA path of the platform (the chunked loop on CPU, "xla_gathered" on accelerators),
-  "xla_gathered" the gathered XLA path anywhere, "reference" the test path, and
-  "pallas_interpret" / "pallas_tpu_interpret" the kernels run on CPU by Pallas' interpreters;
-  "auto" becomes "cpu" for a pool on one CPU device when the kernels build, "pallas" / "pallas_tpu"
-  for a pool on one GPU / TPU, else the platform's XLA path (see `resolve_attention_impl`;
+  (`jaxtier.kernels.cpu.library`; decode and prefill rows), "pallas" the GPU kernel (decode and
+  prefill rows), "pallas_tpu" the TPU kernel (decode steps it fits; others take the gathered XLA
+  path), "xla" the XLA path of the platform (the chunked loop on CPU, "xla_gathered" on
+  accelerators), "xla_gathered" the gathered XLA path anywhere, "reference" the test path, and
+  "pallas_interpret" / "pallas_tpu_interpret" the kernels run on CPU by Pallas' interpreters; "auto"
+  becomes "cpu" for a pool on one CPU device when the kernels build, "pallas" / "pallas_tpu" for a
+  pool on one GPU / TPU, else the platform's XLA path (see `resolve_attention_impl`;
   `attention_path` says which path each call takes).
 
   Attributes:
@@ -167,7 +163,7 @@ class PagedKVCache:
   def create(cls, config: PagedCacheConfig, device: jax.Device | None = None,
              mesh: jax.sharding.Mesh | None = None) -> "PagedKVCache":
     """Allocates the device pool (zeros) over `mesh` (split by kv heads, see
-    `jaxtier.sharding`), or on `device` (default: this process's first device).
+    `jaxtier.model.sharding`), or on `device` (default: this process's first device).
 
     The pool holds `config.num_device_blocks` blocks (the host tier, `swap.HostTier.empty`,
     takes memory only as blocks are swapped out); "auto" attention is resolved for the mesh
@@ -228,72 +224,6 @@ class PagedKVCache:
       return write_and_attend_cpu(self, layer, q_btnd, k_btkd, v_btkd, pos_bt, meta)
     cache = write_chunk(self, layer, k_btkd, v_btkd, pos_bt, meta)
     return cache, attend(cache, layer, q_btnd, pos_bt, meta, window, cap)
-
-
-GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-
-
-def resolve_attention_impl(impl: str, mesh: jax.sharding.Mesh, platform: str | None = None
-                           ) -> str:
-  """The attention path a pool on `mesh` runs; "auto" picks the platform's kernel where it applies.
-
-  The kernels are custom calls XLA cannot split, so they serve pools on one device: "auto" is
-  "cpu" on one CPU device (where the C++ kernels build), "pallas" on one GPU, "pallas_tpu" on
-  one TPU, and the platform's XLA path otherwise; "xla" is the chunked loop on CPU and
-  "xla_gathered" on an accelerator (whose launches make the loop's small steps slow). Asking
-  for "cpu" where it cannot run, for "pallas" off a GPU or "pallas_tpu" off a TPU, is a
-  ValueError. `platform`: the platform the program runs on, where it is not the mesh's (a
-  program exported for another platform).
-  """
-  platform = platform or mesh.devices.flat[0].platform
-  platform = "gpu" if platform in GPU_PLATFORMS else platform
-  if impl == "pallas" and platform != "gpu":
-    raise ValueError(f"attention_impl='pallas' needs a GPU, got a {platform} device "
-                     "(use 'pallas_interpret' to run the kernel on CPU)")
-  if impl == "pallas_tpu" and platform != "tpu":
-    raise ValueError(f"attention_impl='pallas_tpu' needs a TPU, got a {platform} device "
-                     "(use 'pallas_tpu_interpret' to run the kernel on CPU)")
-  one = mesh.devices.size == 1
-  if impl == "xla" or (impl == "auto" and platform != "cpu" and not one):
-    return "xla" if platform == "cpu" else "xla_gathered"
-  if impl == "auto" and platform in ("gpu", "tpu"):
-    return "pallas" if platform == "gpu" else "pallas_tpu"
-  if impl not in ("auto", "cpu"):
-    return impl
-  fits = platform == "cpu" and one
-  if impl == "auto":
-    return "cpu" if fits and cpu_kernels.available() else "xla"
-  if not fits:
-    raise ValueError(f"attention_impl='cpu' needs a pool on one CPU device, got "
-                     f"{mesh.devices.size} {platform} device(s)")
-  if not cpu_kernels.available():
-    raise ValueError(f"attention_impl='cpu' is unavailable: {cpu_kernels.unavailable_reason()}")
-  return impl
-
-
-def attention_path(impl: str, t: int, head_dim: int, block_size: int, quantized: bool,
-                   window: bool, cap: bool) -> str:
-  """The implementation a call of `attend` runs under a resolved `impl`: `impl` itself where it
-  serves the call, else the XLA path its platform runs. t: query tokens per row; window, cap:
-  whether the layer has a sliding window, a soft cap.
-
-  The CPU and GPU kernels take neither window nor cap ("cpu" falls back to the chunked "xla",
-  the GPU kernel to "xla_gathered"); the GPU kernel serves the shapes `paged_attention_gpu.
-  supports` (power-of-two block sizes), decode and prefill; the TPU kernel takes a cap, and
-  serves decode steps where `tpu_kernel_fits`. The interpret impls follow their kernel's rules,
-  so a CPU runs what the accelerator would.
-  """
-  if impl in ("reference", "xla", "xla_gathered"):
-    return impl
-  if impl == "cpu":
-    return "xla" if window or cap else impl
-  if impl in ("pallas", "pallas_interpret"):
-    fits = gpu_kernel.supports(head_dim, block_size)
-    return impl if fits and not window and not cap else "xla_gathered"
-  if impl in ("pallas_tpu", "pallas_tpu_interpret"):
-    fits = tpu_kernel_fits(t, head_dim, block_size, quantized)
-    return impl if fits and not window else "xla_gathered"
-  raise ValueError(f"attention_impl={impl!r} is not resolved (see resolve_attention_impl)")
 
 
 def _check(cache: PagedKVCache, x_btkd, pos_bt, meta, name: str) -> None:
@@ -381,17 +311,7 @@ def attend(cache: PagedKVCache, layer: jax.Array, q_btnd: jax.Array, pos_bt: jax
           _flat(dev.k_scales), _flat(dev.v_scales))
   path = attention_path(cfg.attention_impl, q_btnd.shape[1], cfg.head_dim, cfg.block_size,
                         cfg.quantized, window is not None, cap is not None)
-  if path == "reference":
-    return paged_attention_reference(*args, window, cap)
-  if path == "xla":
-    return paged_attention(*args, window, cap)
-  if path == "xla_gathered":
-    return paged_attention_gathered(*args, window, cap)
-  if path == "cpu":
-    return paged_attention_cpu(*args)
-  if path.startswith("pallas_tpu"):
-    return paged_attention_tpu(*args, cap, interpret=path == "pallas_tpu_interpret")
-  return gpu_kernel.paged_attention_gpu(*args, interpret=path == "pallas_interpret")
+  return dispatch.attend(path, *args, window, cap)
 
 
 def write_and_attend_cpu(cache: PagedKVCache, layer: jax.Array, q_b1nd: jax.Array,

@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtier import sharding
 from jaxtier.kvcache.paged import KVBlocks, PagedKVCache
+from jaxtier.model import sharding
 
 MAX_SWAP_BLOCKS = 16  # blocks per swap program (its arguments or outputs grow with the count)
 

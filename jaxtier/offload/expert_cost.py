@@ -30,7 +30,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
-from jaxtier.config import ModelConfig
+from jaxtier.model.config import ModelConfig
 from jaxtier.offload.hardware import Hardware
 
 MODES = ("stream", "host")

@@ -30,9 +30,9 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 from flax import nnx
 
-from jaxtier import moe
-from jaxtier.checks import check_int, check_prefetch_depth
-from jaxtier.model import DecoderLayer
+from jaxtier.common.checks import check_int, check_prefetch_depth
+from jaxtier.model import moe
+from jaxtier.model.transformer import DecoderLayer
 from jaxtier.offload import placement
 from jaxtier.offload.prefetch import ORDERS, prefetch_scan_layers
 

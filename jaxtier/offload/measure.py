@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtier import matmul
+from jaxtier.kernels.cpu import matmul
 from jaxtier.kvcache import ContiguousKVCache
-from jaxtier.config import ModelConfig
-from jaxtier.model import make_layer_stack
-from jaxtier.rotary import rotary_tables
+from jaxtier.model.config import ModelConfig
+from jaxtier.model.rotary import rotary_tables
+from jaxtier.model.transformer import make_layer_stack
 from jaxtier.offload import placement
 
 
@@ -66,11 +66,11 @@ def weight_matmuls_s(config: ModelConfig, rows: int, dtype=jnp.float32, repeats:
   program with nothing else in it. What the matmul kernels take for a step's weights at this
   batch: a floor for the step that the bandwidth/matmul-rate bound does not see (skinny matmuls
   run far below a square matmul's rate). `packed`: the projections and LM head packed and
-  multiplied as the packed model does (`jaxtier.matmul`); else XLA's matmuls on [in, out]
-  weights. `layer_format` / `head_format` (`jaxtier.matmul.FORMATS`): where they pack, the
-  projections / LM head packed in those blocks (`matmul.pack_blocks`), as the loader keeps a
-  GGUF file's; `layer_format` is one format for every projection, or per layer the formats of
-  its q/k/v, o, gate/up and down kernels (a file that mixes types)."""
+  multiplied as the packed model does (`jaxtier.kernels.cpu.matmul`); else XLA's matmuls on [in,
+  out] weights. `layer_format` / `head_format` (`jaxtier.kernels.cpu.matmul.FORMATS`): where they
+  pack, the projections / LM head packed in those blocks (`matmul.pack_blocks`), as the loader keeps
+  a GGUF file's; `layer_format` is one format for every projection, or per layer the formats of its
+  q/k/v, o, gate/up and down kernels (a file that mixes types)."""
   c = config
   shapes = [(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
             (c.num_heads * c.head_dim, c.hidden_size), (c.hidden_size, 2 * c.intermediate_size),

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from jaxtier.quant import array_bytes
+from jaxtier.model.quant import array_bytes
 
 DEVICE = "device"
 PINNED_HOST = "pinned_host"
@@ -45,7 +45,7 @@ def memory_kinds(tree: Any) -> set[str]:
 
 def tree_bytes(tree: Any) -> int:
   """Bytes of all array leaves of `tree` (global shapes; 4-bit values at half a byte,
-  `jaxtier.quant.array_bytes`)."""
+  `jaxtier.model.quant.array_bytes`)."""
   return sum(array_bytes(a) for a in jax.tree.leaves(tree))
 
 

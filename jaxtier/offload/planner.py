@@ -17,9 +17,9 @@ an offloaded layer always moves and computes as L float bytes), and W = R(N) + t
 import dataclasses
 import math
 
-from jaxtier import kv_bytes
-from jaxtier.checks import check_int
-from jaxtier.config import ModelConfig
+from jaxtier.common import kv_bytes
+from jaxtier.common.checks import check_int
+from jaxtier.model.config import ModelConfig
 from jaxtier.offload.prefetch import MAX_DEPTH
 
 GB = 1e9
@@ -34,7 +34,7 @@ class ModelBytes:
     layer_bytes: parameter bytes of one layer, L.
     other_bytes: embedding table, LM head, final norm and rotary frequencies (always resident).
     kv_bytes_per_token: K and V of one token over all layers (int8 scales included), see
-      `jaxtier.kv_bytes.kv_bytes_per_token`.
+      `jaxtier.common.kv_bytes.kv_bytes_per_token`.
     layer_flops_per_token: matmul FLOPs of one layer for one token (2 x its parameters).
     attention_width: query heads x head dim (attention FLOPs per cached token are 4 x this).
     resident_layer_bytes: per layer, its bytes when held resident on the device, where that is
@@ -91,12 +91,12 @@ class ModelBytes:
     """Bytes and FLOPs of `config` on one device: parameters in `dtype`, KV in `kv_cache_dtype`.
 
     With `tensor_parallel_size` > 1, each device holds 1 / tp of every layer's projections and
-    of the KV heads (its norms and the vocabulary tables are replicated, see `jaxtier.sharding`)
-    and computes 1 / tp of the layer's FLOPs.
+    of the KV heads (its norms and the vocabulary tables are replicated, see
+    `jaxtier.model.sharding`) and computes 1 / tp of the layer's FLOPs.
 
-    `kv_cache_dtype` is a name of `jaxtier.kv_bytes.ELEMENT_BYTES` ("int8" counts its scales);
-    None stores KV in the parameter dtype (float16 parameters count as bfloat16 KV: the cache has
-    no float16 mode, and both take two bytes).
+    `kv_cache_dtype` is a name of `jaxtier.common.kv_bytes.ELEMENT_BYTES` ("int8" counts its
+    scales); None stores KV in the parameter dtype (float16 parameters count as bfloat16 KV: the
+    cache has no float16 mode, and both take two bytes).
     """
     size = _itemsize(dtype, "dtype")
     if kv_cache_dtype is None:

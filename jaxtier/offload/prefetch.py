@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtier.checks import MAX_PREFETCH_DEPTH, check_int, check_prefetch_depth
-from jaxtier.model import DecoderLayer, GroupedTransformer, Transformer
+from jaxtier.common.checks import MAX_PREFETCH_DEPTH, check_int, check_prefetch_depth
+from jaxtier.model.transformer import DecoderLayer, GroupedTransformer, Transformer
 from jaxtier.offload import placement
 
 MAX_DEPTH = MAX_PREFETCH_DEPTH

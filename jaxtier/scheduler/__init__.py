@@ -11,11 +11,11 @@ sequence that computes. See `transitions` for the engine loop and `planning` for
 
 from jaxtier.scheduler import allocator, policies, prefix
 from jaxtier.scheduler.allocator import BlockPool, blocks_for
-from jaxtier.scheduler.config import SchedulerConfig
 from jaxtier.scheduler.metrics import Metrics, metrics
 from jaxtier.scheduler.planning import schedule
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 from jaxtier.scheduler.request import Ended, Request, Seq
+from jaxtier.scheduler.scheduler_config import SchedulerConfig
 from jaxtier.scheduler.state import (Abort, Arrive, ComputeBatch, Plan, Rates, SchedulerState,
                                      StepFinished, Stop, initial_state)
 from jaxtier.scheduler.transitions import apply_event, reset_prefix_cache, step

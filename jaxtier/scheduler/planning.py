@@ -27,8 +27,8 @@ from jaxtier.scheduler import booking
 from jaxtier.scheduler import policies
 from jaxtier.scheduler import prefix
 from jaxtier.scheduler.booking import Choice, Decision, Preemption
-from jaxtier.scheduler.config import SchedulerConfig
 from jaxtier.scheduler.request import Seq
+from jaxtier.scheduler.scheduler_config import SchedulerConfig
 from jaxtier.scheduler.state import Plan, Rates, SchedulerState
 
 _NOTHING = Choice((), (), ())

@@ -13,7 +13,7 @@ import typing
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from jaxtier.checks import check_int
+from jaxtier.common.checks import check_int
 
 RequestId = Hashable
 

@@ -20,8 +20,8 @@ import dataclasses
 
 from jaxtier.scheduler import allocator
 from jaxtier.scheduler import prefix
-from jaxtier.scheduler.config import SchedulerConfig
 from jaxtier.scheduler.request import FINISHED, Ended, Request, RequestId, Seq
+from jaxtier.scheduler.scheduler_config import SchedulerConfig
 
 
 def _is_reason(reason) -> bool:

@@ -23,9 +23,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jaxtier.server import limits
-from jaxtier.server import serving, tools
+from jaxtier.server import serving, tool_calls as tools
 from jaxtier.server.async_engine import AsyncEngine, EngineError, QueueFull
-from jaxtier.server.metrics import ServerMetrics
+from jaxtier.server.prometheus import ServerMetrics
 from jaxtier.server.protocol import (ChatCompletionRequest, CompletionRequest, body_problem,
                                      error_messages)
 

@@ -19,7 +19,7 @@ Structured outputs (both endpoints): OpenAI's `response_format` (`{"type": "json
 the two per request. A bad schema, regex or grammar is a 400 naming the field that holds it.
 
 Tools (chat): OpenAI's `tools` (functions) and `tool_choice` ("none", "auto", "required" or a
-named function; "auto" when tools are given, else "none"); `jaxtier.server.tools` renders them,
+named function; "auto" when tools are given, else "none"); `jaxtier.server.tool_calls` renders them,
 enforces "required" and named choices with a grammar, and parses the calls. A constraint from
 the tool choice and one from `response_format` / `structured_outputs` cannot be combined.
 
@@ -42,10 +42,10 @@ import pydantic
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxtier.logprobs import MAX_LOGPROBS
-from jaxtier.sampling import SamplingParamError, SamplingParams
-from jaxtier.server import tools as tools_lib
-from jaxtier.structured import closed_objects
+from jaxtier.sampling.logprobs import MAX_LOGPROBS
+from jaxtier.sampling.samplers import SamplingParamError, SamplingParams
+from jaxtier.sampling.structured import closed_objects
+from jaxtier.server import tool_calls as tools_lib
 
 TokenIds = list[int]
 
@@ -429,7 +429,7 @@ class ChatCompletionRequest(_SamplingRequest):
             else repr(choice))
 
   def effective_tool_choice(self) -> str | dict:
-    """The tool choice as `jaxtier.server.tools` takes it ("auto" with tools by default)."""
+    """The tool choice as `jaxtier.server.tool_calls` takes it ("auto" with tools by default)."""
     if self.tool_choice is None:
       return "auto" if self.tools else "none"
     return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()

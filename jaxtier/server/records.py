@@ -16,7 +16,7 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxtier.sampling import SamplingParamError, SamplingParams
+from jaxtier.sampling.samplers import SamplingParamError, SamplingParams
 from jaxtier.server.protocol import ChatMessage, ResponseFormat, error_messages
 
 _JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",

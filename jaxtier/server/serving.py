@@ -8,13 +8,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator
 
 from jaxtier.engine.engine import RequestUpdate
-from jaxtier.generate import Completion
-from jaxtier.logprobs import LogprobDict
+from jaxtier.engine.padded import Completion
+from jaxtier.sampling.logprobs import LogprobDict
 from jaxtier.server.async_engine import EngineError
-from jaxtier.server.detokenize import IncrementalDetokenizer
-from jaxtier.server.logprobs import (TokenLogprobs, TokenTracker, chat_logprobs,
-                                     completion_logprobs, tokens_of)
-from jaxtier.tokenizer import Tokenizer
+from jaxtier.server.openai_logprobs import (TokenLogprobs, TokenTracker, chat_logprobs,
+                                            completion_logprobs, tokens_of)
+from jaxtier.server.stream_text import IncrementalDetokenizer
+from jaxtier.text.tokenizer import Tokenizer
 
 DONE = "data: [DONE]\n\n"
 

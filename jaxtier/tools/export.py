@@ -33,7 +33,7 @@ program's entry holds:
   x of them; a decode step with offloaded layers: every offloaded weight once);
 - `pallas_kernels`: Pallas (Triton, Mosaic) custom calls;
 - `attention`: the paged attention implementations the program calls (`attention_paths`; see
-  `jaxtier.kvcache.paged_attention`): "pallas" (the GPU kernel), "pallas_tpu" (the TPU kernel),
+  `jaxtier.attention`): "pallas" (the GPU kernel), "pallas_tpu" (the TPU kernel),
   "cpu" (the C++ kernels), "xla_gathered" (the accelerators' XLA path), "xla" (the chunked
   loop, CPU's XLA path) or "reference", several joined by "+" (a kernel and the XLA path its
   sliding-window or soft-capped layers take), None for a program without attention;
@@ -52,17 +52,20 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxtier import checkpoint, cpu_kernels, llm, quant, sharding, structured
+from jaxtier import checkpoint, llm
 from jaxtier.checkpoint import placed
 from jaxtier.engine import sizing
+from jaxtier.engine.args import EngineArgs
 from jaxtier.engine.engine import cache_config, warmup_programs
 from jaxtier.engine.runner import Runner
-from jaxtier.engine_args import EngineArgs
+from jaxtier.kernels.cpu import library as cpu_kernels
 from jaxtier.kvcache import PagedKVCache
-from jaxtier.logprobs import MAX_LOGPROBS
-from jaxtier.sampling import MIN_HISTORY, MIN_IDS
+from jaxtier.model import quant, sharding
 from jaxtier.offload import hardware, placement
 from jaxtier.offload.planner import ModelBytes
+from jaxtier.sampling import structured
+from jaxtier.sampling.logprobs import MAX_LOGPROBS
+from jaxtier.sampling.samplers import MIN_HISTORY, MIN_IDS
 from jaxtier.tools import hlo
 
 PROGRAMS = ("prefill", "decode", "sample", "sample_transformed", "follow", "logprobs",
@@ -145,7 +148,7 @@ ATTENTION_TARGETS = {
     "pallas_tpu": ("tpu_custom_call",),
     "cpu": (cpu_kernels.ATTENTION_TARGET, cpu_kernels.PREFILL_ATTENTION_TARGET,
             cpu_kernels.WRITE_ATTENTION_TARGET)}
-# ... an XLA path by its jitted function (`jaxtier.kvcache.paged_attention`; a function name
+# ... an XLA path by its jitted function (`jaxtier.attention`; a function name
 # repeated takes a suffix "_<n>"). JAX's TPU kernel is a function "paged_attention" too: the
 # chunked loop's is the one with a loop.
 ATTENTION_FUNCTIONS = {"xla_gathered": "paged_attention_gathered",

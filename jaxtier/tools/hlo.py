@@ -42,8 +42,8 @@ from jax._src.lib.mlir import ir
 
 MOVES = frozenset({"stablehlo.dynamic_slice", "stablehlo.slice", "stablehlo.reshape",
                    "stablehlo.bitcast_convert", "sdy.sharding_constraint"})
-# Custom-call targets only a CPU runs: jaxtier's C++ kernels (`jaxtier.cpu_kernels`) and the CPU
-# builds of jaxlib's LAPACK, FFT (DUCC) and host callbacks.
+# Custom-call targets only a CPU runs: jaxtier's C++ kernels (`jaxtier.kernels.cpu.library`) and the
+# CPU builds of jaxlib's LAPACK, FFT (DUCC) and host callbacks.
 CPU_ONLY_PREFIXES = ("jaxtier_", "lapack_", "ducc_", "xla_python_cpu_callback",
                      "xla_ffi_python_cpu_callback")
 # Custom-call targets of hand-written kernels: Pallas on GPU (Triton, Mosaic GPU) and TPU (Mosaic).

@@ -20,9 +20,9 @@ import math
 import random
 from collections.abc import Iterable
 
-from jaxtier.scheduler.config import SchedulerConfig
 from jaxtier.scheduler.metrics import metrics, prefix_figures
 from jaxtier.scheduler.request import FINISHED, Request, RequestId
+from jaxtier.scheduler.scheduler_config import SchedulerConfig
 from jaxtier.scheduler.state import Arrive, Plan, Rates, StepFinished, initial_state
 from jaxtier.scheduler.transitions import step
 
@@ -31,7 +31,8 @@ LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "exponential")
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-  """Seconds per step. `block_bytes` is the size of one KV block (jaxtier.kv_bytes.kv_block_bytes)."""
+  """Seconds per step. `block_bytes` is the size of one KV block
+  (jaxtier.common.kv_bytes.kv_block_bytes)."""
   step_base_s: float
   per_token_s: float
   link_bytes_per_s: float

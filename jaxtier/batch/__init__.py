@@ -1,0 +1,3 @@
+"""The batch job (`scripts/batch_infer.py`): its input (`reader`: a JSONL file as a Grain source,
+shards and resume state), its files beside the records (`files`: outputs, rejects, settings),
+and the job's logic between them (`job`)."""

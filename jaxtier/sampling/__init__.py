@@ -1,0 +1,31 @@
+"""Sampling: vLLM's `SamplingParams`, the logit transforms and samplers that run on the device,
+log-probabilities, and the grammar matchers of structured outputs.
+
+- `samplers`: `SamplingParams`, `LogitRules`, the per-call arrays and the jitted samplers; its
+  names are this package's too.
+- `logprobs`: `Logprob` and the top-k `log_softmax` of raw logits.
+- `structured`: `StructuredOutputsParams` (vLLM's shape) and llguidance's per-request
+  `GrammarMatcher` (token bitmasks).
+
+Names load on first access, so `jaxtier.sampling.logprobs` alone imports no sampler.
+"""
+
+from importlib import import_module as _import_module
+
+_SAMPLERS = ("BIAS_LIMIT", "PENALTY_LIMIT", "SamplingParamError", "SamplingParams",
+             "bad_words_token_ids", "LogitRules", "SamplingArrays", "MIN_HISTORY", "MIN_IDS",
+             "LogitsArrays", "grammar_allowed", "transform_logits", "argmax_reference", "argmax",
+             "sample", "sample_transformed")
+
+__all__ = sorted(_SAMPLERS)
+
+
+def __getattr__(name: str):
+  if name in _SAMPLERS:
+    return getattr(_import_module("jaxtier.sampling.samplers"), name)
+  raise AttributeError(f"module 'jaxtier.sampling' has no attribute {name!r}")
+
+
+def __dir__():
+  """The public names and the submodules imported so far (no helpers of this module)."""
+  return sorted({n for n in globals() if not n.startswith("_")} | set(_SAMPLERS))
