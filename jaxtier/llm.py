@@ -12,18 +12,14 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxtier import checkpoint, offload
-from jaxtier.checkpoint import placed
-from jaxtier.checkpoint.quantized import QuantizedSource, block_format
 from jaxtier.common.checks import check_prompt_ids
-from jaxtier.engine import doctor, link, sizing
+from jaxtier.engine import build, doctor, link, sizing
 from jaxtier.engine.args import EngineArgs
-from jaxtier.engine.engine import Engine, EngineConfig
+from jaxtier.engine.engine import Engine
 from jaxtier.engine.padded import Completion, StepUpdate, generate_batch
 from jaxtier.kernels.cpu import matmul
 from jaxtier.model import quant, sharding
-from jaxtier.offload import expert_cost, hardware, measure
 from jaxtier.offload.experts import ExpertOffloadedLayers
-from jaxtier.offload.planner import ModelBytes
 from jaxtier.sampling.logprobs import LogprobDict
 from jaxtier.sampling.samplers import SamplingParams
 from jaxtier.scheduler import Request
@@ -102,114 +98,16 @@ def _host_expert_bytes(model) -> int:
              for a in jax.tree.leaves(nnx.state(g)) if a.sharding.memory_kind != offload.DEVICE)
 
 
-def _size(args: EngineArgs, machine: sizing.Machine, opened, keep_quantized: bool,
-          exact: bool = False, preset: str | None = None) -> sizing.Sizing:
-  """`sizing.size` for an opened checkpoint: with the loader's exact bytes where layers keep
-  blocks (the file's, or `quantization`'s: smaller than their floats), counted (a second or two
-  on the default model) when the sizing needs weight bytes or `exact` asks for them, and the
-  planner's timing measured only if it runs, or with `preset` taken from that hardware preset
-  (`jaxtier.offload.hardware`)."""
-  config, dtype = opened.config, sizing.model_dtype(args, machine)
-  weights = None
-  if keep_quantized and (exact or sizing.needs_weight_bytes(args, machine)):
-    layer_execution, _, activations = sizing.execution(args, machine)
-    layers, other, offloaded = placed.resident_bytes(
-        config, opened.source, checkpoint.resolve_dtype(dtype),
-        placed.Layout.of(config.num_layers, layer_execution=layer_execution,
-                         keep_quantized=True, block_activations=activations,
-                         portable=sizing.resolved_kernels(args, machine) == "portable",
-                         table_dtype=sizing.table_dtype(args, machine),
-                         platform=machine.platform))
-    floats = ModelBytes.from_config(config, dtype, sizing.kv_cache_dtype(args, machine))
-    weights = dataclasses.replace(floats, resident_layer_bytes=tuple(layers), other_bytes=other,
-                                  layer_bytes=offloaded)
-
-  def timing(batch: int, context: int) -> tuple[float, float]:
-    # the link rate and one layer's decode step of `batch` rows over `context` tokens (on a
-    # layer of random weights)
-    return (measure.link_bytes_per_s(),
-            measure.layer_compute_s(config, dtype, batch, 1, context))
-
-  rates = None
-  if preset is not None:
-    timing = hardware.preset_timing(preset, ModelBytes.from_config(
-        config, dtype, sizing.kv_cache_dtype(args, machine)))
-    rates = expert_cost.rates_of(hardware.preset(preset))
-  elif (args.offload_expert_layers and args.expert_offload_mode == "auto"
-        and machine.platform != "cpu"):
-    # this accelerator's measured link, the platform preset's host figures
-    rates = dataclasses.replace(
-        expert_cost.rates_of(hardware.preset(hardware.PLATFORM_PRESETS[machine.platform])),
-        link_bytes_per_s=measure.link_bytes_per_s())
-  return sizing.size(args, config, machine, weights=weights, timing=timing, expert_rates=rates)
-
-
-def open_for(model: str, args: EngineArgs, machine: sizing.Machine, convert: bool = True
-             ) -> checkpoint.Opened:
-  """The checkpoint opened as the engine reads it: a GGUF file itself where its blocks are kept
-  (`sizing.execution`), and with `quantization`, its float projections presented quantized in the
-  format of the path that multiplies them (`checkpoint.quantized.QuantizedSource`: CPU blocks,
-  or the portable layouts, whose tables stay bfloat16). `convert`: see
-  `checkpoint.open_checkpoint`."""
-  _, keep_quantized, _ = sizing.execution(args, machine)
-  opened = checkpoint.open_checkpoint(model, keep_quantized=keep_quantized, convert=convert)
-  if args.quantization is None:
-    return opened
-  try:
-    portable = sizing.resolved_kernels(args, machine) == "portable"
-    opened.source = QuantizedSource(
-        opened.source, block_format(args.quantization, portable), args.quantization_group_size,
-        head=not portable, config=opened.config)
-  except BaseException:
-    opened.close()
-    raise
-  return opened
-
-
-def layout_of(s: sizing.Sizing, num_layers: int, mesh) -> placed.Layout:
-  """How a model sized `s` is arranged and placed (`placed.build`, `placed.abstract`)."""
-  return placed.Layout.of(num_layers, s.offload.offload_tail_layers, s.offload.prefetch_depth or 1,
-                          s.layer_execution, mesh, keep_quantized=s.keep_quantized,
-                          block_activations=s.block_activations, portable=s.kernels == "portable",
-                          expert_layers=s.experts.layers,
-                          expert_stream_from_tokens=s.experts.stream_from_tokens,
-                          table_dtype=s.table_dtype, platform=s.platform)
-
-
-def engine_config_of(args: EngineArgs, s: sizing.Sizing) -> EngineConfig:
-  """The engine's sizes and policies: the sizing's resolved values and the arguments' policies."""
-  return EngineConfig(
-      max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
-      max_num_batched_tokens=s.max_num_batched_tokens, block_size=s.block_size,
-      num_device_blocks=s.num_device_blocks, num_host_blocks=s.num_host_blocks,
-      kv_cache_dtype=s.kv_cache_dtype, preemption_mode=args.preemption_mode,
-      watermark=args.watermark, victim_policy=args.victim_policy,
-      enable_prefix_caching=args.enable_prefix_caching,
-      host_prefix_caching=args.host_prefix_caching, trace_path=args.trace_path,
-      attention_impl=s.attention_impl, kernels=s.kernels,
-      async_scheduling=args.async_scheduling)
-
-
 def dry_run(model: str, platform: str | None = None, **engine_args) -> dict:
   """The plan `LLM(model, **engine_args)` would run, without loading a weight: the resolved
   dtypes and layer execution, both KV pools, the offloaded layers and prefetch depth, and the
-  bytes on the device and in pinned host memory, in `LLM.memory_report()`'s keys
-  (`sizing.Sizing.memory_plan`). Reads the checkpoint's metadata only and builds no mesh, so it
+  bytes on the device and in pinned host memory, in `LLM.memory_report()`'s keys, with what a plan
+  for another machine assumed (`jaxtier.engine.build.Plan.memory_plan`). Reads the checkpoint's
+  metadata only (a directory holding only a config.json plans too) and builds no mesh, so it
   plans tensor parallelism, or with `device_memory_gb` / `host_memory_gb` another machine, from
   any process; with `platform` ("cpu", "gpu", "tpu", "cuda", "rocm"), for that platform's
-  defaults (`sizing.detect_machine`): a CPU plans a GPU's bfloat16 model. Raises ValueError as
-  `LLM` would."""
-  args = EngineArgs(model=model, **engine_args)
-  machine = sizing.detect_machine(args, platform)
-  _, keep_quantized, _ = sizing.execution(args, machine)
-  opened = open_for(model, args, machine)
-  try:
-    foreign = platform is not None and machine.platform != jax.default_backend()
-    preset = hardware.PLATFORM_PRESETS.get(machine.platform) if foreign else None
-    return _size(args, machine, opened, keep_quantized, exact=True,
-                 preset=preset).memory_plan()
-  finally:
-    opened.close()
+  defaults: a CPU plans a GPU's bfloat16 model. Raises ValueError as `LLM` would."""
+  return build.plan(model, EngineArgs(model=model, **engine_args), platform).memory_plan()
 
 
 class LLM:
@@ -238,23 +136,21 @@ class LLM:
   """
 
   def __init__(self, model: str, **engine_args):
-    # parse -> size -> load -> build
+    # parse -> plan -> load -> build
     self.args = args = EngineArgs(model=model, **engine_args)
     self.mesh = sharding.make_mesh(args.tensor_parallel_size)  # before any file is read
-    self.machine = sizing.detect_machine(args)
-    _, keep_quantized, _ = sizing.execution(args, self.machine)
+    machine = sizing.detect_machine(args)
     # GGUF blocks are kept with weight_format="auto" on one device; otherwise a registry model
     # loads from its float32 Orbax copy.
-    opened = open_for(model, args, self.machine)
+    opened = build.open_checkpoint(model, args, sizing.resolve(args, machine))
     try:
-      self.config = opened.config
-      self.sizing = _size(args, self.machine, opened, keep_quantized)
-      s = self.sizing
-      self.layout = layout_of(s, self.config.num_layers, self.mesh)
+      self.plan = build.plan_checkpoint(model, opened, args, machine, mesh=self.mesh)
     except BaseException:
       opened.close()
       raise
-    self.loaded = checkpoint.load_opened(opened, s.dtype, self.layout)
+    self.machine, self.config, self.sizing = machine, self.plan.config, self.plan.sizing
+    self.layout, self.engine_config = self.plan.layout, self.plan.engine_config
+    self.loaded = checkpoint.load_opened(opened, self.sizing.dtype, self.layout)
     self.model_name = model
     self.tokenizer = self.loaded.tokenizer
     if args.chat_template is not None:
@@ -266,7 +162,6 @@ class LLM:
       logging.warning("block_activations='int16' has no effect: no GGUF blocks are kept (they are "
                       "kept for a GGUF file of quantized layers, with weight_format='auto', "
                       "unrolled layers on one device and the CPU kernels built)")
-    self.engine_config = engine_config_of(args, s)
     self._engine: Engine | None = None
     self._rng = np.random.default_rng(args.seed)
     self._next_id = 0

@@ -28,9 +28,10 @@ from jaxtier.engine.args import EngineArgs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("json", None, "also write the JSON object to this file")
-flags.DEFINE_string("hardware", "h100-80gb-pcie4", "the offload planner's link rate and layer "
-                    "time, where it runs (offload or prefetch depth left 'auto'): a preset of "
-                    "jaxtier.offload.hardware")
+flags.DEFINE_string("hardware", None, "the offload planner's link rate and layer time, where it "
+                    "runs (offload or prefetch depth left 'auto'): a preset of "
+                    "jaxtier.offload.hardware; default: the platform's (h100-80gb-pcie4 for cuda "
+                    "and tpu)")
 flags.DEFINE_bool("strict", False, "exit 1 when a program fails to export")
 flags.adopt_module_key_flags(engine_flags)
 

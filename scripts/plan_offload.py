@@ -1,129 +1,115 @@
 """How many tail layers to offload and how deep to prefetch, for a model on a device: JSON out.
 
-The model is a registry name or path (`--model`), or raw numbers (`--num_layers`, `--layer_gb`,
-`--other_gb`); `--tensor_parallel_size` plans one device's share of a sharded model. Device
-memory, link bandwidth and per-layer compute time come from flags, from a hardware preset
-(`--hardware`; compute time by roofline for the step `--batch` x `--tokens` after `--context`
-cached tokens), or are measured on this machine (`--measure`). The KV reservation is
-`--kv_reserve_gb` or `--concurrency` x `--context_len` tokens. The plan's advice, in plain words,
-goes to stderr; `--all_presets` plans the same step on every preset.
+For a model (`--model`), the engine flags are the scripts' (`jaxtier.engine.flags`, here with
+`--offload_tail_layers=auto` by default) and the plan is the one the engine, `--dry_run` and
+`scripts/export_programs.py` make (`jaxtier.engine.build.plan`): for this machine, measured, or
+for `--platform` (cuda, tpu) on a hardware preset (`--hardware`, default the platform's; its
+device memory unless `--device_memory_gb` gives one; `--all_presets` plans on every preset). The
+planner times the decode step of `--max_num_seqs` rows over `--max_model_len` tokens, and
+reserves the device KV pool given (`--kv_cache_memory_gb` / `--num_device_blocks`) or one
+`--max_model_len` sequence. Each plan prints as `jaxtier.engine.build.Plan.summary()` (the memory
+plan `--dry_run` prints, the layout, the engine configuration and the offload planner's plan)
+with the scheduler's link fields; the planner's advice, in plain words, goes to stderr.
 
+Without a model, raw numbers plan one step of the planner alone (`jaxtier.offload.plan`): a model
+of `--num_layers` layers of `--layer_gb` (plus `--other_gb`), `--device_memory_gb`, a KV
+reservation of `--kv_reserve_gb`, a link of `--link_gbps` and `--layer_compute_ms` per layer.
+
+  python scripts/plan_offload.py --model=smollm2-135m-instruct --platform=cuda --all_presets
+  python scripts/plan_offload.py --model=smollm2-135m-instruct --platform=cuda \\
+      --hardware=h200-141gb --max_num_seqs=64 --max_model_len=8192
   python scripts/plan_offload.py --config=configs/offload_plan_article.py
-  python scripts/plan_offload.py --model=smollm2-135m-instruct --hardware=h100-80gb-pcie4 \\
-      --concurrency=64 --context_len=8192 --batch=64
 """
 
 import json
 import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import app, flags, logging
 
-from jaxtier import checkpoint, offload
-from jaxtier.model import sharding
-from jaxtier.offload import measure
+from jaxtier.engine import flags as engine_flags
+from jaxtier.engine.args import GB, EngineArgs
 
 FLAGS = flags.FLAGS
-GB = 1e9
-config_flags.DEFINE_config_file("config", None, "ml_collections config giving flag defaults")
-flags.DEFINE_string("model", None, "registry name, HF directory or jaxtier Orbax directory")
-flags.DEFINE_integer("num_layers", None, "raw model: number of layers (with --layer_gb)")
-flags.DEFINE_float("layer_gb", None, "raw model: GB of one layer")
-flags.DEFINE_float("other_gb", 0.0, "raw model: GB of embeddings and LM head")
-flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16", "float16"], "parameter dtype")
-flags.DEFINE_string("hardware", None, f"preset: one of {sorted(offload.PRESETS)}")
-flags.DEFINE_bool("all_presets", False, "plan on every preset (roofline compute)")
-flags.DEFINE_bool("measure", False, "measure link bandwidth and layer compute on this machine")
-flags.DEFINE_float("device_memory_gb", None, "device memory M, GB (overrides the preset)")
-flags.DEFINE_float("kv_reserve_gb", None, "KV reservation K, GB")
-flags.DEFINE_integer("concurrency", None, "K from concurrency x context_len tokens")
-flags.DEFINE_integer("context_len", None, "K from concurrency x context_len tokens")
-flags.DEFINE_float("activation_reserve_gb", 0.0, "activation reserve A, GB")
-flags.DEFINE_float("link_gbps", None, "host -> device bandwidth, GB/s (overrides the preset)")
-flags.DEFINE_float("layer_compute_ms", None, "compute time of one layer, ms (overrides the rest)")
-flags.DEFINE_integer("batch", 1, "step shape for roofline or measured compute: sequences")
-flags.DEFINE_integer("tokens", 1, "step shape: new tokens per sequence (1: decode)")
-flags.DEFINE_integer("context", 1024, "step shape: cached tokens per sequence")
-flags.DEFINE_integer("offload_tail_layers", None, "fix n; the plan then only picks the depth")
-flags.DEFINE_float("kv_swap_gb_per_step", 0.0, "KV swap bytes per step, which use the link first")
-flags.DEFINE_integer("tensor_parallel_size", 1, "plan one device of a tensor-parallel group: its "
-                     "share of the weights and KV (--model only)", lower_bound=1)
+flags.DEFINE_string("hardware", None, "a preset of jaxtier.offload.hardware for the planner's link "
+                    "rate and layer time (and, for another --platform, the device memory); "
+                    "default: the platform's preset, or measured on this machine")
+flags.DEFINE_bool("all_presets", False, "plan on every preset of jaxtier.offload.hardware (for "
+                  "--platform, default gpu)")
+flags.DEFINE_integer("num_layers", None, "raw numbers instead of --model: layers (with --layer_gb)")
+flags.DEFINE_float("layer_gb", None, "raw numbers: GB of one layer")
+flags.DEFINE_float("other_gb", 0.0, "raw numbers: GB of embeddings and LM head")
+flags.DEFINE_float("kv_reserve_gb", 0.0, "raw numbers: the KV reservation K, GB")
+flags.DEFINE_float("link_gbps", None, "raw numbers: host -> device bandwidth, GB/s")
+flags.DEFINE_float("layer_compute_ms", None, "raw numbers: compute time of one layer, ms")
+flags.adopt_module_key_flags(engine_flags)
+FLAGS.set_default("offload_tail_layers", "auto")
+
+RAW_FLAGS = ("num_layers", "layer_gb", "other_gb", "kv_reserve_gb", "link_gbps",
+             "layer_compute_ms")
 
 
-def model_bytes() -> tuple[offload.ModelBytes, object]:
-  """(per-device ModelBytes, the model's config or None) from --model or the raw-number flags;
-  a model's config is read from its checkpoint's metadata, without loading weights."""
-  if FLAGS.model is None:
-    if FLAGS.num_layers is None or FLAGS.layer_gb is None:
-      raise app.UsageError("give --model, or --num_layers and --layer_gb")
-    return offload.ModelBytes(FLAGS.num_layers, round(FLAGS.layer_gb * GB),
-                              round(FLAGS.other_gb * GB)), None
-  opened = checkpoint.open_checkpoint(FLAGS.model)
-  opened.close()
-  try:
-    sharding.check_tensor_parallel(opened.config, FLAGS.tensor_parallel_size)
-    return offload.ModelBytes.from_config(opened.config, FLAGS.dtype,
-                                          tensor_parallel_size=FLAGS.tensor_parallel_size), \
-        opened.config
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
+def model_plans(kwargs: dict) -> dict:
+  """{preset name, or "measured": plan summary with the scheduler's link fields} for the model."""
+  from jaxtier import offload  # pylint: disable=import-outside-toplevel  (JAX loads only now)
+  from jaxtier.engine import build  # pylint: disable=import-outside-toplevel
+  platform = FLAGS.platform or ("gpu" if FLAGS.all_presets else None)
+  names = sorted(offload.PRESETS) if FLAGS.all_presets else [FLAGS.hardware]
+  args = EngineArgs(**kwargs)
+  out = {}
+  for name in names:
+    plan = build.plan(args.model, args, platform, hardware_preset=name)
+    offload_plan = plan.sizing.offload.plan
+    key = plan.planner_preset or name or "measured"
+    out[key] = plan.summary() | {
+        "scheduler": None if offload_plan is None else offload.scheduler_link_fields(offload_plan)}
+    advice = (offload_plan.message() if offload_plan is not None else
+              f"no planning needed: offload_tail_layers={plan.sizing.offload.offload_tail_layers}, "
+              f"prefetch_depth={plan.sizing.offload.prefetch_depth}")
+    print(f"[{key}] {advice}", file=sys.stderr)
+    for assumption in plan.assumed:
+      print(f"[{key}] assumed {assumption}", file=sys.stderr)
+  return out
 
 
-def plan_args(m: offload.ModelBytes, config, hardware) -> dict:
-  """plan() keyword arguments from the flags, the preset and measurements."""
-  def pick(flag_value, scale, preset_value, name):
-    if flag_value is not None:
-      return flag_value * scale
-    if preset_value is None:
-      raise app.UsageError(f"--{name} is needed (or --hardware / --measure)")
-    return preset_value
-  measured_link = measure.link_bytes_per_s() if FLAGS.measure else None
-  if FLAGS.measure and config is None:
-    raise app.UsageError("--measure needs --model (it times a layer of that model)")
-  measured_compute = (measure.layer_compute_s(config, FLAGS.dtype, FLAGS.batch, FLAGS.tokens,
-                                              FLAGS.context) if FLAGS.measure else None)
-  roofline = hardware and offload.layer_seconds(m, hardware, FLAGS.batch, FLAGS.tokens,
-                                                FLAGS.context)
-  if FLAGS.kv_reserve_gb is not None:
-    kv = round(FLAGS.kv_reserve_gb * GB)
-  elif FLAGS.concurrency and FLAGS.context_len:
-    kv = offload.kv_reservation(m, FLAGS.concurrency, FLAGS.context_len)
-  else:
-    kv = 0
-  return dict(
-      device_memory_bytes=round(pick(FLAGS.device_memory_gb, GB, hardware and
-                                     hardware.device_memory_bytes, "device_memory_gb")),
-      link_bytes_per_s=pick(FLAGS.link_gbps, GB, measured_link or
-                            (hardware and hardware.link_bytes_per_s), "link_gbps"),
-      layer_compute_s=pick(FLAGS.layer_compute_ms, 1e-3, measured_compute or roofline,
-                           "layer_compute_ms"),
-      kv_reserve_bytes=kv, activation_reserve_bytes=round(FLAGS.activation_reserve_gb * GB),
-      kv_swap_bytes_per_step=round(FLAGS.kv_swap_gb_per_step * GB),
-      offload_tail_layers=FLAGS.offload_tail_layers)
-
-
-def apply_config_defaults() -> None:
-  for name, value in (FLAGS.config or {}).items():
-    if name not in FLAGS:
-      raise app.UsageError(f"--config field {name!r} is not a flag of this script")
-    if not FLAGS[name].present:
-      FLAGS[name].value = value
+def raw_plan() -> dict:
+  """The planner alone on the raw-number flags (see the module docstring)."""
+  from jaxtier import offload  # pylint: disable=import-outside-toplevel  (JAX loads only now)
+  missing = [f"--{name}" for name in ("num_layers", "layer_gb", "device_memory_gb", "link_gbps",
+                                      "layer_compute_ms") if FLAGS[name].value is None]
+  if missing:
+    engine_flags.usage_error(f"without --model, raw numbers need {', '.join(missing)}")
+  model = offload.ModelBytes(FLAGS.num_layers, round(FLAGS.layer_gb * GB),
+                             round(FLAGS.other_gb * GB))
+  kwargs = engine_flags.llm_kwargs()
+  n, depth = kwargs["offload_tail_layers"], kwargs["prefetch_depth"]
+  p = offload.plan(model, device_memory_bytes=round(FLAGS.device_memory_gb * GB),
+                   link_bytes_per_s=FLAGS.link_gbps * GB,
+                   layer_compute_s=FLAGS.layer_compute_ms * 1e-3,
+                   kv_reserve_bytes=round(FLAGS.kv_reserve_gb * GB),
+                   offload_tail_layers=None if n == "auto" else n,
+                   prefetch_depth=None if depth == "auto" else depth)
+  print(f"[given] {p.message()}", file=sys.stderr)
+  return {"given": p.to_dict() | {"scheduler": offload.scheduler_link_fields(p)}}
 
 
 def main(argv):
-  del argv
-  apply_config_defaults()
-  m, config = model_bytes()
-  names = sorted(offload.PRESETS) if FLAGS.all_presets else [FLAGS.hardware]
-  out = {}
+  if len(argv) > 1:
+    engine_flags.usage_error(f"unexpected arguments {argv[1:]}")
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  engine_flags.apply_config_defaults()
+  raw = FLAGS.num_layers is not None or FLAGS.layer_gb is not None
+  if raw and FLAGS["model"].present:
+    engine_flags.usage_error("give --model or the raw numbers (--num_layers, --layer_gb), not both")
+  if not raw and any(FLAGS[name].value != FLAGS[name].default for name in RAW_FLAGS):
+    engine_flags.usage_error(f"--{', --'.join(RAW_FLAGS)} plan raw numbers: give --num_layers "
+                             "and --layer_gb with them, and no --model")
+  kwargs = engine_flags.llm_kwargs()
   try:
-    for name in names:
-      hardware = offload.preset(name) if name else None
-      p = offload.plan(m, **plan_args(m, config, hardware))
-      out[name or "given"] = p.to_dict() | {"scheduler": offload.scheduler_link_fields(p)}
-      print(f"[{name or 'given'}] {p.message()}", file=sys.stderr)
+    EngineArgs(**kwargs)
+    out = raw_plan() if raw else model_plans(kwargs)
   except ValueError as e:
-    raise app.UsageError(str(e)) from None
+    engine_flags.usage_error(str(e))
   print(json.dumps(out, indent=1))
 
 

@@ -69,7 +69,6 @@ LAYER_OF = {
     "jaxtier.engine.args": "driver",
     "jaxtier.engine": "engine",
     "jaxtier.llm": "api",
-    "jaxtier.engine.flags": "api",
     "jaxtier.batch": "top",
     "jaxtier.server": "top",
     "jaxtier.tools": "top",

@@ -70,6 +70,12 @@ def safetensors_files(directory: str) -> list[str]:
   return [os.path.join(directory, n) for n in names]
 
 
+def has_weights(directory: str) -> bool:
+  """Whether `directory` holds safetensors weights (shards or an index)."""
+  return any(name.endswith((".safetensors", ".safetensors.index.json"))
+             for name in os.listdir(directory))
+
+
 def _layer_tensor(name: str, array: np.ndarray) -> np.ndarray:
   return array.T if name.endswith("proj.weight") else array
 

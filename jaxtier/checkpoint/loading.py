@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtier.checkpoint import gguf_file, hf, orbax_io, placed, registry
-from jaxtier.checkpoint.params import TensorSource, params_from_model
+from jaxtier.checkpoint.params import ConfigSource, TensorSource, params_from_model
 from jaxtier.model.config import ModelConfig
 from jaxtier.model.transformer import Transformer
 from jaxtier.text.tokenizer import Tokenizer, load_tokenizer_dir
@@ -38,14 +38,20 @@ def resolve_dtype(dtype) -> jnp.dtype:
 @dataclasses.dataclass
 class Opened:
   """A checkpoint opened for reading: its config and tokenizer, its tensors not read yet."""
-  kind: str  # "gguf", "hf", "orbax"
+  kind: str  # "gguf", "hf", "orbax", or "config" (`open_metadata`)
   path: str
   config: ModelConfig
-  tokenizer: Tokenizer
+  tokenizer: Tokenizer | None  # None: a directory holding only a config (`open_metadata`)
   source: TensorSource
 
   def close(self) -> None:
     self.source.close()
+
+  def __enter__(self) -> "Opened":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 def _open_path(path: str) -> Opened:
@@ -53,6 +59,9 @@ def _open_path(path: str) -> Opened:
     if orbax_io.is_orbax_dir(path):
       return Opened("orbax", path, *orbax_io.open_source(path))
     config = hf.read_config(path)
+    if not hf.has_weights(path):
+      raise FileNotFoundError(f"{path} holds a config.json but no weights (*.safetensors): it "
+                              "can be planned (--dry_run, jaxtier.llm.dry_run), not loaded")
     return Opened("hf", path, config, load_tokenizer_dir(path), hf.HFSource(path, config))
   if os.path.isfile(path):
     with open(path, "rb") as f:
@@ -115,6 +124,18 @@ def open_checkpoint(source: str, keep_quantized: bool = False, convert: bool = T
   manifest = registry.find_manifest(source)
   return (_open_path(source) if manifest is None
           else _registered(manifest, keep_quantized, convert))
+
+
+def open_metadata(source: str, keep_quantized: bool = False) -> Opened:
+  """What planning reads: `open_checkpoint(source, keep_quantized, convert=False)` (a registry
+  model is never converted for it), and also a directory holding a Hugging Face config.json but
+  no weights, so a deployment can be sized from its config alone: its tensors' shapes come from
+  the config (`params.ConfigSource`), none can be read, and it has no tokenizer."""
+  if (registry.find_manifest(source) is None and os.path.isdir(source)
+      and not orbax_io.is_orbax_dir(source) and not hf.has_weights(source)):
+    config = hf.read_config(source)
+    return Opened("config", source, config, None, ConfigSource(source, config))
+  return open_checkpoint(source, keep_quantized, convert=False)
 
 
 def load(source: str, dtype="float32", layout: placed.Layout | None = None,

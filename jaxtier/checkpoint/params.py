@@ -128,6 +128,24 @@ class TensorSource:
     self.close()
 
 
+class ConfigSource(TensorSource):
+  """A model's tensors as its config gives their shapes, none of them readable: what planning
+  needs from a directory that holds a config and no weights."""
+  kind = "config"
+
+  def __init__(self, where: str, config: ModelConfig):
+    super().__init__(where)
+    self._shapes = expected_shapes(config, jnp.float32)
+
+  def shapes(self) -> dict[Path, tuple[int, ...]]:
+    return self._shapes
+
+  def read(self, path: Path, layers: Sequence[int] | None = None) -> np.ndarray:
+    del layers
+    raise ValueError(f"{self.where} holds a config but no weights ({'/'.join(path)} cannot be "
+                     "read): it can be planned (a dry run), not loaded")
+
+
 def fused_row_splits(name: str, config: ModelConfig) -> list[tuple[int, int]]:
   """The [start, stop) output rows of each part of the fused HF tensor `name`
   (`HF_FUSED_LAYER_NAMES`)."""

@@ -19,8 +19,10 @@ The groups built here are the ones `GroupedTransformer` would cut out of a loade
 stays the reference that tests compare against.
 """
 
+import copy
 import dataclasses
-from typing import Callable, Sequence
+import functools
+from typing import Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -261,6 +263,21 @@ def stack_formats(source: TensorSource | None, layers: range, platform: str | No
   return out
 
 
+def _abstract_modules(keys: Sequence[Hashable], make: Callable[[Hashable], nnx.Module]
+                      ) -> list[nnx.Module]:
+  """One abstract module per key, `make(key)` traced once per distinct key (a layer's trace is
+  tens of milliseconds) and copied for the others."""
+  traced: dict[Hashable, nnx.Module] = {}
+  modules = []
+  for key in keys:
+    if key in traced:
+      modules.append(copy.deepcopy(traced[key]))
+    else:
+      traced[key] = nnx.eval_shape(functools.partial(make, key))
+      modules.append(traced[key])
+  return modules
+
+
 def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused: bool,
                     blocks: Sequence[frozenset] | None = None, activations: str = "float32",
                     compact: dict[str, quant.WeightFormat] | None = None,
@@ -278,11 +295,12 @@ def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused:
     if packed and blocks is not None:
       kept = tuple(dict(blocks[i]) for i in layers)
     if any(kept):
-      modules = [nnx.eval_shape(lambda names=names: FusedDecoderLayer(
-          DecoderLayer(config, dtype, nnx.Rngs(0)), formats=names, activations=activations))
-                 for names in kept]
+      modules = _abstract_modules(
+          [tuple(sorted(names.items())) for names in kept],
+          lambda key: FusedDecoderLayer(DecoderLayer(config, dtype, nnx.Rngs(0)),
+                                        formats=dict(key), activations=activations))
     else:
-      modules = [nnx.eval_shape(make) for _ in layers]
+      modules = _abstract_modules([()] * len(layers), lambda key: make())
     splits = [nnx.split(module) for module in modules]
   else:
     splits = [nnx.split(nnx.eval_shape(lambda: make_layer_stack(config, dtype, nnx.Rngs(0),

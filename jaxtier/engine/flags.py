@@ -119,14 +119,16 @@ def prepare() -> None:
 
 
 def print_plan_and_exit() -> NoReturn:
-  """--dry_run: the plan (`jaxtier.llm.dry_run`) as one JSON line, then exit 0; a plan the
-  arguments cannot make (too little memory, a pool the host cannot pin) is a usage error."""
-  from jaxtier import llm  # pylint: disable=g-import-not-at-top  (JAX loads only once a script runs)
+  """--dry_run: the plan (`jaxtier.engine.build.plan`'s memory plan) as one JSON line, then exit 0;
+  a plan the arguments cannot make (too little memory, a pool the host cannot pin) is a usage
+  error."""
+  from jaxtier.engine import build  # pylint: disable=g-import-not-at-top  (JAX loads only now)
+  kwargs = llm_kwargs()
   try:
-    plan = llm.dry_run(**llm_kwargs(), platform=FLAGS.platform)
+    plan = build.plan(kwargs["model"], engine_args.EngineArgs(**kwargs), FLAGS.platform)
   except ValueError as e:
     usage_error(str(e))
-  print(json.dumps(plan), flush=True)
+  print(json.dumps(plan.memory_plan()), flush=True)
   sys.exit(0)
 
 

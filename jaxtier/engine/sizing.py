@@ -4,9 +4,11 @@
 `ModelConfig`, a `Machine` (what the devices and the host hold, measured by `detect_machine` or
 given for another machine) and, when the planner must run, the measured link rate and layer time;
 it returns a `Sizing`: dtype, layer execution, the blocks of both KV pools, the offloaded layers and
-prefetch depth, the step budgets. `jaxtier.LLM` runs parse (`EngineArgs`) -> size -> load (the
-layout the sizing gives) -> build (`Sizing.engine_config`), and every default the arguments leave
-open is decided here, once.
+prefetch depth, the step budgets. `resolve` decides, before any model is read, what the loader must
+know to open the checkpoint (`Settings`: dtypes, kernels, layer execution, kept blocks). Every
+default the arguments leave open is decided here, once; `jaxtier.engine.build.plan` turns a
+`Sizing` into the engine's layout and configuration, for `jaxtier.LLM`, the dry run, the export
+and the planner script alike.
 
 The KV pools (vLLM's names and meaning):
 - device pool: `num_device_blocks`, or `kv_cache_memory_gb`; default: the device memory left after
@@ -76,6 +78,33 @@ class Machine:
   def __post_init__(self):
     if self.platform not in PLATFORMS:
       raise ValueError(f"platform={self.platform!r}: expected one of {PLATFORMS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The engine arguments' platform-dependent choices resolved for a machine, before any model is
+  read (`resolve`): what the loader must know to open the checkpoint and lay the model out."""
+  platform: str  # `Machine.platform`
+  dtype: str  # the parameters' and activations' ("float32" or "bfloat16")
+  kv_cache_dtype: str
+  kernels: str  # "auto" or "portable"
+  layer_execution: str  # "scan" or "unrolled"
+  keep_quantized: bool  # layers may keep a GGUF file's blocks (or `quantization`'s)
+  block_activations: str  # how kept blocks multiply: "float32" or "int16"
+  table_dtype: str | None  # the embedding and LM head's dtype where not `dtype`
+
+  @property
+  def portable(self) -> bool:
+    return self.kernels == "portable"
+
+
+def resolve(args: EngineArgs, machine: Machine) -> Settings:
+  """The `Settings` `args` resolve to on `machine` (`resolved_kernels`, `execution`,
+  `model_dtype`, `kv_cache_dtype`, `table_dtype`)."""
+  layer_execution, keep, activations = execution(args, machine)
+  return Settings(machine.platform, model_dtype(args, machine), kv_cache_dtype(args, machine),
+                  resolved_kernels(args, machine), layer_execution, keep, activations,
+                  table_dtype(args, machine))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,15 +271,6 @@ def cpu_default_pool_blocks(max_num_seqs: int, max_model_len: int, block_size: i
   return device, int(device * CPU_DEFAULT_HOST_FRACTION)
 
 
-def needs_weight_bytes(args: EngineArgs, machine: Machine) -> bool:
-  """Whether `size` counts the weights' bytes: for the offload planner, or for a default device
-  pool on a device that reports its memory. (The loader's exact resident bytes are worth
-  computing only then.)"""
-  memory = args.device_memory_gb is not None or machine.device_memory_bytes is not None
-  explicit = args.num_device_blocks is not None or args.kv_cache_memory_gb is not None
-  return args.offload_tail_layers != 0 or (memory and not explicit)
-
-
 def _check_model(args: EngineArgs, config: ModelConfig) -> None:
   """The checks that need the model's config."""
   limit = config.max_position_embeddings
@@ -343,7 +363,8 @@ def _offload(args: EngineArgs, config: ModelConfig, machine: Machine, weights: M
 
 def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
          weights: ModelBytes | None = None, timing: Timing | None = None,
-         expert_rates: "expert_cost.ExpertRates | None" = None) -> Sizing:
+         expert_rates: "expert_cost.ExpertRates | None" = None,
+         settings: Settings | None = None) -> Sizing:
   """The engine `args` resolve to for a model of `config` on `machine` (see the module docstring).
 
   `weights`: one device's weight bytes as the loader will hold them (`ModelBytes`; resident
@@ -351,14 +372,14 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
   `jaxtier.checkpoint.placed.resident_bytes`); default: floats of the resolved dtype. `timing(batch,
   context)`: the measured link rate and decode-layer time, called only when the planner runs.
   `expert_rates`: the link and host rates the expert cost model runs at (default: the platform's
-  hardware preset). Raises ValueError for arguments this model or machine cannot run.
+  hardware preset). `settings`: `resolve(args, machine)`, where already made. Raises ValueError
+  for arguments this model or machine cannot run.
   """
   _check_model(args, config)
+  settings = settings or resolve(args, machine)
   tp = args.tensor_parallel_size
-  kernels = resolved_kernels(args, machine)
-  layer_execution, keep, activations = execution(args, machine)
   max_model_len = args.max_model_len or config.max_position_embeddings
-  dtype, kv_dtype = model_dtype(args, machine), kv_cache_dtype(args, machine)
+  dtype, kv_dtype = settings.dtype, settings.kv_cache_dtype
   block_bytes = kv_block_bytes(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype,
                                args.block_size)
   if weights is None:
@@ -402,11 +423,11 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
         "kv_cache_memory_gb (or device memory), or lower max_model_len")
   host = _host_blocks(args, machine, device, host, block_bytes, host_weights * tp)
   return Sizing(
-      dtype=dtype, kv_cache_dtype=kv_dtype, kernels=kernels,
-      attention_impl=("xla" if kernels == "portable" and args.attention_impl == "auto"
+      dtype=dtype, kv_cache_dtype=kv_dtype, kernels=settings.kernels,
+      attention_impl=("xla" if settings.portable and args.attention_impl == "auto"
                       and machine.platform == "cpu" else args.attention_impl),
-      layer_execution=layer_execution,
-      keep_quantized=keep, block_activations=activations,
+      layer_execution=settings.layer_execution,
+      keep_quantized=settings.keep_quantized, block_activations=settings.block_activations,
       tensor_parallel_size=tp,
       max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
       max_num_batched_tokens=args.token_budget, block_size=args.block_size,
@@ -417,7 +438,7 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
       device_weight_bytes_per_device=resident,
       host_weight_bytes_per_device=host_weights, activation_reserve_bytes=reserve,
       host_expert_bytes=experts.layers * whole.expert_layer_bytes,
-      table_dtype=table_dtype(args, machine), platform=machine.platform)
+      table_dtype=settings.table_dtype, platform=machine.platform)
 
 
 def _host_blocks(args: EngineArgs, machine: Machine, device: int, default: int | None,
@@ -459,6 +480,13 @@ def platform_name(platform: str) -> str:
   return platform
 
 
+def local_platform() -> str:
+  """`Machine.platform` of this process's first local device."""
+  import jax  # pylint: disable=import-outside-toplevel
+  platform = jax.local_devices()[0].platform
+  return platform if platform in PLATFORMS else "gpu"  # "cuda" / "rocm" plugins
+
+
 def detect_machine(args: EngineArgs, platform: str | None = None) -> Machine:
   """This process's machine, as `size` takes it: the platform and devices JAX sees, the first
   device's memory limit (None on CPU, whose backend reports none), the host's RAM, and on CPU
@@ -472,8 +500,7 @@ def detect_machine(args: EngineArgs, platform: str | None = None) -> Machine:
   unbounded)."""
   import jax  # pylint: disable=import-outside-toplevel
   devices = jax.local_devices()
-  local = devices[0].platform
-  local = local if local in PLATFORMS else "gpu"  # "cuda" / "rocm" plugins
+  local = local_platform()
   given = None if args.host_memory_gb is None else int(args.host_memory_gb * GB)
   if platform is not None and platform_name(platform) != local:
     return Machine(platform_name(platform), args.tensor_parallel_size, None, given)

@@ -47,22 +47,20 @@ with a whole-vocabulary grammar mask.
 import dataclasses
 import functools
 import re
-from typing import Any
 
 import jax
 from flax import nnx
 
-from jaxtier import checkpoint, llm
+from jaxtier import checkpoint
 from jaxtier.checkpoint import placed
-from jaxtier.engine import sizing
+from jaxtier.engine import build, sizing
 from jaxtier.engine.args import EngineArgs
-from jaxtier.engine.engine import cache_config, warmup_programs
+from jaxtier.engine.engine import EngineConfig, cache_config, warmup_programs
 from jaxtier.engine.runner import Runner
 from jaxtier.kernels.cpu import library as cpu_kernels
 from jaxtier.kvcache import PagedKVCache
 from jaxtier.model import quant, sharding
-from jaxtier.offload import hardware, placement
-from jaxtier.offload.planner import ModelBytes
+from jaxtier.offload import placement
 from jaxtier.sampling import structured
 from jaxtier.sampling.logprobs import MAX_LOGPROBS
 from jaxtier.sampling.samplers import MIN_HISTORY, MIN_IDS
@@ -71,48 +69,49 @@ from jaxtier.tools import hlo
 PROGRAMS = ("prefill", "decode", "sample", "sample_transformed", "follow", "logprobs",
             "prompt_logprobs", "swap_out", "swap_in")
 EXPORT_PLATFORMS = ("cuda", "rocm", "tpu", "cpu")  # jax.export's names
-DEFAULT_PRESET = hardware.PLATFORM_PRESETS["gpu"]  # the planner's link and layer time
 SWAP_BLOCKS = 4  # the block count the swaps are exported at (fewer where the pools hold fewer)
 
 
 @dataclasses.dataclass(frozen=True)
 class AbstractEngine:
-  """An engine's programs' arguments, abstract: what `Engine` would build for the sizing."""
-  sizing: sizing.Sizing
-  engine_config: Any  # EngineConfig
+  """An engine's programs' arguments, abstract: what `Engine` would build for the plan."""
+  plan: build.Plan
   runner: Runner
   cache: PagedKVCache
   host_weight_bytes: int  # the state's bytes in a host memory kind
   vocab_size: int
 
+  @property
+  def sizing(self) -> sizing.Sizing:
+    return self.plan.sizing
 
-def abstract_engine(model: str, platform: str, hardware_preset: str = DEFAULT_PRESET,
+  @property
+  def engine_config(self) -> EngineConfig:
+    return self.plan.engine_config
+
+
+def abstract_engine(model: str, platform: str, hardware_preset: str | None = None,
                     **engine_args) -> AbstractEngine:
   """The engine `jaxtier.LLM(model, **engine_args)` would build on `platform` (a `jax.export`
-  platform name), sized for that platform, its state and cache abstract (see the module
-  docstring). Where the offload planner runs (a prefetch depth or offload left "auto"), its link
-  rate and layer time are `hardware_preset`'s (`jaxtier.offload.hardware`), not measured. Raises
-  ValueError as `LLM` would for arguments the platform cannot run."""
+  platform name), planned for that platform (`jaxtier.engine.build.plan`), its state and cache
+  abstract (see the module docstring). Where the offload planner runs (a prefetch depth or
+  offload left "auto"), its link rate and layer time are `hardware_preset`'s (default: the
+  platform's preset, `jaxtier.offload.hardware.PLATFORM_PRESETS`; this machine's measurements
+  where it is the platform), not measured. Raises ValueError as `LLM` would for arguments the
+  platform cannot run."""
   args = EngineArgs(model=model, **engine_args)
-  machine = sizing.detect_machine(args, platform)
-  opened = llm.open_for(model, args, machine, convert=False)
-  with opened.source:
-    config = opened.config
-
-    timing = hardware.preset_timing(hardware_preset, ModelBytes.from_config(
-        config, sizing.model_dtype(args, machine), sizing.kv_cache_dtype(args, machine)))
-    s = sizing.size(args, config, machine, timing=timing)
-    mesh = sharding.make_mesh(args.tensor_parallel_size)
-    layout = llm.layout_of(s, config.num_layers, mesh)
-    model_abstract = placed.abstract(config, checkpoint.resolve_dtype(s.dtype), layout,
-                                     opened.source)
-  graphdef, state = nnx.split(model_abstract)
-  engine_config = llm.engine_config_of(args, s)
-  cache = PagedKVCache.abstract(cache_config(config, engine_config), mesh, machine.platform)
-  runner = Runner(graphdef, state, cache, portable=s.kernels == "portable")
+  mesh = sharding.make_mesh(args.tensor_parallel_size)
+  with build.planned(model, args, platform, mesh=mesh, hardware_preset=hardware_preset) as (
+      plan, opened):
+    state_abstract = placed.abstract(plan.config, checkpoint.resolve_dtype(plan.sizing.dtype),
+                                     plan.layout, opened.source)
+  graphdef, state = nnx.split(state_abstract)
+  cache = PagedKVCache.abstract(cache_config(plan.config, plan.engine_config), mesh,
+                                plan.machine.platform)
+  runner = Runner(graphdef, state, cache, portable=plan.sizing.kernels == "portable")
   host = sum(quant.array_bytes(a) for a in jax.tree.leaves(state)
              if a.sharding.memory_kind != placement.DEVICE)
-  return AbstractEngine(s, engine_config, runner, cache, host, config.vocab_size)
+  return AbstractEngine(plan, runner, cache, host, plan.config.vocab_size)
 
 
 def representative_programs(engine_config, vocab_size: int) -> dict[str, tuple]:
@@ -245,16 +244,16 @@ def export_engine_programs(engine: AbstractEngine, platform: str,
   return {name: results[name] for name in PROGRAMS if name in results}
 
 
-def export_programs(model: str, platform: str = "cuda", hardware_preset: str = DEFAULT_PRESET,
+def export_programs(model: str, platform: str = "cuda", hardware_preset: str | None = None,
                     **engine_args) -> dict:
   """The engine of `jaxtier.LLM(model, **engine_args)` planned for `platform` ("cuda", "tpu",
   ...) and its programs exported for it: {"platform", "model", "host_weight_bytes", "plan"
-  (`Sizing.memory_plan`), "planner_preset" (the preset the offload planner ran with, or None
-  where it did not run), "programs": {name: facts}} (see the module docstring)."""
+  (`jaxtier.engine.build.Plan.memory_plan`, what `--dry_run --platform` prints), "planner_preset"
+  (the preset the offload planner ran with, or None where it did not run or measured this
+  machine), "programs": {name: facts}} (see the module docstring)."""
   if platform not in EXPORT_PLATFORMS:
     raise ValueError(f"platform={platform!r}: expected one of {EXPORT_PLATFORMS}")
   engine = abstract_engine(model, platform, hardware_preset, **engine_args)
-  planned = engine.sizing.offload.plan is not None
   return {"platform": platform, "model": model, "host_weight_bytes": engine.host_weight_bytes,
-          "plan": engine.sizing.memory_plan(), "planner_preset": hardware_preset if planned else None,
+          "plan": engine.plan.memory_plan(), "planner_preset": engine.plan.planner_preset,
           "programs": export_engine_programs(engine, platform)}
