@@ -71,9 +71,11 @@ import time
 
 from absl import app, flags
 
+from jaxtier.common.choices import DTYPE_BYTES
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "registry name of the model")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+flags.DEFINE_enum("dtype", "float32", list(DTYPE_BYTES),
                   "parameter dtype of the loaded model")
 flags.DEFINE_list("sources", ["orbax", "safetensors", "gguf"], "checkpoint formats to load from")
 flags.DEFINE_list("offload_layers", ["0", "10", "20"], "offloaded tail layers (0: all resident)")

@@ -10,8 +10,10 @@ The `article_chat` preset predicts prefix caching's three modes on a multi-turn 
     python scripts/simulate.py --preset=article_chat --enable_prefix_caching --nohost_prefix_caching
     python scripts/simulate.py --preset=article_chat --enable_prefix_caching --host_prefix_caching
 
-Pool sizes come from memory sizes and the model's shape unless --num_device_blocks /
---num_host_blocks give them: device KV = device_gb - weights_gb - reserve_gb; GB here are 1e9 bytes.
+The scheduler's settings are the engine flags (`jaxtier.engine.flags`: the names, defaults and
+checks of `jaxtier.LLM`'s arguments; `--kv_cache_dtype=auto` is bfloat16, an accelerator's). Pool
+sizes come from memory sizes and the model's shape unless --num_device_blocks / --num_host_blocks
+give them: device KV = device_gb - weights_gb - reserve_gb; GB here are 1e9 bytes.
 The report holds throughput, TTFT and per-token latency percentiles, swap count, bytes and seconds,
 preemptions, peak pool usage and the prefix cache's hits, write-backs and loads (see
 jaxtier/tools/simulator.py for the cost model). The chat workload (--workload=chat) gives each
@@ -23,9 +25,10 @@ import json
 
 from absl import app, flags
 
-from jaxtier.common.kv_bytes import ELEMENT_BYTES, kv_block_bytes
+from jaxtier.common.kv_bytes import kv_block_bytes
+from jaxtier.engine import flags as engine_flags
+from jaxtier.engine.args import EngineArgs
 from jaxtier.scheduler import SchedulerConfig
-from jaxtier.scheduler.policies import VICTIM_POLICIES
 from jaxtier.tools import simulator
 
 _GB = 1e9
@@ -37,12 +40,15 @@ WORKLOADS = ("synthetic", "chat")
 # Our assumptions: 14 GB of weights (7e9 x 2 bytes), 8 GB for activations (the article's own split),
 # a 180 GB host pool (its section 4.2), a 5 GB watermark (its section 3.2), 10 ms per decode step and
 # 90 us of compute per token (14 GFLOP at half of a 312 TFLOP/s peak).
+# Its 5 GB watermark as the share of the device KV pool (80 - 14 - 8 GB) the engine argument is.
+_ARTICLE_WATERMARK = 5.0 / (80.0 - 14.0 - 8.0)
 PRESETS = {
     "article": dict(
         num_layers=28, kv_heads=32, head_dim=128, kv_cache_dtype="bfloat16", device_gb=80.0,
-        weights_gb=14.0, reserve_gb=8.0, host_gb=180.0, watermark_gb=5.0, num_requests=100,
-        arrival_rate=0.0, prompt_len=3000, output_len=1000, length_dist="uniform",
-        step_base_ms=10.0, per_token_us=90.0, link_gb_per_s=22.0, max_num_batched_tokens=4096),
+        weights_gb=14.0, reserve_gb=8.0, host_gb=180.0, watermark=_ARTICLE_WATERMARK,
+        num_requests=100, arrival_rate=0.0, prompt_len=3000, output_len=1000,
+        length_dist="uniform", step_base_ms=10.0, per_token_us=90.0, link_gb_per_s=22.0,
+        max_num_seqs=256, max_num_batched_tokens=4096, enable_prefix_caching=False),
 }
 # The article's model, memory, link and cost figures serving multi-turn chats, sized so that the
 # distinct prefixes outgrow the device pool but fit in the host pool. One block holds 16 tokens x
@@ -81,30 +87,23 @@ flags.DEFINE_integer("seed", 0, "Synthetic or chat workload seed.")
 flags.DEFINE_integer("num_layers", 28, "Model layers.")
 flags.DEFINE_integer("kv_heads", 32, "KV heads per layer.")
 flags.DEFINE_integer("head_dim", 128, "Head dimension.")
-flags.DEFINE_enum("kv_cache_dtype", "bfloat16", sorted(ELEMENT_BYTES),
-                  "KV storage dtype (int8 counts its float32 scales).")
-flags.DEFINE_float("device_gb", 80.0, "Device memory.")
+flags.DEFINE_float("device_gb", 80.0, "Device memory (sizes the device pool without "
+                   "--num_device_blocks).")
 flags.DEFINE_float("weights_gb", 14.0, "Resident weights.")
 flags.DEFINE_float("reserve_gb", 8.0, "Activations and scratch.")
-flags.DEFINE_float("host_gb", 180.0, "Host KV pool.")
-flags.DEFINE_integer("num_device_blocks", 0, "Device KV blocks (0: from the memory sizes).")
-flags.DEFINE_integer("num_host_blocks", -1, "Host KV blocks (-1: from host_gb).")
-flags.DEFINE_integer("block_size", 16, "Tokens per block.")
-flags.DEFINE_integer("max_num_seqs", 256, "Most running requests.")
-flags.DEFINE_integer("max_num_batched_tokens", 2048, "Token budget per step.")
-flags.DEFINE_float("watermark_gb", 0.0,
-                   "Device KV kept free (the scheduler's watermark is its share of the device "
-                   "pool, which keeps at least this many GB free).")
-flags.DEFINE_enum("preemption_mode", "swap", ["swap", "recompute"], "Preemption mode.")
-flags.DEFINE_enum("victim_policy", "longest_waiting", sorted(VICTIM_POLICIES), "Victim policy.")
+flags.DEFINE_float("host_gb", 180.0, "Host KV pool (without --num_host_blocks).")
 flags.DEFINE_enum("host_full", "recompute", ["recompute", "abort_oldest"], "Host pool full.")
 flags.DEFINE_bool("prefetch_swap_in", True, "Plan swap-ins one step early.")
-flags.DEFINE_bool("enable_prefix_caching", False, "Share cached prompt blocks between requests.")
-flags.DEFINE_bool("host_prefix_caching", True,
-                  "With prefix caching: evicted blocks go to the host pool, hits load back.")
 flags.DEFINE_float("step_base_ms", 10.0, "Cost of a step that computes anything.")
 flags.DEFINE_float("per_token_us", 90.0, "Compute per token.")
 flags.DEFINE_float("link_gb_per_s", 22.0, "Host link bandwidth.")
+# The engine's own flags (jaxtier.engine.flags: names, defaults and help of EngineArgs) for what
+# the scheduler takes from the engine arguments.
+ENGINE_FLAGS = ("kv_cache_dtype", "num_device_blocks", "num_host_blocks", "block_size",
+                "max_num_seqs", "max_num_batched_tokens", "watermark", "preemption_mode",
+                "victim_policy", "enable_prefix_caching", "host_prefix_caching")
+for _name in ENGINE_FLAGS:
+  flags.declare_key_flag(_name)
 
 
 def _apply_preset():
@@ -113,19 +112,32 @@ def _apply_preset():
       FLAGS[name].value = value
 
 
-def _config(block_bytes: int) -> SchedulerConfig:
-  device_blocks = FLAGS.num_device_blocks or int(
+def _engine_args() -> EngineArgs:
+  """The engine flags, checked as the engine checks them (a bad value is a usage error)."""
+  try:
+    return EngineArgs(**engine_flags.llm_kwargs())
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+
+
+def _kv_cache_dtype(args: EngineArgs) -> str:
+  """`--kv_cache_dtype`, with "auto" the simulated accelerator's model dtype, bfloat16."""
+  return "bfloat16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+
+
+def _config(args: EngineArgs, block_bytes: int) -> SchedulerConfig:
+  device_blocks = args.num_device_blocks or int(
       (FLAGS.device_gb - FLAGS.weights_gb - FLAGS.reserve_gb) * _GB // block_bytes)
-  host_blocks = (FLAGS.num_host_blocks if FLAGS.num_host_blocks >= 0
+  host_blocks = (args.num_host_blocks if args.num_host_blocks is not None
                  else int(FLAGS.host_gb * _GB // block_bytes))
   return SchedulerConfig(
-      num_device_blocks=device_blocks, num_host_blocks=host_blocks, block_size=FLAGS.block_size,
-      max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-      watermark=FLAGS.watermark_gb * _GB / (max(device_blocks, 1) * block_bytes),
-      preemption_mode=FLAGS.preemption_mode, victim_policy=FLAGS.victim_policy,
-      host_full=FLAGS.host_full, prefetch_swap_in=FLAGS.prefetch_swap_in, block_bytes=block_bytes,
-      enable_prefix_caching=FLAGS.enable_prefix_caching,
-      host_prefix_caching=FLAGS.host_prefix_caching)
+      num_device_blocks=device_blocks, num_host_blocks=host_blocks, block_size=args.block_size,
+      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.token_budget,
+      watermark=args.watermark, preemption_mode=args.preemption_mode,
+      victim_policy=args.victim_policy, host_full=FLAGS.host_full,
+      prefetch_swap_in=FLAGS.prefetch_swap_in, block_bytes=block_bytes,
+      enable_prefix_caching=args.enable_prefix_caching,
+      host_prefix_caching=args.host_prefix_caching)
 
 
 def _workload() -> tuple[simulator.WorkItem, ...]:
@@ -147,12 +159,13 @@ def _workload() -> tuple[simulator.WorkItem, ...]:
 def main(argv):
   del argv
   _apply_preset()
+  args = _engine_args()
   block_bytes = kv_block_bytes(FLAGS.num_layers, FLAGS.kv_heads, FLAGS.head_dim,
-                               FLAGS.kv_cache_dtype, FLAGS.block_size)
+                               _kv_cache_dtype(args), args.block_size)
   workload = _workload()
   cost = simulator.CostModel(FLAGS.step_base_ms / 1e3, FLAGS.per_token_us / 1e6,
                              FLAGS.link_gb_per_s * _GB, block_bytes)
-  config = _config(block_bytes)
+  config = _config(args, block_bytes)
   report = simulator.simulate(config, cost, workload)
   report["config"] = {"preset": FLAGS.preset,
                       "workload": "trace" if FLAGS.trace else FLAGS.workload,

@@ -79,3 +79,41 @@ def test_the_components_take_the_engine_arguments_names():
   assert {"num_device_blocks", "num_host_blocks", "block_size", "kv_cache_dtype",
           "attention_impl"} <= cache
   assert {f.name for f in dataclasses.fields(EngineConfig)} <= set(ARG_NAMES)
+
+
+def _error(make) -> str | None:
+  try:
+    make()
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+SCHEDULER = dict(num_device_blocks=64, num_host_blocks=16, block_size=16, max_num_seqs=8,
+                 max_num_batched_tokens=64, watermark=0.01, preemption_mode="swap",
+                 victim_policy="longest_waiting", enable_prefix_caching=True,
+                 host_prefix_caching=True)
+CACHE = dict(num_layers=2, num_kv_heads=2, head_dim=8, num_device_blocks=64, block_size=16,
+             num_host_blocks=16, kv_cache_dtype="float32", attention_impl="xla")
+BAD = [("block_size", 0), ("block_size", 4096), ("max_num_seqs", 0), ("max_num_seqs", 10**5),
+       ("max_num_batched_tokens", 4), ("watermark", 1.0), ("watermark", -0.1),
+       ("preemption_mode", "drop"), ("enable_prefix_caching", 1), ("host_prefix_caching", "yes"),
+       ("kv_cache_dtype", "float16"), ("attention_impl", "flash")]
+
+
+@pytest.mark.parametrize("name, value", BAD, ids=[f"{n}={v!r}" for n, v in BAD])
+def test_a_config_built_alone_checks_an_argument_as_the_engine_arguments_do(name, value):
+  """The scheduler and the paged cache, built on their own (the simulator, a researcher's code),
+  reject a bad value of an engine argument they hold as the engine arguments do (what is
+  expected may differ: the engine's "auto", its defaults)."""
+  from jaxtier.engine.args import EngineArgs  # pylint: disable=import-outside-toplevel
+  named = lambda message: message.split(": expected")[0]
+  expected = _error(lambda: EngineArgs(**{"max_num_seqs": 8} | {name: value}))
+  assert expected is not None and named(expected) == f"{name}={value!r}"
+  checked = 0
+  for config, base in ((SchedulerConfig, SCHEDULER), (PagedCacheConfig, CACHE)):
+    if name in base:
+      got = _error(lambda config=config, base=base: config(**base | {name: value}))
+      assert got is not None and named(got) == named(expected), (config.__name__, got)
+      checked += 1
+  assert checked

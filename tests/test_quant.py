@@ -115,9 +115,10 @@ def q4_file(tmp_path_factory):
 def test_gguf_blocks_in_stacked_layers_match_the_dequantized_model(tmp_path, groups, tied):
   config, _, path = write_q4_file(tmp_path, tied)
   _, _, source = gguf_file.open_source(path)
-  dequantized = placed.build(config, source, jnp.float32, placed.Layout(groups, portable=True))
+  dequantized = placed.build(config, source, jnp.float32,
+                             placed.Layout(groups, 1, portable=True))
   compact = placed.build(config, source, jnp.float32,
-                         placed.Layout(groups, portable=True, keep_quantized=True))
+                         placed.Layout(groups, 1, portable=True, keep_quantized=True))
   kinds = {str(a.dtype) for a in jax.tree.leaves(nnx.state(compact))}
   assert "uint8" in kinds and "float32" in kinds  # nibbles, and their scales
   assert compact.compact_head is not None and compact.compact_head.values.dtype == jnp.int8
@@ -135,7 +136,7 @@ def test_an_offloaded_compact_tail_equals_the_same_model_resident(fmt, group):
   resident = placed.build(config, source, jnp.float32,
                           placed.Layout(((2, "scan"),), keep_quantized=True, portable=True))
   offloaded = placed.build(config, source, jnp.float32, placed.Layout(
-      ((1, "scan"), (1, "offload")), keep_quantized=True, portable=True))
+      ((1, "scan"), (1, "offload")), 1, keep_quantized=True, portable=True))
   host = [a for a in jax.tree.leaves(nnx.state(offloaded))
           if a.sharding.memory_kind == "pinned_host"]
   assert {str(a.dtype) for a in host} >= {"float32", "int8" if "8" in fmt else "uint8"}

@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-KV_CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
+from jaxtier.common.kv_bytes import ELEMENT_BYTES
+
+KV_CACHE_DTYPES = {name: getattr(jnp, name) for name in ELEMENT_BYTES}  # name -> jnp dtype
 INT8_MAX = 127
 SCALE_DTYPE = jnp.float32
 

@@ -11,11 +11,12 @@ import numpy as np
 
 from jaxtier.checkpoint import gguf_file, hf, orbax_io, placed, registry
 from jaxtier.checkpoint.params import ConfigSource, TensorSource, params_from_model
+from jaxtier.common.choices import DTYPE_BYTES
 from jaxtier.model.config import ModelConfig
 from jaxtier.model.transformer import Transformer
 from jaxtier.text.tokenizer import Tokenizer, load_tokenizer_dir
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {name: getattr(jnp, name) for name in DTYPE_BYTES}  # the model dtypes' jnp types
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from jaxtier.checkpoint.params import (DERIVED, Path, TensorSource, _flatten, _unflatten,
                                        check_shapes)
 from jaxtier.checkpoint.quantized import layout_of
+from jaxtier.common.checks import MAX_PREFETCH_DEPTH, check_int
 from jaxtier.kernels.cpu import matmul
 from jaxtier.model import quant, sharding
 from jaxtier.model.config import ModelConfig
@@ -76,7 +77,7 @@ class Layout:
   quantized float32 model keeps them in bfloat16); None: the model's.
   """
   groups: tuple[tuple[int, str], ...]
-  prefetch_depth: int = 1
+  prefetch_depth: int | None = None  # layers fetched ahead: given where a group streams
   mesh: Mesh | None = None
   keep_quantized: bool = False
   block_activations: str = "float32"
@@ -91,9 +92,11 @@ class Layout:
     if not self.groups or bad or min(n for n, _ in self.groups) < 1:
       raise ValueError(f"layout groups {self.groups}: expected positive sizes and modes in "
                        f"{GROUP_MODES}")
+    if any(m in ("offload", "experts") for _, m in self.groups):
+      check_int("prefetch_depth", self.prefetch_depth, 1, MAX_PREFETCH_DEPTH)
 
   @classmethod
-  def of(cls, num_layers: int, offload_tail_layers: int = 0, prefetch_depth: int = 1,
+  def of(cls, num_layers: int, offload_tail_layers: int = 0, prefetch_depth: int | None = None,
          layer_execution: str = "scan", mesh: Mesh | None = None, keep_quantized: bool = False,
          block_activations: str = "float32", portable: bool = False,
          expert_layers: int = 0, expert_stream_from_tokens: int | None = None,

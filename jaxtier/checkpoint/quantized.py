@@ -20,18 +20,18 @@ from typing import Sequence
 import numpy as np
 
 from jaxtier.checkpoint.params import Path, TensorSource, is_layer_path
+from jaxtier.common.choices import QUANTIZATIONS, check_quantization
 from jaxtier.kernels.cpu import matmul
 from jaxtier.model import quant
 
 # On the CPU kernels' path, the block format each quantization is held in.
-CPU_BLOCKS = {"int8": "q8_0", "int4": "q4_1"}
+CPU_BLOCKS = dict(zip(QUANTIZATIONS, ("q8_0", "q4_1")))
 
 
 def block_format(quantization: str, portable: bool) -> str:
   """The name `QuantizedSource.quantization` answers for a projection: a CPU block format
   ("q8_0", "q4_1") or, portable, the quantization itself ("int8", "int4")."""
-  if quantization not in quant.QUANTIZATIONS:
-    raise ValueError(f"quantization={quantization!r}: expected one of {quant.QUANTIZATIONS}")
+  check_quantization(quantization, optional=False)
   return quantization if portable else CPU_BLOCKS[quantization]
 
 
@@ -55,9 +55,9 @@ class QuantizedSource(TensorSource):
     if config is not None and config.num_experts:
       raise ValueError(f"quantization={fmt!r}: mixture-of-experts models ({config.architecture}) "
                        "are not quantized yet; load them without quantization")
-    if fmt not in matmul.BLOCK_FORMATS and fmt not in quant.QUANTIZATIONS:
+    if fmt not in matmul.BLOCK_FORMATS and fmt not in QUANTIZATIONS:
       raise ValueError(f"format {fmt!r}: expected one of {matmul.BLOCK_FORMATS} or "
-                       f"{quant.QUANTIZATIONS}")
+                       f"{QUANTIZATIONS}")
     if fmt == "q4_1" and group_size != matmul.QUANT_BLOCK:
       raise ValueError(f"quantization_group_size={group_size}: the CPU kernels quantize in "
                        f"blocks of {matmul.QUANT_BLOCK} rows (use kernels='portable' for "

@@ -13,6 +13,8 @@ from typing import Any
 
 # The deepest prefetch queue of the offloaded layers (`jaxtier.offload.prefetch.MAX_DEPTH`).
 MAX_PREFETCH_DEPTH = 4
+MAX_BLOCK_SIZE = 1024  # tokens per KV block
+MAX_NUM_SEQS = 4096  # requests running at once
 
 
 def is_int(value) -> bool:
@@ -59,6 +61,34 @@ def check_choice(name: str, value, choices) -> None:
   """Raises ValueError naming `name` and the choices unless `value` is one of them."""
   if value not in choices:
     raise ValueError(f"{name}={value!r}: expected one of {tuple(choices)}")
+
+
+def check_bool(name: str, value) -> None:
+  """Raises ValueError naming `name` unless `value` is True or False."""
+  if not isinstance(value, bool):
+    raise ValueError(f"{name}={value!r}: expected True or False")
+
+
+# The checks of the engine arguments that the inner configs hold too (`EngineArgs`, the
+# scheduler's `SchedulerConfig`, the paged cache's `PagedCacheConfig`): each config built on its
+# own checks them with these, as the arguments are.
+
+
+def check_block_size(block_size) -> None:
+  check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
+
+
+def check_step_limits(max_num_seqs, max_num_batched_tokens, optional: bool = False) -> None:
+  """Most requests running at once, and the tokens of one step (at least one per request; None
+  where `optional`: the default)."""
+  check_int("max_num_seqs", max_num_seqs, 1, MAX_NUM_SEQS)
+  check_int("max_num_batched_tokens", max_num_batched_tokens, max_num_seqs, optional=optional)
+
+
+def check_watermark(watermark) -> None:
+  """The share of device KV blocks kept free: a number in [0, 1)."""
+  if not is_number(watermark) or not 0 <= watermark < 1:
+    raise ValueError(f"watermark={watermark!r}: expected a number in [0, 1)")
 
 
 def int_or_auto(name: str, value: Any, low: int, high: int | None = None) -> int | str:

@@ -5,10 +5,20 @@ planner's KV reservation, the engine's pool sizing and `memory_report()`) asks h
 are counted everywhere or nowhere. No JAX import: the scheduler uses it too.
 """
 
-# Bytes of one stored element per `kv_cache_dtype` name, and of the per-token, per-kv-head scale
-# that int8 values carry (float32, see `jaxtier.attention.page_format`).
-ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
-SCALE_BYTES = {"float32": 0, "bfloat16": 0, "int8": 4}
+from jaxtier.common.checks import check_choice
+from jaxtier.common.choices import DTYPE_BYTES
+
+# Bytes of one stored element per `kv_cache_dtype` name (the model dtypes and int8), and of the
+# per-token, per-kv-head scale that int8 values carry (float32, see
+# `jaxtier.attention.page_format`).
+ELEMENT_BYTES = {**DTYPE_BYTES, "int8": 1}
+SCALE_BYTES = {name: 4 if name == "int8" else 0 for name in ELEMENT_BYTES}
+
+
+def check_kv_cache_dtype(kv_cache_dtype) -> None:
+  """Raises ValueError unless `kv_cache_dtype` is a name of ELEMENT_BYTES ("auto" is resolved
+  before: `jaxtier.engine.sizing`)."""
+  check_choice("kv_cache_dtype", kv_cache_dtype, tuple(ELEMENT_BYTES))
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -19,8 +29,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                       ("head_dim", head_dim)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"{name}={value!r}: expected an int >= 1")
-  if kv_cache_dtype not in ELEMENT_BYTES:
-    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {sorted(ELEMENT_BYTES)}")
+  check_kv_cache_dtype(kv_cache_dtype)
   per_head = head_dim * ELEMENT_BYTES[kv_cache_dtype] + SCALE_BYTES[kv_cache_dtype]
   return 2 * num_layers * num_kv_heads * per_head
 

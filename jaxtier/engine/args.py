@@ -9,24 +9,26 @@ machine by `jaxtier.engine.sizing`, whose module docstring gives the rules.
 
 import dataclasses
 
-from jaxtier.common.checks import (MAX_PREFETCH_DEPTH, check_choice, check_int, check_offload,
-                                   check_positive, int_or_auto, is_number)
+from jaxtier.attention.names import ENGINE_ATTENTION_IMPLS
+from jaxtier.common.checks import (MAX_BLOCK_SIZE, MAX_PREFETCH_DEPTH, check_bool,
+                                   check_block_size, check_choice, check_int, check_offload,
+                                   check_positive, check_step_limits, check_watermark,
+                                   int_or_auto, is_number)
+from jaxtier.common import choices
+from jaxtier.common.choices import (DTYPE_BYTES, EXPERT_OFFLOAD_MODES, QUANTIZATION_GROUP_SIZES,
+                                    QUANTIZATIONS, check_quantization)
 from jaxtier.common.kv_bytes import ELEMENT_BYTES
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 from jaxtier.scheduler.scheduler_config import PREEMPTION_MODES
 
-DTYPES = ("auto", "float32", "bfloat16")
+# Each argument's fixed values: its owner's set, with "auto" where the machine decides.
+DTYPES = ("auto",) + tuple(DTYPE_BYTES)
 KV_CACHE_DTYPES = ("auto",) + tuple(ELEMENT_BYTES)
 LAYER_EXECUTIONS = ("auto", "scan", "unrolled")
-ATTENTION_IMPLS = ("auto", "xla", "xla_gathered", "cpu", "pallas", "pallas_tpu", "pallas_interpret",
-                   "pallas_tpu_interpret")
+ATTENTION_IMPLS = ENGINE_ATTENTION_IMPLS
 KERNELS = ("auto", "portable")
-EXPERT_OFFLOAD_MODES = ("auto", "stream", "host")
 WEIGHT_FORMATS = ("auto", "float")
-QUANTIZATIONS = ("int8", "int4")  # jaxtier.model.quant.QUANTIZATIONS; None: the checkpoint's format
-QUANTIZATION_GROUP_SIZES = (32, 64, 128)
-BLOCK_ACTIVATIONS = ("auto", "float32", "int16")  # "auto" or one of kernels.cpu.matmul.ACTIVATIONS
-MAX_BLOCK_SIZE = 1024
+BLOCK_ACTIVATIONS = ("auto",) + choices.BLOCK_ACTIVATIONS
 CPU_DEFAULT_KV_GB = 0.256
 CPU_DEFAULT_REQUEST_TOKENS = 2048
 CPU_DEFAULT_HOST_FRACTION = 0.25
@@ -197,10 +199,8 @@ class EngineArgs:
       raise ValueError(f"model={self.model!r}: expected a registry name or a path")
     check_choice("dtype", self.dtype, DTYPES)
     check_int("max_model_len", self.max_model_len, 2, optional=True)
-    check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
-    check_int("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs,
-              optional=True)
-    check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+    check_step_limits(self.max_num_seqs, self.max_num_batched_tokens, optional=True)
+    check_block_size(self.block_size)
     check_int("num_device_blocks", self.num_device_blocks, 2, optional=True)
     check_positive("kv_cache_memory_gb", self.kv_cache_memory_gb)
     check_int("num_host_blocks", self.num_host_blocks, 0, optional=True)
@@ -214,12 +214,10 @@ class EngineArgs:
                        "number in (0, 1]")
     check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
     check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-    if not is_number(self.watermark) or not 0 <= self.watermark < 1:
-      raise ValueError(f"watermark={self.watermark!r}: expected a number in [0, 1)")
+    check_watermark(self.watermark)
     check_choice("victim_policy", self.victim_policy, tuple(VICTIM_POLICIES))
     for name in ("enable_prefix_caching", "host_prefix_caching", "async_scheduling"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name}={getattr(self, name)!r}: expected True or False")
+      check_bool(name, getattr(self, name))
     check_int("seed", self.seed, 0, 2**32 - 1)
     check_choice("layer_execution", self.layer_execution, LAYER_EXECUTIONS)
     check_offload(self.offload_tail_layers, self.prefetch_depth)
@@ -250,11 +248,7 @@ class EngineArgs:
                          f"{cpu_kernels.unavailable_reason()}")
     check_choice("weight_format", self.weight_format, WEIGHT_FORMATS)
     check_choice("block_activations", self.block_activations, BLOCK_ACTIVATIONS)
-    if self.quantization is not None:
-      check_choice("quantization", self.quantization, QUANTIZATIONS)
-    if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
-      raise ValueError(f"quantization_group_size={self.quantization_group_size!r}: expected one "
-                       f"of {QUANTIZATION_GROUP_SIZES}")
+    check_quantization(self.quantization, self.quantization_group_size)
     if self.quantization is not None and self.weight_format == "float":
       raise ValueError(f"quantization={self.quantization!r} with weight_format='float': "
                        "expected one of the two (weight_format='float' dequantizes every weight)")

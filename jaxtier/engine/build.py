@@ -100,8 +100,11 @@ def open_checkpoint(model: str, args: EngineArgs, settings: sizing.Settings,
 
 
 def layout_of(s: sizing.Sizing, num_layers: int, mesh) -> placed.Layout:
-  """How a model sized `s` is arranged and placed (`placed.build`, `placed.abstract`)."""
-  return placed.Layout.of(num_layers, s.offload.offload_tail_layers, s.offload.prefetch_depth or 1,
+  """How a model sized `s` is arranged and placed (`placed.build`, `placed.abstract`): an
+  offloaded tail fetched `prefetch_depth` layers ahead, an experts group with the tail's depth
+  (one layer ahead without a tail)."""
+  depth = s.offload.prefetch_depth or (1 if s.experts.layers else None)
+  return placed.Layout.of(num_layers, s.offload.offload_tail_layers, depth,
                           s.layer_execution, mesh, keep_quantized=s.keep_quantized,
                           block_activations=s.block_activations, portable=s.kernels == "portable",
                           expert_layers=s.experts.layers,

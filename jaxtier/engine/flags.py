@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from absl import flags, logging
 from ml_collections import config_flags
 
+from jaxtier.common.choices import PLATFORM_ALIASES, PLATFORMS
 from jaxtier.engine import args as engine_args
 from jaxtier.kernels.cpu import heap as cpu_allocator
 
@@ -29,7 +30,7 @@ flags.DEFINE_bool("dry_run", False, "print the plan the engine flags resolve to 
                   "weight bytes on the device and in pinned host memory; memory_report()'s keys) "
                   "as one JSON line, the last on stdout, and exit without loading weights; with "
                   "--device_memory_gb and --host_memory_gb, for another machine")
-flags.DEFINE_enum("platform", None, ["cpu", "gpu", "tpu", "cuda", "rocm"], "plan for this "
+flags.DEFINE_enum("platform", None, list(PLATFORMS + tuple(PLATFORM_ALIASES)), "plan for this "
                   "platform (its dtype and kernels for every \"auto\") instead of this machine's: "
                   "with --dry_run, and in scripts/export_programs.py (default cuda there); give "
                   "its memories with --device_memory_gb and --host_memory_gb")

@@ -46,6 +46,7 @@ from typing import Callable
 
 from jaxtier.common.buckets import pow2_bucket
 from jaxtier.common.checks import check_offload
+from jaxtier.common.choices import DTYPE_BYTES, PLATFORM_ALIASES, PLATFORMS
 from jaxtier.common.kv_bytes import kv_block_bytes
 from jaxtier.engine.args import (CPU_DEFAULT_HOST_FRACTION, CPU_DEFAULT_KV_GB,
                                  CPU_DEFAULT_REQUEST_TOKENS, GB, HOST_PIN_FRACTION, EngineArgs)
@@ -55,8 +56,6 @@ from jaxtier.offload import expert_cost
 from jaxtier.offload.planner import ModelBytes, OffloadPlan, plan
 from jaxtier.scheduler.allocator import blocks_for
 
-PLATFORMS = ("cpu", "gpu", "tpu")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 # (batch, context) -> (link bytes/s, seconds of one layer's decode step): measured on demand.
 Timing = Callable[[int, int], tuple[float, float]]
@@ -474,9 +473,10 @@ def host_memory_bytes() -> int | None:
 
 def platform_name(platform: str) -> str:
   """`Machine.platform` of a JAX platform name ("cuda" and "rocm" are "gpu")."""
-  platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+  platform = PLATFORM_ALIASES.get(platform, platform)
   if platform not in PLATFORMS:
-    raise ValueError(f"platform={platform!r}: expected one of {PLATFORMS} (or 'cuda', 'rocm')")
+    raise ValueError(f"platform={platform!r}: expected one of "
+                     f"{PLATFORMS + tuple(PLATFORM_ALIASES)}")
   return platform
 
 

@@ -29,8 +29,8 @@ from jaxtier.attention.dispatch import attention_path, resolve_attention_impl
 from jaxtier.attention.names import ATTENTION_IMPLS
 from jaxtier.attention.page_format import (KV_CACHE_DTYPES, SCALE_DTYPE, encode, quantize_int8,
                                            storage_dtype)
-from jaxtier.common.checks import check_choice, check_int
-from jaxtier.common.kv_bytes import kv_block_bytes
+from jaxtier.common.checks import check_block_size, check_choice, check_int
+from jaxtier.common.kv_bytes import check_kv_cache_dtype, kv_block_bytes
 from jaxtier.kernels.cpu import library as cpu_kernels
 from jaxtier.model import sharding
 
@@ -70,10 +70,11 @@ class PagedCacheConfig:
   attention_impl: str
 
   def __post_init__(self):
-    for name in ("num_layers", "num_kv_heads", "head_dim", "num_device_blocks", "block_size"):
+    for name in ("num_layers", "num_kv_heads", "head_dim", "num_device_blocks"):
       check_int(name, getattr(self, name), 1)
+    check_block_size(self.block_size)
     check_int("num_host_blocks", self.num_host_blocks, 0)
-    check_choice("kv_cache_dtype", self.kv_cache_dtype, sorted(KV_CACHE_DTYPES))
+    check_kv_cache_dtype(self.kv_cache_dtype)
     check_choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
 
   @property

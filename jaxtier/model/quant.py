@@ -38,10 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtier.common.choices import QUANTIZATION_GROUP_SIZES, QUANTIZATIONS, check_quantization
 from jaxtier.kernels.cpu import matmul
 
-QUANTIZATIONS = ("int8", "int4")  # the `quantization` argument's values (None: as stored)
-INT4_GROUP_SIZES = (32, 64, 128)
+INT4_GROUP_SIZES = QUANTIZATION_GROUP_SIZES
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PARTS = ("values", "scales", "mins")
 
@@ -102,13 +102,10 @@ BLOCK_LAYOUTS = {
 
 def quantized_format(quantization: str, group_size: int = 32) -> WeightFormat:
   """The layout of `quantization` ("int8": per output channel; "int4": per `group_size` rows)."""
+  check_quantization(quantization, group_size, optional=False)
   if quantization == "int8":
     return WeightFormat("int8", None, False, "float32")
-  if quantization == "int4":
-    if group_size not in INT4_GROUP_SIZES:
-      raise ValueError(f"quantization_group_size={group_size}: expected one of {INT4_GROUP_SIZES}")
-    return WeightFormat("uint4", group_size, True, "float16")
-  raise ValueError(f"quantization={quantization!r}: expected None or one of {QUANTIZATIONS}")
+  return WeightFormat("uint4", group_size, True, "float16")
 
 
 def array_bytes(a) -> int:

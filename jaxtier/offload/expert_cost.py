@@ -30,15 +30,15 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
+from jaxtier.common.choices import DTYPE_BYTES, EXPERT_OFFLOAD_MODES, check_dtype
 from jaxtier.model.config import ModelConfig
 from jaxtier.offload.hardware import Hardware
 
-MODES = ("stream", "host")
-FORCED = ("auto", "stream", "host")  # the engine flag's values: "auto" lets the cost model choose
+FORCED = EXPERT_OFFLOAD_MODES  # the engine argument's values: "auto" lets the cost model choose
+MODES = FORCED[1:]  # ("stream", "host")
 HOST_FORMS = ("gathered", "masked")
 ROUTER_BYTES_PER_PAIR = 8  # one (token, expert) pair's router weight and index, 4 bytes each
 FLOPS_PER_WEIGHT = 2  # a multiply-add per weight per token: 3 * h * f weights -> 6 * h * f FLOPs
-ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _positive_number(name: str, value) -> None:
@@ -123,11 +123,10 @@ class ExpertShape:
   @classmethod
   def of(cls, config: ModelConfig, dtype: str) -> "ExpertShape":
     """The expert stack of `config`'s MoE layers with weights and activations in `dtype`."""
-    if dtype not in ITEMSIZES:
-      raise ValueError(f"dtype={dtype!r}: expected one of {sorted(ITEMSIZES)}")
+    check_dtype("dtype", dtype)
     if not config.num_experts:
       raise ValueError(f"{config.architecture} config has no experts (num_experts=0)")
-    size = ITEMSIZES[dtype]
+    size = DTYPE_BYTES[dtype]
     return cls(num_experts=config.num_experts, experts_per_tok=config.num_experts_per_tok,
                hidden_size=config.hidden_size, expert_width=config.moe_intermediate_size,
                weight_itemsize=size, activation_itemsize=size)

@@ -28,7 +28,7 @@ from jaxtier.scheduler import policies
 from jaxtier.scheduler import prefix
 from jaxtier.scheduler.booking import Choice, Decision, Preemption
 from jaxtier.scheduler.request import Seq
-from jaxtier.scheduler.scheduler_config import SchedulerConfig
+from jaxtier.scheduler.scheduler_config import PREEMPTION_MODES, SchedulerConfig
 from jaxtier.scheduler.state import Plan, Rates, SchedulerState
 
 _NOTHING = Choice((), (), ())
@@ -110,7 +110,7 @@ def _preempt(config: SchedulerConfig, state: SchedulerState, free: int, tokens: 
   kept = list(zip(state.running, tokens, growth))
   host_free = state.host.num_free + state.host_cache.num_evictable  # swapped requests come first
   swapped = state.swapped
-  fates = {"swap": [], "recompute": [], "abort": []}
+  fates = {fate: [] for fate in PREEMPTION_MODES + ("abort",)}
   host_aborted = []
   while free < config.watermark_block_count and len(kept) > 1:
     victim, _, victim_growth = kept.pop(policies.choose_victim([k[0] for k in kept], victim_key))

@@ -8,7 +8,8 @@ bytes.
 import dataclasses
 import math
 
-from jaxtier.common.checks import check_choice, check_int, is_number
+from jaxtier.common.checks import (check_block_size, check_bool, check_choice, check_int,
+                                   check_step_limits, check_watermark)
 from jaxtier.scheduler import policies
 
 PREEMPTION_MODES = ("swap", "recompute")
@@ -82,11 +83,9 @@ class SchedulerConfig:
   def __post_init__(self):
     check_int("num_device_blocks", self.num_device_blocks, 1)
     check_int("num_host_blocks", self.num_host_blocks, 0)
-    check_int("block_size", self.block_size, 1)
-    check_int("max_num_seqs", self.max_num_seqs, 1)
-    check_int("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs)
-    if not is_number(self.watermark) or not 0 <= self.watermark < 1:
-      raise ValueError(f"watermark={self.watermark!r}: expected a number in [0, 1)")
+    check_block_size(self.block_size)
+    check_step_limits(self.max_num_seqs, self.max_num_batched_tokens)
+    check_watermark(self.watermark)
     if self.watermark_block_count >= self.num_device_blocks:
       raise ValueError(f"watermark={self.watermark!r} keeps {self.watermark_block_count} blocks "
                        f"free: expected fewer than num_device_blocks={self.num_device_blocks}")
@@ -96,8 +95,7 @@ class SchedulerConfig:
     check_choice("host_full", self.host_full, HOST_FULL_FALLBACKS)
     policies.resolve_victim_policy(self.victim_policy)
     for name in ("prefetch_swap_in", "enable_prefix_caching", "host_prefix_caching"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name}={getattr(self, name)!r}: expected a bool")
+      check_bool(name, getattr(self, name))
     self._check_link()
 
   def _check_link(self):

@@ -53,6 +53,7 @@ from flax import nnx
 
 from jaxtier import checkpoint
 from jaxtier.checkpoint import placed
+from jaxtier.attention.names import ATTENTION_PATHS
 from jaxtier.engine import build, sizing
 from jaxtier.engine.args import EngineArgs
 from jaxtier.engine.engine import EngineConfig, cache_config, warmup_programs
@@ -152,7 +153,6 @@ ATTENTION_TARGETS = {
 # chunked loop's is the one with a loop.
 ATTENTION_FUNCTIONS = {"xla_gathered": "paged_attention_gathered",
                        "reference": "paged_attention_reference", "xla": "paged_attention"}
-ATTENTION_PATHS = ("pallas", "pallas_tpu", "cpu", "xla_gathered", "xla", "reference")
 _FUNCTION = re.compile(r"^\s*func\.func (?:public |private )?@([\w$.-]+)", re.MULTILINE)
 
 # Programs exported together: a program after the ones whose outputs it takes (`_build_each`).

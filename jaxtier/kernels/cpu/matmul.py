@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtier.common.choices import BLOCK_ACTIVATIONS
 from jaxtier.kernels.cpu import library as cpu_kernels
 from jaxtier.model.rotary import apply_rotary
 
@@ -56,7 +57,7 @@ DEFAULT_LANES = 16  # columns per int16-activation panel where the kernels are u
 # The kernels' `format` attribute: float32 panels, GGUF blocks, GGUF blocks with int16 activations.
 FORMATS = {"float32": 0, "q4_1": 1, "q8_0": 2, "q4_1_i16": 3, "q8_0_i16": 4, "q8_16": 5,
            "q8_16_i16": 6}
-ACTIVATIONS = ("float32", "int16")  # how block formats multiply
+ACTIVATIONS = BLOCK_ACTIVATIONS  # how block formats multiply
 QUANT_BLOCK = 32  # K rows per block of every block format
 HALF_BLOCK = 16  # K rows per scale and minimum of the "q8_16" format
 # A block's bytes per panel column: Q4_1 d and m (4 bytes each) and 32 nibbles; Q8_0 d and 32
