@@ -20,7 +20,7 @@ from jaxtier.kernels.cpu import heap as cpu_allocator
 
 PROGRAM = """
 import ctypes, json, sys
-from jaxtier import cpu_allocator
+from jaxtier.kernels.cpu import heap as cpu_allocator
 mode, mb = sys.argv[1], int(sys.argv[2])
 applied = (cpu_allocator.retain_freed_memory(single_arena=mode == "single_arena")
            if mode != "default" else None)

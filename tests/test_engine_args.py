@@ -55,7 +55,7 @@ def test_pool_too_small_for_one_sequence_is_an_error_at_start_up():
 def test_scripts_keep_compiled_programs_in_the_model_cache(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   env["JAXTIER_CACHE_DIR"] = str(tmp_path)
-  code = ("from jaxtier import engine_flags; engine_flags.enable_compilation_cache(); import jax; "
+  code = ("from jaxtier.engine import flags as engine_flags; engine_flags.enable_compilation_cache(); import jax; "
           "print(jax.config.jax_compilation_cache_dir)")
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        check=True).stdout.strip()

@@ -82,7 +82,7 @@ def test_config_files_give_valid_engine_arguments(config):
   code = (
       "import sys\n"
       "from absl import flags\n"
-      "from jaxtier import engine_args, engine_flags\n"
+      "from jaxtier.engine import args as engine_args, flags as engine_flags\n"
       "FLAGS = flags.FLAGS\n"
       "FLAGS(['x', '--config=' + sys.argv[1]])\n"
       "for name, value in FLAGS.config.items():\n"

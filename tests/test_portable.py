@@ -110,7 +110,7 @@ LOWER_FOR_CUDA = """
 import sys
 import numpy as np
 import jaxtier
-from jaxtier import cpu_kernels
+from jaxtier.kernels.cpu import library as cpu_kernels
 from jaxtier.tools import hlo
 llm = jaxtier.LLM(sys.argv[1], kernels="portable", max_num_seqs=2, offload_tail_layers=1)
 out = llm.generate([[5, 6, 7]], jaxtier.SamplingParams(max_tokens=4, temperature=0))

@@ -90,7 +90,7 @@ constexpr int64_t kPrefetchFromRows = kWide ? 1 : 3;
 constexpr int kPrefetchLocality = kWide ? 2 : 3;  // __builtin_prefetch: 2 = L2 and out, 3 = L1
 constexpr int64_t kLine = 64;                  // bytes per cache line
 
-// Weight formats (the handlers' `format` attribute; jaxtier.matmul's FORMATS).
+// Weight formats (the handlers' `format` attribute; jaxtier.kernels.cpu.matmul's FORMATS).
 constexpr int64_t kF32 = 0;
 constexpr int64_t kQ4_1 = 1;
 constexpr int64_t kQ8_0 = 2;
@@ -913,7 +913,7 @@ ffi::Error GluPackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate_
 
 }  // namespace
 
-// The panel width P the handlers expect (jaxtier.matmul packs for it).
+// The panel width P the handlers expect (jaxtier.kernels.cpu.matmul packs for it).
 extern "C" int JaxtierPanelWidth() { return kPanel; }
 
 // Columns per panel of the int16-activation formats (the lanes of a vector).
