@@ -37,7 +37,7 @@ scan, q query rows per kv head in the XLA paths (t * g, t major).
 The names below load on first access, so `jaxtier.attention.names` imports no JAX.
 """
 
-from importlib import import_module as _import_module
+from jaxtier.common.lazy import lazy_names as _lazy_names
 
 _EXPORTS = {
     "ATTENTION_IMPLS": "names", "ATTENTION_PATHS": "names", "GPU_PLATFORMS": "names",
@@ -56,14 +56,6 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-  if name in _EXPORTS:
-    return getattr(_import_module(f"jaxtier.attention.{_EXPORTS[name]}"), name)
-  raise AttributeError(f"module 'jaxtier.attention' has no attribute {name!r}")
-
-
-def __dir__():
-  """The public names and the submodules imported so far (no helpers of this module)."""
-  return sorted({n for n in globals() if not n.startswith("_")} | set(_EXPORTS))
+__getattr__, __dir__ = _lazy_names(
+    __name__, {name: f"jaxtier.attention.{module}" for name, module in _EXPORTS.items()},
+    globals())

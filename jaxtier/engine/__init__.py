@@ -5,20 +5,11 @@ Names load lazily; the engine's arguments (`EngineArgs`) live in `jaxtier.engine
 imports no JAX, so that scripts check them when flags are parsed.
 """
 
-from importlib import import_module as _import_module
+from jaxtier.common.lazy import lazy_names as _lazy_names
 
 _EXPORTS = {"Engine": "jaxtier.engine.engine", "EngineArgs": "jaxtier.engine.args",
             "RequestUpdate": "jaxtier.engine.outputs", "EngineModel": "jaxtier.engine.runner"}
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-  if name in _EXPORTS:
-    return getattr(_import_module(_EXPORTS[name]), name)
-  raise AttributeError(f"module 'jaxtier.engine' has no attribute {name!r}")
-
-
-def __dir__():
-  """The public names and the submodules imported so far (no helpers of this module)."""
-  return sorted({n for n in globals() if not n.startswith("_")} | set(_EXPORTS))
+__getattr__, __dir__ = _lazy_names(__name__, _EXPORTS, globals())

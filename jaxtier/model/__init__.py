@@ -12,7 +12,7 @@ positions as explicit arguments.
 The transformer's names load on first access, so `jaxtier.model.config` alone imports no model.
 """
 
-from importlib import import_module as _import_module
+from jaxtier.common.lazy import lazy_names as _lazy_names
 
 _TRANSFORMER = ("RMSNorm", "NO_WINDOW", "layer_window", "scale_embeddings", "softcap_logits",
                 "layer_rotary", "QLinear", "CompactTable", "DecoderLayer", "FusedDecoderLayer",
@@ -20,14 +20,5 @@ _TRANSFORMER = ("RMSNorm", "NO_WINDOW", "layer_window", "scale_embeddings", "sof
                 "LayerStack", "UnrolledLayers", "GroupedTransformer")
 
 __all__ = sorted(_TRANSFORMER)
-
-
-def __getattr__(name: str):
-  if name in _TRANSFORMER:
-    return getattr(_import_module("jaxtier.model.transformer"), name)
-  raise AttributeError(f"module 'jaxtier.model' has no attribute {name!r}")
-
-
-def __dir__():
-  """The public names and the submodules imported so far (no helpers of this module)."""
-  return sorted({n for n in globals() if not n.startswith("_")} | set(_TRANSFORMER))
+__getattr__, __dir__ = _lazy_names(
+    __name__, dict.fromkeys(_TRANSFORMER, "jaxtier.model.transformer"), globals())

@@ -10,7 +10,7 @@ log-probabilities, and the grammar matchers of structured outputs.
 Names load on first access, so `jaxtier.sampling.logprobs` alone imports no sampler.
 """
 
-from importlib import import_module as _import_module
+from jaxtier.common.lazy import lazy_names as _lazy_names
 
 _SAMPLERS = ("BIAS_LIMIT", "PENALTY_LIMIT", "SamplingParamError", "SamplingParams",
              "bad_words_token_ids", "LogitRules", "SamplingArrays", "MIN_HISTORY", "MIN_IDS",
@@ -18,14 +18,5 @@ _SAMPLERS = ("BIAS_LIMIT", "PENALTY_LIMIT", "SamplingParamError", "SamplingParam
              "sample", "sample_transformed")
 
 __all__ = sorted(_SAMPLERS)
-
-
-def __getattr__(name: str):
-  if name in _SAMPLERS:
-    return getattr(_import_module("jaxtier.sampling.samplers"), name)
-  raise AttributeError(f"module 'jaxtier.sampling' has no attribute {name!r}")
-
-
-def __dir__():
-  """The public names and the submodules imported so far (no helpers of this module)."""
-  return sorted({n for n in globals() if not n.startswith("_")} | set(_SAMPLERS))
+__getattr__, __dir__ = _lazy_names(
+    __name__, dict.fromkeys(_SAMPLERS, "jaxtier.sampling.samplers"), globals())
