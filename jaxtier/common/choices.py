@@ -12,6 +12,9 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
 # Parameter and activation dtypes -> bytes per value.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# What the offload planner and the expert cost model price, which plan models jaxtier does not
+# run too: the model dtypes and float16.
+PLANNED_DTYPE_BYTES = {**DTYPE_BYTES, "float16": 2}
 # `quantization`: a float checkpoint's projections quantized on load (None: as stored).
 QUANTIZATIONS = ("int8", "int4")
 # `quantization_group_size`: the input rows of one int4 scale and minimum.
@@ -23,9 +26,10 @@ BLOCK_ACTIVATIONS = ("float32", "int16")
 EXPERT_OFFLOAD_MODES = ("auto", "stream", "host")
 
 
-def check_dtype(name: str, dtype) -> None:
-  """Raises ValueError naming `name` unless `dtype` is a model dtype (a name of DTYPE_BYTES)."""
-  check_choice(name, dtype, tuple(DTYPE_BYTES))
+def check_dtype(name: str, dtype, planned: bool = False) -> None:
+  """Raises ValueError naming `name` unless `dtype` is a model dtype (a name of DTYPE_BYTES; with
+  `planned`, of PLANNED_DTYPE_BYTES)."""
+  check_choice(name, dtype, tuple(PLANNED_DTYPE_BYTES if planned else DTYPE_BYTES))
 
 
 def check_quantization(quantization, group_size: int = QUANTIZATION_GROUP_SIZES[0],

@@ -30,7 +30,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
-from jaxtier.common.choices import DTYPE_BYTES, EXPERT_OFFLOAD_MODES, check_dtype
+from jaxtier.common.choices import EXPERT_OFFLOAD_MODES, PLANNED_DTYPE_BYTES, check_dtype
 from jaxtier.model.config import ModelConfig
 from jaxtier.offload.hardware import Hardware
 
@@ -123,10 +123,10 @@ class ExpertShape:
   @classmethod
   def of(cls, config: ModelConfig, dtype: str) -> "ExpertShape":
     """The expert stack of `config`'s MoE layers with weights and activations in `dtype`."""
-    check_dtype("dtype", dtype)
+    check_dtype("dtype", dtype, planned=True)
     if not config.num_experts:
       raise ValueError(f"{config.architecture} config has no experts (num_experts=0)")
-    size = DTYPE_BYTES[dtype]
+    size = PLANNED_DTYPE_BYTES[dtype]
     return cls(num_experts=config.num_experts, experts_per_tok=config.num_experts_per_tok,
                hidden_size=config.hidden_size, expert_width=config.moe_intermediate_size,
                weight_itemsize=size, activation_itemsize=size)

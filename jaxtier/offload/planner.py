@@ -19,7 +19,7 @@ import math
 
 from jaxtier.common import kv_bytes
 from jaxtier.common.checks import check_int
-from jaxtier.common.choices import DTYPE_BYTES, check_dtype
+from jaxtier.common.choices import PLANNED_DTYPE_BYTES, check_dtype
 from jaxtier.model.config import ModelConfig
 from jaxtier.offload.prefetch import MAX_DEPTH
 
@@ -96,11 +96,12 @@ class ModelBytes:
     `jaxtier.model.sharding`) and computes 1 / tp of the layer's FLOPs.
 
     `kv_cache_dtype` is a name of `jaxtier.common.kv_bytes.ELEMENT_BYTES` ("int8" counts its
-    scales); None stores KV in the parameter dtype.
+    scales); None stores KV in the parameter dtype (float16 parameters count as bfloat16 KV: the
+    cache has no float16 mode, and both take two bytes).
     """
     size = _itemsize(dtype, "dtype")
     if kv_cache_dtype is None:
-      kv_cache_dtype = dtype
+      kv_cache_dtype = "bfloat16" if dtype == "float16" else dtype
     c, tp = config, tensor_parallel_size
     check_int("tensor_parallel_size", tp, 1)
     tables = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
@@ -351,5 +352,5 @@ def scheduler_link_fields(offload_plan: OffloadPlan) -> dict[str, int | float]:
 
 
 def _itemsize(dtype: str, name: str) -> int:
-  check_dtype(name, dtype)
-  return DTYPE_BYTES[dtype]
+  check_dtype(name, dtype, planned=True)
+  return PLANNED_DTYPE_BYTES[dtype]
