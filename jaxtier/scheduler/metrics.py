@@ -2,12 +2,12 @@
 
 import dataclasses
 
-from jaxtier.scheduler.state import SchedulerState
+from jaxtier.scheduler.state import Counters, SchedulerState
 
 
-@dataclasses.dataclass(frozen=True)
-class Metrics:
-  """Gauges of the current state and totals since the scheduler started.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Metrics(Counters):
+  """The scheduler's `Counters` (totals since it started) and gauges of the current state.
 
   The (name, count) pairs are sorted by name: preemptions by kind ("swap", "recompute"), finished
   requests by stop reason, aborted requests by reason.
@@ -19,47 +19,22 @@ class Metrics:
   device_blocks_total: int
   host_blocks_used: int
   host_blocks_total: int
-  steps: int
-  swap_outs: int
-  swap_out_blocks: int
-  swap_ins: int
-  swap_in_blocks: int
-  preemptions: tuple[tuple[str, int], ...]
-  finished: tuple[tuple[str, int], ...]
-  aborted: tuple[tuple[str, int], ...]
-  device_blocks_cached: int = 0  # prefix-cache blocks on the device (used, shared or not)
-  device_blocks_evictable: int = 0  # of those, the ones no request references
-  host_blocks_cached: int = 0
-  prefix_query_tokens: int = 0
-  device_hit_tokens: int = 0
-  host_hit_tokens: int = 0
-  host_hit_recomputed_tokens: int = 0
-  writeback_blocks: int = 0
-  cache_load_blocks: int = 0
-  device_cache_evictions: int = 0
-  host_cache_evictions: int = 0
+  device_blocks_cached: int  # prefix-cache blocks on the device (used, shared or not)
+  device_blocks_evictable: int  # of those, the ones no request references
+  host_blocks_cached: int
 
 
 def metrics(state: SchedulerState) -> Metrics:
   """Returns the metrics of `state`."""
-  counters = state.counters
+  counters = {field.name: getattr(state.counters, field.name)
+              for field in dataclasses.fields(Counters)}
   return Metrics(
-      num_running=len(state.running), num_waiting=len(state.waiting),
+      **counters, num_running=len(state.running), num_waiting=len(state.waiting),
       num_swapped=len(state.swapped), device_blocks_used=state.device.num_used,
       device_blocks_total=state.device.num_blocks, host_blocks_used=state.host.num_used,
-      host_blocks_total=state.host.num_blocks, steps=counters.steps, swap_outs=counters.swap_outs,
-      swap_out_blocks=counters.swap_out_blocks, swap_ins=counters.swap_ins,
-      swap_in_blocks=counters.swap_in_blocks, preemptions=counters.preemptions,
-      finished=counters.finished, aborted=counters.aborted,
-      device_blocks_cached=state.device_cache.num_cached,
+      host_blocks_total=state.host.num_blocks, device_blocks_cached=state.device_cache.num_cached,
       device_blocks_evictable=state.device_cache.num_evictable,
-      host_blocks_cached=state.host_cache.num_cached,
-      prefix_query_tokens=counters.prefix_query_tokens,
-      device_hit_tokens=counters.device_hit_tokens, host_hit_tokens=counters.host_hit_tokens,
-      host_hit_recomputed_tokens=counters.host_hit_recomputed_tokens,
-      writeback_blocks=counters.writeback_blocks, cache_load_blocks=counters.cache_load_blocks,
-      device_cache_evictions=counters.device_cache_evictions,
-      host_cache_evictions=counters.host_cache_evictions)
+      host_blocks_cached=state.host_cache.num_cached)
 
 
 def prefix_figures(m: Metrics, block_bytes: int) -> dict:
