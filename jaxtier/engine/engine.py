@@ -43,14 +43,13 @@ samples its next token with the same key).
 
 The host link (`jaxtier.engine.link`): the engine measures it once at start-up and gives the
 scheduler a link budget per step (the host -> device bytes a step's compute hides, less the
-offloaded tail's weights), updated as compute-only steps are measured; each step's link traffic
-and its overlap with compute are counted in `stats()`.
+offloaded tail's weights), updated as compute-only steps are measured (`link.LinkBudget`); each
+step's link traffic and its overlap with compute are counted in `stats()`.
 
 The engine's figures (`stats()`) and per-step trace are `jaxtier.engine.stats`; the updates and
 completions it returns are `jaxtier.engine.outputs`.
 """
 
-import collections
 import dataclasses
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -170,20 +169,17 @@ class Engine:
     self.cache_config = cache_config(c, config)
     self.block_bytes = kv_block_bytes(c.num_layers, c.num_kv_heads, c.head_dim,
                                       config.kv_cache_dtype, config.block_size)
-    self.tail = tail
-    self.link_rates = link.measured_rates()
     mesh = sharding.mesh_of(nnx.state(model))  # None: parameters on one device, no mesh
     platform = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]).platform
-    self._link_budgeted = link.budget_applies(platform)  # off CPU only
-    self._compute_only_s: collections.deque[float] = collections.deque(maxlen=link.STEP_WINDOW)
-    self.scheduler_config = scheduler.SchedulerConfig(
+    self.link_budget = link.LinkBudget.measured(platform, tail)
+    scheduler_config = scheduler.SchedulerConfig(
         num_device_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
         block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, watermark=config.watermark,
         max_blocks_per_request=blocks_for(config.max_model_len, config.block_size),
         preemption_mode=config.preemption_mode, victim_policy=config.victim_policy,
         block_bytes=self.block_bytes, enable_prefix_caching=config.enable_prefix_caching,
-        host_prefix_caching=config.host_prefix_caching, **self._link_fields())
+        host_prefix_caching=config.host_prefix_caching, **self.link_budget.fields())
     self.vocab_size = c.vocab_size
     self.table_width = batching.table_width(config.max_model_len, config.block_size)
     graphdef, state = nnx.split(model)
@@ -191,7 +187,7 @@ class Engine:
     self.cache = PagedKVCache.create(self.cache_config, mesh=self.mesh)
     self.host = HostTier.empty(config.num_host_blocks)  # takes pinned memory as blocks arrive
     self.runner = Runner(graphdef, state, self.cache, portable=config.kernels == "portable")
-    self._state = scheduler.initial_state(self.scheduler_config)
+    self._state = scheduler.initial_state(scheduler_config)
     self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
     self._logprobs: dict[Hashable, lp.RequestLogprobs] = {}  # live requests that ask for them
     self._rules: dict[Hashable, LogitRules] = {}  # live requests with logit transforms
@@ -283,6 +279,11 @@ class Engine:
   def num_unfinished(self) -> int:
     return len(self._live)
 
+  @property
+  def scheduler_config(self) -> scheduler.SchedulerConfig:
+    """The scheduler's configuration now (its link fields follow the link budget)."""
+    return self._state.config
+
   def _finish(self, request_id: Hashable, reason: str, new: tuple[int, ...]) -> RequestUpdate:
     progress, _ = self._live.pop(request_id)
     progress.finish_reason = reason
@@ -332,10 +333,9 @@ class Engine:
       raise
     seconds = time.perf_counter() - start
     self._account(plan, calls, seconds)
-    if link.is_compute_only(plan):
-      self._compute_only_s.append(seconds)
+    self.link_budget = self.link_budget.observed(plan, seconds)
     self._update_rates()
-    self._update_link()
+    self._state = link.relink(self._state, self.link_budget.fields())
     return held + updates + new_updates
 
   def _schedule_and_dispatch(self):
@@ -364,20 +364,6 @@ class Engine:
     rates = self._rates()
     if rates is not None and rates != self._state.rates:
       self._state = scheduler.apply_event(self._state, rates)
-
-  def _link_fields(self) -> dict:
-    """The scheduler's link fields for the measured host -> device rate and the budget's step
-    seconds (`link.budget_step_seconds`; `scheduler.policies.link_fields`); unlimited where no
-    budget applies (`link.budget_applies`: on a CPU)."""
-    return scheduler.policies.link_fields(
-        self.link_rates.h2d_bytes_per_s if self._link_budgeted else None,
-        link.budget_step_seconds(self.tail, self._compute_only_s), self.tail.weight_bytes_per_step)
-
-  def _update_link(self) -> None:
-    """Passes the link budget to the scheduler when it changed enough (`link.relink`)."""
-    state = link.relink(self._state, self._link_fields())
-    if state is not self._state:
-      self._state, self.scheduler_config = state, state.config
 
   def _rates(self) -> scheduler.Rates | None:
     """The link and prefill rates measured so far, for the scheduler's load-or-recompute choice
@@ -559,22 +545,12 @@ class Engine:
     """Counts a finished step and writes its trace line."""
     m = scheduler.metrics(self._state)
     self._totals.add_step(plan, calls, seconds, m, self.block_bytes)
-    self._totals.add_link(self._step_link(plan, seconds))
+    timer = self.runner.timer
+    self._totals.add_link(self.link_budget.overlap(plan, seconds, self.block_bytes, timer.seconds,
+                                                   timer.blocks))
     if self._trace is not None:
       self._trace.write(trace_line(plan, m, seconds, time.perf_counter() - self._started,
                                    self.block_bytes))
-
-  def _step_link(self, plan: scheduler.Plan, seconds: float) -> link.StepLink:
-    """`plan`'s link traffic and its overlap with the step's modeled compute (the budget's step
-    seconds, else the step's wall `seconds`), at the swap programs' measured seconds per block
-    where they have been timed, else at the measured rates."""
-    timer = self.runner.timer
-    per_block = {d: timer.seconds[d] / timer.blocks[d] if timer.blocks[d] else None
-                 for d in ("in", "out")}
-    compute_s = link.budget_step_seconds(self.tail, self._compute_only_s)
-    return link.step_link(
-        link.step_bytes(plan, self.block_bytes, self.tail.weight_bytes_per_step),
-        self.block_bytes, self.link_rates, seconds if compute_s is None else compute_s, per_block)
 
   def stats(self, wait_for_swaps: bool = True) -> dict:
     """The run's figures (JSON-serializable; `jaxtier.engine.stats.figures` and this engine's
@@ -595,20 +571,7 @@ class Engine:
         "device_kv_bytes": device_pool_bytes(self.cache),
         "host_kv_bytes": host_pool_bytes(self.cache),
         "host_kv_bytes_stored": self.host.num_stored * self.block_bytes,
-        **self._link_settings(),
-    }
-
-  def _link_settings(self) -> dict:
-    """The link's measured rates and the budget the scheduler runs under now."""
-    config = self._state.config
-    budget = scheduler.policies.kv_link_budget(config.link_bytes_per_step, config.kv_link_share)
-    return {
-        "link_h2d_bytes_per_s": self.link_rates.h2d_bytes_per_s,
-        "link_d2h_bytes_per_s": self.link_rates.d2h_bytes_per_s,
-        "link_step_seconds": link.budget_step_seconds(self.tail, self._compute_only_s),
-        "link_budget_bytes_per_step": config.link_bytes_per_step,
-        "kv_link_budget_bytes_per_step": None if budget == float("inf") else int(budget),
-        "weight_prefetch_bytes_per_step": config.weight_prefetch_bytes_per_step,
+        **self.link_budget.settings(self._state.config),
     }
 
   def close(self) -> None:

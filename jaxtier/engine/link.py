@@ -10,7 +10,7 @@ the top, and KV swap-ins and host-tier prefix loads share the rest. `step_s`
   1. the offload planner's predicted compute seconds of one step, where the engine has a planned
      offloaded tail (`Tail.compute_step_s`);
   2. else the median wall seconds of the last `STEP_WINDOW` compute-only steps (decode calls with
-     no KV copy of any kind), measured by the engine as it runs;
+     no KV copy of any kind), measured by the engine as it runs (its `LinkBudget`);
   3. else none: the budget is unlimited until the first such step is measured.
 
 The budget applies off CPU only (`budget_applies`): on a CPU host and device are one memory, a
@@ -168,3 +168,70 @@ def step_link(moved: dict[str, int], block_bytes: int, rates: LinkRates, compute
   compute_s = max(compute_s, 0.0)
   return StepLink(dict(moved), link_s, compute_s, min(link_s, compute_s),
                   max(0.0, link_s - compute_s))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkBudget:
+  """What an engine's link budget follows: the measured rates, its offloaded tail, whether a
+  budget applies (`budget_applies`), and the wall seconds of its last `STEP_WINDOW` compute-only
+  steps (`observed`).
+
+  Attributes:
+    rates: the link's measured rates.
+    tail: the offloaded tail's weight bytes per step and planned compute seconds.
+    applies: whether the scheduler runs under the budget (else it is unlimited).
+    compute_only_s: the wall seconds of the last compute-only steps, oldest first.
+  """
+  rates: LinkRates
+  tail: Tail
+  applies: bool
+  compute_only_s: tuple[float, ...] = ()
+
+  @classmethod
+  def measured(cls, platform: str, tail: Tail) -> "LinkBudget":
+    """The budget of an engine on `platform` with `tail`, at the link's measured rates
+    (`measured_rates`), before any step."""
+    return cls(measured_rates(), tail, budget_applies(platform))
+
+  @property
+  def step_seconds(self) -> float | None:
+    """The step seconds the budget assumes (`budget_step_seconds`)."""
+    return budget_step_seconds(self.tail, self.compute_only_s)
+
+  def fields(self) -> dict:
+    """The scheduler's link fields for the measured host -> device rate and `step_seconds`
+    (`scheduler.policies.link_fields`); unlimited where no budget applies."""
+    return scheduler.policies.link_fields(self.rates.h2d_bytes_per_s if self.applies else None,
+                                          self.step_seconds, self.tail.weight_bytes_per_step)
+
+  def observed(self, plan: scheduler.Plan, seconds: float) -> "LinkBudget":
+    """This budget after a step of `plan` that took `seconds`: counted in the window when it is
+    compute-only (`is_compute_only`)."""
+    if not is_compute_only(plan):
+      return self
+    window = (self.compute_only_s + (seconds,))[-STEP_WINDOW:]
+    return dataclasses.replace(self, compute_only_s=window)
+
+  def overlap(self, plan: scheduler.Plan, seconds: float, block_bytes: int,
+              swap_seconds: dict[str, float], swap_blocks: dict[str, int]) -> StepLink:
+    """`plan`'s link traffic and its overlap with the step's modeled compute (`step_seconds`,
+    else the step's wall `seconds`), at the swap programs' measured seconds per block where they
+    have been timed (`swap_seconds` over `swap_blocks`, by direction), else at the rates."""
+    per_block = {d: swap_seconds[d] / swap_blocks[d] if swap_blocks[d] else None
+                 for d in ("in", "out")}
+    compute_s = self.step_seconds
+    return step_link(step_bytes(plan, block_bytes, self.tail.weight_bytes_per_step), block_bytes,
+                     self.rates, seconds if compute_s is None else compute_s, per_block)
+
+  def settings(self, config: scheduler.SchedulerConfig) -> dict:
+    """The measured rates and the budget a scheduler of `config` runs under, as `Engine.stats()`
+    names them."""
+    budget = scheduler.policies.kv_link_budget(config.link_bytes_per_step, config.kv_link_share)
+    return {
+        "link_h2d_bytes_per_s": self.rates.h2d_bytes_per_s,
+        "link_d2h_bytes_per_s": self.rates.d2h_bytes_per_s,
+        "link_step_seconds": self.step_seconds,
+        "link_budget_bytes_per_step": config.link_bytes_per_step,
+        "kv_link_budget_bytes_per_step": None if budget == float("inf") else int(budget),
+        "weight_prefetch_bytes_per_step": config.weight_prefetch_bytes_per_step,
+    }
