@@ -47,26 +47,27 @@ offloaded tail's weights), updated as compute-only steps are measured (`link.Lin
 step's link traffic and its overlap with compute are counted in `stats()`.
 
 The engine's figures (`stats()`) and per-step trace are `jaxtier.engine.stats`; the updates and
-completions it returns are `jaxtier.engine.outputs`.
+completions it returns are `jaxtier.engine.outputs`; what it keeps on the host for each live
+request (progress, logit rules, grammar matcher, log-probabilities, prefix-cache hits) is
+`jaxtier.engine.request_state`.
 """
 
 import dataclasses
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import jax
 import numpy as np
-from absl import logging
 from flax import nnx
 
 from jaxtier import scheduler
 from jaxtier.common.buckets import pow2_buckets_up_to, row_bucket
-from jaxtier.common.checks import check_prompt_ids
 from jaxtier.common.kv_bytes import kv_block_bytes
 from jaxtier.engine import link
 from jaxtier.engine import logprob_requests as lp
 from jaxtier.engine import step_inputs as batching
-from jaxtier.engine.outputs import Completion, RequestUpdate
+from jaxtier.engine.outputs import RequestUpdate
+from jaxtier.engine.request_state import LiveRequests
 from jaxtier.engine.runner import Runner, program_keys
 from jaxtier.engine.stats import Totals, Trace, figures, trace_line
 from jaxtier.kvcache import (HostTier, PagedCacheConfig, PagedKVCache, device_pool_bytes,
@@ -74,8 +75,8 @@ from jaxtier.kvcache import (HostTier, PagedCacheConfig, PagedKVCache, device_po
 from jaxtier.kvcache.swap import MAX_SWAP_BLOCKS
 from jaxtier.model import sharding
 from jaxtier.sampling.logprobs import MAX_LOGPROBS
-from jaxtier.sampling.samplers import LogitRules, SamplingParams
-from jaxtier.sampling.structured import GrammarMatcher, grammar_tokenizer
+from jaxtier.sampling.samplers import SamplingParams
+from jaxtier.sampling.structured import GrammarMatcher
 from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED, FINISHED
 from jaxtier.text.detokenize import RequestProgress
@@ -188,13 +189,7 @@ class Engine:
     self.host = HostTier.empty(config.num_host_blocks)  # takes pinned memory as blocks arrive
     self.runner = Runner(graphdef, state, self.cache, portable=config.kernels == "portable")
     self._state = scheduler.initial_state(scheduler_config)
-    self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
-    self._logprobs: dict[Hashable, lp.RequestLogprobs] = {}  # live requests that ask for them
-    self._rules: dict[Hashable, LogitRules] = {}  # live requests with logit transforms
-    self._grammars: dict[Hashable, GrammarMatcher] = {}  # live requests with structured outputs
-    self._grammar_tokenizer = None  # llguidance's tokenizer, built for the first grammar
-    self._hits: dict[Hashable, tuple[int, int]] = {}  # live id -> cached (device, host) tokens
-    self._token_text = lp.TokenText(tokenizer)
+    self._requests = LiveRequests(tokenizer, c.vocab_size, config.max_model_len)
     self._totals = Totals()
     self._started = time.perf_counter()
     self._trace = Trace(config.trace_path) if config.trace_path else None
@@ -208,64 +203,29 @@ class Engine:
                   seed: int, priority: int = 0) -> None:
     """Queues a request; it starts running when the scheduler admits it.
 
-    Raises ValueError for an id that is live, an empty prompt, ids outside the vocabulary (in
-    the prompt, `logit_bias`, `allowed_token_ids` or the tokens of `bad_words`), a prompt that
-    leaves no room to generate within max_model_len, or a grammar llguidance cannot build.
+    Raises ValueError for a request `LiveRequests.check` refuses: an id that is live, a prompt
+    that is empty or leaves no room to generate, token ids outside the vocabulary, or a grammar
+    llguidance cannot build.
     """
-    if request_id in self._live:
-      raise ValueError(f"request_id={request_id!r} is already running: expected a new id")
-    prompt_ids = check_prompt_ids(prompt_ids, self.vocab_size, self.config.max_model_len,
-                                  f"request {request_id!r}'s prompt")
-    room = self.config.max_model_len - len(prompt_ids)
-    rules = self._logit_rules(params)
-    grammar = self._grammar(params)
-    limit = min(params.max_tokens, room)
-    request = scheduler.Request.of(request_id, prompt_ids, params, seed, max_tokens=limit,
+    new = self._requests.check(request_id, prompt_ids, params, seed)
+    request = scheduler.Request.of(request_id, new.prompt_ids, params, seed,
+                                   max_tokens=new.max_tokens,
                                    arrival_time=time.perf_counter() - self._started,
                                    priority=priority,
                                    skip_prefix_cache=params.prompt_logprobs is not None)
     self._state = scheduler.apply_event(self._state, scheduler.Arrive(request))
-    self._live[request_id] = (RequestProgress(prompt_ids, params, self.tokenizer, limit), seed)
-    wanted = lp.RequestLogprobs.of(params)
-    if wanted is not None:
-      self._logprobs[request_id] = wanted
-    if rules is not None:
-      self._rules[request_id] = rules
-    if grammar is not None:
-      self._grammars[request_id] = grammar
-    self._totals.prompt_tokens += len(prompt_ids)
-
-  def _logit_rules(self, params: SamplingParams) -> LogitRules | None:
-    """The request's logit transforms with the tokenizer applied, ids checked against the
-    vocabulary; None when it has none."""
-    if not params.transforms_logits:
-      return None
-    params.check_vocab(self.vocab_size)
-    encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)
-    rules = LogitRules.of(params, encode, self.tokenizer.eos_token_ids, self.vocab_size)
-    bad = sorted({t for ids in rules.bad_words_ids for t in ids if not 0 <= t < self.vocab_size})
-    if bad:
-      raise ValueError(f"bad_words {list(params.bad_words)} encode to token ids outside the "
-                       f"vocabulary [0, {self.vocab_size}): {bad[:5]}")
-    return rules
-
-  def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
-    """A new matcher of the request's grammar; None without `structured_outputs`."""
-    if not params.constrained:
-      return None
-    if self._grammar_tokenizer is None:
-      self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size)
-    return GrammarMatcher(self._grammar_tokenizer, params.structured_outputs)
+    self._requests.add(new)
+    self._totals.prompt_tokens += len(new.prompt_ids)
 
   def abort(self, request_id: Hashable) -> RequestUpdate | None:
     """Ends a live request with finish_reason "abort" and frees its blocks at once.
 
     Returns its final update, or None if the request is not live (already ended, or unknown).
     """
-    if request_id not in self._live:
+    if request_id not in self._requests:
       return None
     self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
-    return self._finish(request_id, "abort", ())
+    return self._requests.finish(request_id, "abort", ())
 
   def reset_prefix_cache(self) -> None:
     """Forgets every cached prefix block no running request uses (both tiers)."""
@@ -273,31 +233,21 @@ class Engine:
     self._state = scheduler.reset_prefix_cache(self._state)
 
   def has_unfinished(self) -> bool:
-    return bool(self._live) or bool(self._held)
+    return bool(self._requests) or bool(self._held)
 
   @property
   def num_unfinished(self) -> int:
-    return len(self._live)
+    return len(self._requests)
 
   @property
   def scheduler_config(self) -> scheduler.SchedulerConfig:
     """The scheduler's configuration now (its link fields follow the link budget)."""
     return self._state.config
 
-  def _finish(self, request_id: Hashable, reason: str, new: tuple[int, ...]) -> RequestUpdate:
-    progress, _ = self._live.pop(request_id)
-    progress.finish_reason = reason
-    wanted = self._logprobs.pop(request_id, None)
-    self._rules.pop(request_id, None)
-    self._grammars.pop(request_id, None)
-    device, host = self._hits.pop(request_id, (0, 0))
-    cached = dict(num_cached_tokens=device + host, host_cached_tokens=host)
-    if wanted is None:
-      return RequestUpdate(request_id, new, Completion(tuple(progress.generated), progress.text(),
-                                                       reason, **cached))
-    completion = Completion(tuple(progress.generated), progress.text(), reason,
-                            *wanted.completion_fields(), **cached)
-    return RequestUpdate(request_id, new, completion, *wanted.update_fields(len(new)))
+  @property
+  def _grammars(self) -> Mapping[Hashable, GrammarMatcher]:
+    """The grammar matchers of the live requests with structured outputs, by id."""
+    return self._requests.grammars
 
   def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> dict:
     """Compiles every program this engine's configuration can run (`warmup_programs`), so no
@@ -381,25 +331,25 @@ class Engine:
     the updates of requests the plan ended, the calls' arrays and what `_collect` reads."""
     # The scheduler ends requests on its own only when it aborts them (host pool full, over the
     # KV cap); the engine ended the others itself, and their ids may be live again by now.
-    updates = [self._finish(e.request_id, "abort", ()) for e in plan.ended
-               if e.status == ABORTED and e.reason != ABORT_CLIENT and e.request_id in self._live]
-    for request_id, device, host in plan.hits:
-      self._hits.setdefault(request_id, (device, host))  # a readmitted request keeps its first
+    requests = self._requests
+    updates = [requests.finish(e.request_id, "abort", ()) for e in plan.ended
+               if e.status == ABORTED and e.reason != ABORT_CLIENT and e.request_id in requests]
+    self._requests.record_hits(plan.hits)
     for direction, pairs in (("out", plan.swap_out + plan.writeback), ("in", plan.swap_in),
                              ("in", plan.prefetch)):
       if pairs:
         self.cache, self.host = self.runner.swap(self.cache, self.host, direction, pairs)
     calls = []
     if len(plan.prefill):
-      calls += [batching.build(rows, self._token_ids, self._sampling, decode=False,
-                               width=self.table_width)
+      calls += [batching.build(rows, self._requests.token_ids, self._requests.sampling,
+                               decode=False, width=self.table_width)
                 for rows in batching.prefill_calls(plan.prefill)]
     if len(plan.decode):
-      calls.append(batching.build(plan.decode, self._token_ids, self._sampling, decode=True,
-                                  width=self.table_width))
+      calls.append(batching.build(plan.decode, self._requests.token_ids, self._requests.sampling,
+                                  decode=True, width=self.table_width))
     dispatched = []
     for arrays in calls:
-      if self._logprobs:
+      if self._requests.logprobs:
         dispatched.append(self._step_logprobs(arrays) + (self._progress_of(arrays),))
         continue
       tokens_b, self.cache = self.runner.step(self.cache, arrays)
@@ -408,7 +358,7 @@ class Engine:
 
   def _progress_of(self, arrays: batching.StepArrays) -> tuple[RequestProgress, ...]:
     """The progress of each request a call computes for, as it is when the call is dispatched."""
-    return tuple(self._live[request_id][0] for request_id in arrays.request_ids)
+    return tuple(self._requests.progress(request_id) for request_id in arrays.request_ids)
 
   def _plan_ahead(self, plan: scheduler.Plan, dispatched):
     """With `plan` (one decode call) dispatched and its tokens not yet read: plans the next step
@@ -416,12 +366,11 @@ class Engine:
     too), dispatches it with its input tokens taken from this call's on the device. Returns
     (next plan, its calls, its dispatched calls), the scheduler state then holding the next plan
     in flight; else None, nothing changed."""
-    if (not self.config.async_scheduling or self._logprobs or len(dispatched) != 1
+    if (not self.config.async_scheduling or self._requests.logprobs or len(dispatched) != 1
         or len(plan.prefill) or not len(plan.decode)):
       return None
     arrays, tokens_b, _, _ = dispatched[0]
-    if any(request_id in self._rules or request_id in self._grammars
-           for request_id in arrays.request_ids):
+    if any(self._requests.needs_last_token(request_id) for request_id in arrays.request_ids):
       return None  # their transforms and masks need the token this call samples, on the host
     state, following = scheduler.schedule(
         scheduler.apply_event(self._state, scheduler.StepFinished(())))
@@ -434,11 +383,12 @@ class Engine:
         or row_bucket(len(decode)) != arrays.tokens_bt.shape[0]):
       return None
     def sampling(request_id):  # one more token generated by then: the one this call samples
-      info = self._sampling(request_id)
+      info = self._requests.sampling(request_id)
       return dataclasses.replace(info, num_generated=info.num_generated + 1)
 
     # Each row's last token is the one this call samples for it: a placeholder on the host.
-    next_arrays = batching.build(decode, lambda request_id: self._token_ids(request_id) + (0,),
+    next_arrays = batching.build(decode,
+                                 lambda request_id: self._requests.token_ids(request_id) + (0,),
                                  sampling, decode=True, width=self.table_width)
     source = np.full(next_arrays.tokens_bt.shape[0], -1, np.int32)
     source[:len(decode)] = [rows[request_id] for request_id in decode.request_ids]
@@ -469,9 +419,9 @@ class Engine:
     self._ahead = None
     if self._state.in_flight is not None:
       self._state = scheduler.apply_event(self._state, scheduler.StepFinished(()))
-    for request_id in list(self._live):
+    for request_id in self._requests.ids():
       self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
-      self._finish(request_id, "abort", ())
+      self._requests.finish(request_id, "abort", ())
     # The failed plan's blocks were never written, and the pools may be lost: forget the cache.
     self._state = scheduler.reset_prefix_cache(self._state)
     if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
@@ -481,24 +431,16 @@ class Engine:
   def _step_logprobs(self, arrays: batching.StepArrays):
     """Dispatches one call whose rows may ask for log-probabilities (the plain step if none
     does); returns (arrays, tokens, (prompt rows, their results, sampled results) or None)."""
-    sample_k = lp.sample_k(arrays, self._logprobs)
+    wanted = self._requests.logprobs
+    sample_k = lp.sample_k(arrays, wanted)
     prompt = (None if arrays.tokens_bt.shape[1] == 1 else
-              lp.prompt_rows(arrays, self._logprobs, lambda rid: self._live[rid][0].prompt_ids))
+              lp.prompt_rows(arrays, wanted, self._requests.prompt_ids))
     if sample_k is None and prompt is None:
       tokens_b, self.cache = self.runner.step(self.cache, arrays)
       return arrays, tokens_b, None
     tokens_b, self.cache, sampled, prompt_top = self.runner.step_logprobs(
         self.cache, arrays, sample_k, None if prompt is None else prompt.targets_bt, MAX_LOGPROBS)
     return arrays, tokens_b, (prompt, prompt_top, sampled)
-
-  def _token_ids(self, request_id: Hashable) -> tuple[int, ...]:
-    progress, _ = self._live[request_id]
-    return progress.prompt_ids + tuple(progress.generated)
-
-  def _sampling(self, request_id: Hashable) -> batching.SamplingInfo:
-    progress, seed = self._live[request_id]
-    return batching.SamplingInfo(progress.params, seed, len(progress.generated),
-                                 self._rules.get(request_id), self._grammars.get(request_id))
 
   def _collect(self, dispatched) -> tuple[list[tuple[Hashable, str]], list[RequestUpdate]]:
     """Reads each call's sampled tokens and appends them; returns stops and updates. Rows of
@@ -511,32 +453,15 @@ class Engine:
       if extra is not None:  # log-probabilities: read only for calls that computed them
         prompt, (prompt_top, sampled) = extra[0], jax.device_get(extra[1:])
         if prompt is not None:
-          lp.record_prompt(prompt, prompt_top, self._logprobs, self._token_text)
+          self._requests.record_prompt(prompt, prompt_top)
       for i, (request_id, keep) in enumerate(zip(arrays.request_ids, arrays.samples)):
-        progress = progresses[i]
-        if not keep or self._live.get(request_id, (None,))[0] is not progress:
+        if not keep or not self._requests.is_current(request_id, progresses[i]):
           continue
-        token = int(tokens[i])
-        grammar = self._grammars.get(request_id)
-        if grammar is not None and not grammar.consume(token):
-          logging.warning("request %r: its grammar rejected token %d (%s); ending it", request_id,
-                          token, grammar.error or "no token was allowed")
-          finished.append((request_id, "abort"))
-          updates.append(self._finish(request_id, "abort", ()))
-          continue
-        progress.append(token)
-        if grammar is not None and grammar.stopped and progress.finish_reason is None:
-          progress.finish_reason = "stop"  # the grammar is complete
-        self._totals.generated_tokens += 1
-        wanted = self._logprobs.get(request_id)
-        if wanted is not None and wanted.sample_k is not None:
-          wanted.generated.append(lp.entry(sampled, i, token, wanted.sample_k, self._token_text))
-        if progress.finish_reason is None:
-          updates.append(RequestUpdate(request_id, (token,), None) if wanted is None else
-                         RequestUpdate(request_id, (token,), None, *wanted.update_fields(1)))
-        else:
-          finished.append((request_id, progress.finish_reason))
-          updates.append(self._finish(request_id, progress.finish_reason, (token,)))
+        update = self._requests.accept(request_id, int(tokens[i]), sampled, i)
+        self._totals.generated_tokens += len(update.new_token_ids)
+        if update.completion is not None:
+          finished.append((request_id, update.completion.finish_reason))
+        updates.append(update)
     return finished, updates
 
   # Observability.
