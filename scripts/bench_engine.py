@@ -68,8 +68,6 @@ Hugging Face side badly; set `--threads` to the idle cores): compare ratios from
 """
 
 import dataclasses
-import gc
-import json
 import math
 import os
 import statistics
@@ -79,6 +77,8 @@ import numpy as np
 from absl import app, flags
 
 from jaxtier.engine import flags as engine_flags
+
+import benchlib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seed", 0, "seed of the workloads (prompt kinds, lengths, texts, max_tokens)")
@@ -247,12 +247,6 @@ def make_llm(**overrides):
   if FLAGS.max_model_len is not None:
     kwargs["max_model_len"] = FLAGS.max_model_len
   return jaxtier.LLM(**kwargs)
-
-
-def release(llm) -> None:
-  llm.engine.close()
-  del llm
-  gc.collect()
 
 
 COMPILES: dict[str, dict] = {}
@@ -490,7 +484,7 @@ def pressure_section(workload: list[dict]) -> dict:
   llm = make_llm(max_model_len=max_model_len, num_device_blocks=room, num_host_blocks=0)
   runs = {"unconstrained": pressure_run(llm, workload)}
   record_compiles("pressure_unconstrained", llm)
-  release(llm)
+  benchlib.release(llm)
   peak = runs["unconstrained"]["device_blocks_peak_used"]
   constrained = max(math.ceil(FLAGS.pressure_fraction * peak), blocks_for(max_model_len))
   for mode in ("swap", "recompute"):
@@ -498,7 +492,7 @@ def pressure_section(workload: list[dict]) -> dict:
                    num_host_blocks=peak if mode == "swap" else 0, preemption_mode=mode)
     runs[mode] = pressure_run(llm, workload)
     record_compiles(f"pressure_{mode}", llm)
-    release(llm)
+    benchlib.release(llm)
   base = runs["unconstrained"]
   report = {"workload": describe(workload), "max_model_len": max_model_len,
             "demand_blocks": demand, "unconstrained_peak_blocks": peak,
@@ -700,7 +694,7 @@ def decode_section(tokenizer, hf, name: str = "decode_steps", **overrides) -> di
     report["targets"]["batch1_ge_2_5x_hf"] = batch1["engine_vs_hf"] >= TARGETS["batch1_vs_hf"]
   report["batch1"] = batch1
   record_compiles(name, llm)
-  release(llm)
+  benchlib.release(llm)
   return report
 
 
@@ -734,7 +728,7 @@ def main(argv):
   if "penalties" in sections:
     report["penalties"] = penalties_section(llm, tokenizer)
   record_compiles("mixed", llm)
-  release(llm)
+  benchlib.release(llm)
   if "pressure" in sections:
     workload = build_workload(tokenizer, FLAGS.pressure_prompts, FLAGS.pressure_min_prompt,
                               FLAGS.pressure_max_prompt, FLAGS.seed + 1)
@@ -758,11 +752,7 @@ def main(argv):
       "by_engine": COMPILES}
   report["targets"] = {f"{section}.{name}": value for section in SECTIONS if section in report
                        for name, value in report[section]["targets"].items()}
-  text = json.dumps(report, indent=1)
-  print(text)
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as f:
-      f.write(text + "\n")
+  benchlib.print_report(report, FLAGS.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from jaxtier.offload import measure
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler import Request
 
+import benchlib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "registry name of a GGUF model")
 flags.DEFINE_integer("new_tokens", 64, "tokens generated per prompt")
@@ -39,12 +41,7 @@ def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 7) -> dict[str, flo
   step's weight reads, using every core XLA uses; and a numpy copy's (read + write) for reference."""
   host = np.ones(nbytes // 4, np.float32)
   dst = np.empty_like(host)
-  np.copyto(dst, host)
-  copies = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    np.copyto(dst, host)
-    copies.append(time.perf_counter() - start)
+  copies = benchlib.timed_calls(lambda: np.copyto(dst, host), repeats)
   return {"xla_read": measure.read_bytes_per_s(nbytes, repeats),
           "numpy_copy": 2 * nbytes / statistics.median(copies)}
 

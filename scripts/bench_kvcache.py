@@ -12,7 +12,6 @@ Shapes default to SmolLM2-135M (30 layers, 9 query heads, 3 kv heads, head_dim 6
 
 import json
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,8 @@ from absl import app, flags
 
 from jaxtier.kvcache import (HostTier, PagedCacheConfig, PagedKVCache, dense_attention,
                              paged_attention, paged_attention_reference, swap_in, swap_out)
+
+import benchlib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_layers", 30, "layers in the cache")
@@ -36,13 +37,7 @@ flags.DEFINE_list("swap_blocks", ["1", "8", "64"], "block counts per swap")
 
 def median_seconds(fn, repeats: int) -> float:
   """Median wall time of `fn()` (which must block) after one warm-up call."""
-  fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return statistics.median(benchlib.timed_calls(fn, repeats))
 
 
 def attention_point(rng, batch: int, length: int, new_tokens: int) -> dict:

@@ -73,6 +73,8 @@ from absl import app, flags
 
 from jaxtier.common.choices import DTYPE_BYTES
 
+import benchlib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "registry name of the model")
 flags.DEFINE_enum("dtype", "float32", list(DTYPE_BYTES),
@@ -469,11 +471,7 @@ def main(argv):
       shutil.rmtree(workdir, ignore_errors=True)
   report["decode"] = decode_section(offloads) if FLAGS.decode else None
   report["summary"] = summary(report["rows"])
-  text = json.dumps(report, indent=2)
-  print(text)
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as f:
-      f.write(text + "\n")
+  benchlib.print_report(report, FLAGS.out, indent=2)
 
 
 if __name__ == "__main__":

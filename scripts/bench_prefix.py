@@ -47,6 +47,8 @@ from absl import app, flags
 
 from jaxtier.engine import flags as engine_flags
 
+import benchlib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seed", 0, "seed of the workload (texts, turn counts)")
 flags.DEFINE_integer("num_conversations", 24, "conversations", lower_bound=1)
@@ -339,11 +341,7 @@ def main(argv):
                  measured[name] >= target if name.startswith("throughput")
                  else measured[name] <= target)}
       for name, target in TARGETS.items()}
-  text = json.dumps(report, indent=2)
-  print(text)
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as f:
-      f.write(text + "\n")
+  benchlib.print_report(report, FLAGS.out, indent=2)
 
 
 if __name__ == "__main__":

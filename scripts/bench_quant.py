@@ -68,7 +68,6 @@ The whole benchmark: `python scripts/bench_quant.py --check_conversion`.
 """
 
 import dataclasses
-import gc
 import itertools
 import json
 import math
@@ -85,6 +84,7 @@ from jaxtier.common import cache_dirs
 from jaxtier.engine import args as engine_args
 from jaxtier.kernels.cpu import heap as cpu_allocator
 
+import benchlib
 import hf_dirs
 
 FLAGS = flags.FLAGS
@@ -248,12 +248,6 @@ def make_llm(model: str, kwargs: dict):
     return None, f"{type(e).__name__}: {e}"
 
 
-def release(llm) -> None:
-  llm.engine.close()
-  del llm
-  gc.collect()
-
-
 def weight_figures(llm) -> dict:
   """Where the weights live and how they are held (`LLM.memory_report`); `block_activations`
   "none" where no weight is held in blocks."""
@@ -382,7 +376,7 @@ def quality_row(name: str, kernels: str, hf_dir: str, text: str, prompts: list[d
   row["load_s"] = time.perf_counter() - start
   row |= weight_figures(llm)
   result = evaluate(llm, text, prompts)
-  release(llm)
+  benchlib.release(llm)
   return row | public(result), result
 
 
@@ -417,7 +411,7 @@ def conversion_section(hf_dir: str, text: str, prompts: list[dict]) -> dict:
     if llm is None:
       raise RuntimeError(f"conversion check: {model} does not load: {skipped}")
     results[name] = evaluate(llm, text, prompts)
-    release(llm)
+    benchlib.release(llm)
   a, b = results["hf_dir"], results["registry_float"]
   return {"hf_dir": hf_dir,
           "perplexity": {name: r["perplexity"] for name, r in results.items()},
@@ -624,11 +618,7 @@ def main(argv):
   if FLAGS.speed:
     report["speed"] = speed_section(hf_dir, text)
   report["machine"]["load_average_at_end"] = os.getloadavg()
-  output = json.dumps(report, indent=1)
-  print(output)
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as f:
-      f.write(output + "\n")
+  benchlib.print_report(report, FLAGS.out, indent=1)
 
 
 if __name__ == "__main__":

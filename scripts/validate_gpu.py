@@ -61,6 +61,8 @@ import traceback
 
 from absl import app, flags
 
+import benchlib
+
 _OUT = flags.DEFINE_string("out", "validate_gpu.json", "where the JSON goes")
 _ALLOW_CPU = flags.DEFINE_bool("allow_cpu", False, "run on a CPU (small shapes; a dry run)")
 _BUDGET = flags.DEFINE_float("budget_s", 420.0, "no section starts after this many seconds")
@@ -84,13 +86,7 @@ def _median(values):
 
 def _timed(fn, repeats: int) -> float:
   """Median seconds of `fn()` (which blocks until its work is done) after one warm-up call."""
-  fn()
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    samples.append(time.perf_counter() - start)
-  return _median(samples)
+  return _median(benchlib.timed_calls(fn, repeats))
 
 
 def section_env() -> dict:
