@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from jaxtier import checkpoint, offload
 from jaxtier.common.checks import check_prompt_ids
-from jaxtier.engine import build, doctor, link, sizing
+from jaxtier.engine import build, doctor, link, pinned_cap, sizing
 from jaxtier.engine.args import EngineArgs
 from jaxtier.engine.engine import Engine
 from jaxtier.engine.padded import Completion, StepUpdate, generate_batch
@@ -138,6 +138,9 @@ class LLM:
   def __init__(self, model: str, **engine_args):
     # parse -> plan -> load -> build
     self.args = args = EngineArgs(model=model, **engine_args)
+    # XLA reads its pinned-memory cap when JAX starts: raise it first where these arguments may
+    # pin more (`jaxtier.engine.pinned_cap`)
+    pinned_cap.raise_before_start(args, pinned_cap.host_memory(args))
     self.mesh = sharding.make_mesh(args.tensor_parallel_size)  # before any file is read
     machine = sizing.detect_machine(args)
     # GGUF blocks are kept with weight_format="auto" on one device; otherwise a registry model
@@ -276,6 +279,8 @@ class LLM:
             "host_weight_bytes_per_device": sum(v for k, v in per_device.items()
                                                 if k != offload.DEVICE),
             "device_kv_bytes_per_device": c.num_device_blocks * self.block_bytes // tp,
+            **sizing.pinned_figures(host + c.num_host_blocks * self.block_bytes,
+                                    self.sizing.pinned_cap),
             "weight_bytes_by_format": _bytes_by_format(self.state)}
 
   def stats(self) -> dict:

@@ -20,6 +20,7 @@ from ml_collections import config_flags
 
 from jaxtier.common.choices import PLATFORM_ALIASES, PLATFORMS
 from jaxtier.engine import args as engine_args
+from jaxtier.engine import pinned_cap
 from jaxtier.kernels.cpu import heap as cpu_allocator
 
 FLAGS = flags.FLAGS
@@ -114,6 +115,8 @@ def prepare() -> None:
   # One arena for every thread only where a step's temporaries may be whole layers (an offloaded
   # tail, or "auto"): it makes the host thread's dispatch contend with XLA's threads for the lock.
   cpu_allocator.retain_freed_memory(single_arena=args.offload_tail_layers != 0)
+  # XLA reads its pinned-memory cap when JAX starts: raised first where the flags may pin more
+  pinned_cap.raise_before_start(args, pinned_cap.host_memory(args))
   enable_compilation_cache()
   if FLAGS.dry_run:
     print_plan_and_exit()

@@ -41,13 +41,14 @@ every expert. Tensor parallelism streams (host compute runs on one device).
 """
 
 import dataclasses
-import os
 from typing import Callable
 
 from jaxtier.common.buckets import pow2_bucket
 from jaxtier.common.checks import check_offload
 from jaxtier.common.choices import DTYPE_BYTES, PLATFORM_ALIASES, PLATFORMS
 from jaxtier.common.kv_bytes import kv_block_bytes
+from jaxtier.engine import pinned_cap
+from jaxtier.engine.pinned_cap import PinnedCap, host_memory, host_memory_bytes
 from jaxtier.engine.args import (CPU_DEFAULT_HOST_FRACTION, CPU_DEFAULT_KV_GB,
                                  CPU_DEFAULT_REQUEST_TOKENS, GB, HOST_PIN_FRACTION, EngineArgs)
 from jaxtier.model import sharding
@@ -66,13 +67,15 @@ class Machine:
   """What the engine may use. `device_memory_bytes` is one device's (None: the backend reports
   none, as on CPU); `host_memory_bytes` the host's RAM (None: unknown, no bound).
   `cpu_kernels`: the C++ kernels are built (CPU only); `integer_dots`: they multiply int16 in
-  vector instructions."""
+  vector instructions. `pinned_cap`: the most pinned host memory the platform's client gives out
+  (`jaxtier.engine.pinned_cap`; None: no cap), which no plan exceeds."""
   platform: str
   num_devices: int = 1
   device_memory_bytes: int | None = None
   host_memory_bytes: int | None = None
   cpu_kernels: bool = False
   integer_dots: bool = False
+  pinned_cap: PinnedCap | None = None  # XLA's cap on pinned host memory (GPU; `pinned_cap`)
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -162,6 +165,7 @@ class Sizing:
   host_expert_bytes: int = 0  # of host_weight_bytes, the experts group's (over all devices)
   table_dtype: str | None = None  # the embedding and LM head's dtype where not `dtype`
   platform: str | None = None  # the machine's ("cpu", "gpu", "tpu")
+  pinned_cap: PinnedCap | None = None  # the cap the pinned bytes keep within (`Machine`'s)
 
   @property
   def device_kv_bytes(self) -> int:
@@ -170,6 +174,11 @@ class Sizing:
   @property
   def host_kv_bytes(self) -> int:
     return self.num_host_blocks * self.block_bytes
+
+  @property
+  def pinned_bytes(self) -> int:
+    """Pinned host memory the plan takes at most: the host KV pool and the offloaded weights."""
+    return self.host_kv_bytes + self.host_weight_bytes
 
   def memory_plan(self) -> dict:
     """The plan in `jaxtier.LLM.memory_report()`'s keys (the figures it measures once loaded;
@@ -193,7 +202,14 @@ class Sizing:
         "expert_offload": self.experts.report,
         "device_weight_bytes_per_device": self.device_weight_bytes_per_device,
         "host_weight_bytes_per_device": self.host_weight_bytes_per_device,
-        "device_kv_bytes_per_device": self.device_kv_bytes // tp}
+        "device_kv_bytes_per_device": self.device_kv_bytes // tp,
+        **pinned_figures(self.pinned_bytes, self.pinned_cap)}
+
+
+def pinned_figures(pinned_bytes: int, cap: PinnedCap | None) -> dict:
+  """The pinned bytes and the cap they keep within, in `memory_report()`'s keys."""
+  return {"pinned_bytes": pinned_bytes, "pinned_cap_bytes": None if cap is None else cap.bytes,
+          "pinned_cap_setting": None if cap is None else cap.setting}
 
 
 def resolved_kernels(args: EngineArgs, machine: Machine) -> str:
@@ -421,6 +437,11 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
         f"{max_model_len} tokens needs {needed}: raise num_device_blocks / "
         "kv_cache_memory_gb (or device memory), or lower max_model_len")
   host = _host_blocks(args, machine, device, host, block_bytes, host_weights * tp)
+  cap = machine.pinned_cap
+  if cap is not None and host_weights * tp > cap.bytes:
+    raise ValueError(f"the offloaded weights need {host_weights * tp / GB:.3f} GB of pinned host "
+                     f"memory; XLA pins at most {cap.bytes / GB:.3f} GB ({cap.setting}): offload "
+                     f"fewer layers, or set {pinned_cap.ENV} higher before JAX starts")
   return Sizing(
       dtype=dtype, kv_cache_dtype=kv_dtype, kernels=settings.kernels,
       attention_impl=("xla" if settings.portable and args.attention_impl == "auto"
@@ -437,7 +458,7 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
       device_weight_bytes_per_device=resident,
       host_weight_bytes_per_device=host_weights, activation_reserve_bytes=reserve,
       host_expert_bytes=experts.layers * whole.expert_layer_bytes,
-      table_dtype=settings.table_dtype, platform=machine.platform)
+      table_dtype=settings.table_dtype, platform=machine.platform, pinned_cap=cap)
 
 
 def _host_blocks(args: EngineArgs, machine: Machine, device: int, default: int | None,
@@ -449,26 +470,25 @@ def _host_blocks(args: EngineArgs, machine: Machine, device: int, default: int |
     host = int(args.swap_space_gb * GB // block_bytes)
   else:
     host = device if default is None else default
+    rooms = [] if machine.pinned_cap is None else [machine.pinned_cap.bytes]
     if machine.host_memory_bytes is not None:
-      room = int(HOST_PIN_FRACTION * machine.host_memory_bytes) - pinned_weights
-      host = max(min(host, room // block_bytes), 0)
+      rooms.append(int(HOST_PIN_FRACTION * machine.host_memory_bytes))
+    if rooms:
+      host = max(min(host, (min(rooms) - pinned_weights) // block_bytes), 0)
     return host
   total = host * block_bytes + pinned_weights
+  need = (f"the host KV pool of {host} blocks ({host * block_bytes / GB:.3f} GB) and "
+          f"{pinned_weights / GB:.3f} GB of offloaded weights need {total / GB:.3f} GB of pinned "
+          "host memory")
   if machine.host_memory_bytes is not None and total > machine.host_memory_bytes:
-    raise ValueError(
-        f"the host KV pool of {host} blocks ({host * block_bytes / GB:.3f} GB) and "
-        f"{pinned_weights / GB:.3f} GB of offloaded weights need {total / GB:.3f} GB of pinned "
-        f"host memory; the host has {machine.host_memory_bytes / GB:.3f} GB: lower "
-        "num_host_blocks / swap_space_gb")
+    raise ValueError(f"{need}; the host has {machine.host_memory_bytes / GB:.3f} GB: lower "
+                     "num_host_blocks / swap_space_gb")
+  cap = machine.pinned_cap
+  if cap is not None and total > cap.bytes:
+    raise ValueError(f"{need}; XLA pins at most {cap.bytes / GB:.3f} GB ({cap.setting}): lower "
+                     f"num_host_blocks / swap_space_gb, or set {pinned_cap.ENV} higher before "
+                     "JAX starts")
   return host
-
-
-def host_memory_bytes() -> int | None:
-  """This host's RAM in bytes, or None where the OS does not say."""
-  try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  except (ValueError, OSError, AttributeError):
-    return None
 
 
 def platform_name(platform: str) -> str:
@@ -497,20 +517,24 @@ def detect_machine(args: EngineArgs, platform: str | None = None) -> Machine:
   exported for it runs there (`jax.export`). Where it is not this process's platform, nothing
   of this machine is measured: `tensor_parallel_size` devices of unknown memory (or
   `args.device_memory_gb`, which `size` reads) and a host of `args.host_memory_gb` (None:
-  unbounded)."""
+  unbounded). A GPU's pinned-memory cap is `pinned_cap.cap_for`'s (for another machine: its
+  process has not started JAX yet, so jaxtier raises the cap there where it must)."""
   import jax  # pylint: disable=import-outside-toplevel
   devices = jax.local_devices()
   local = local_platform()
   given = None if args.host_memory_gb is None else int(args.host_memory_gb * GB)
   if platform is not None and platform_name(platform) != local:
-    return Machine(platform_name(platform), args.tensor_parallel_size, None, given)
+    platform = platform_name(platform)
+    return Machine(platform, args.tensor_parallel_size, None, given,
+                   pinned_cap=pinned_cap.cap_for(args, platform, given, started=False))
   platform = local
   stats = devices[0].memory_stats() or {}
-  host = given if given is not None else host_memory_bytes()
+  host = host_memory(args)
   kernels = dots = False
   if platform == "cpu" and args.kernels != "portable":  # portable never builds the kernels
     # pylint: disable-next=import-outside-toplevel
     from jaxtier.kernels.cpu import library as cpu_kernels
     kernels = cpu_kernels.available()
     dots = kernels and cpu_kernels.integer_dots()
-  return Machine(platform, len(devices), stats.get("bytes_limit"), host, kernels, dots)
+  return Machine(platform, len(devices), stats.get("bytes_limit"), host, kernels, dots,
+                 pinned_cap.cap_for(args, platform, host, started=True))
