@@ -145,7 +145,7 @@ class LLM:
     machine = sizing.detect_machine(args)
     # GGUF blocks are kept with weight_format="auto" on one device; otherwise a registry model
     # loads from its float32 Orbax copy.
-    opened = build.open_checkpoint(model, args, sizing.resolve(args, machine))
+    opened = build.open_checkpoint(model, args, machine)
     try:
       self.plan = build.plan_checkpoint(model, opened, args, machine, mesh=self.mesh)
     except BaseException:

@@ -4,7 +4,6 @@ started, the cap is raised (the environment variable set before JAX starts); whe
 or the user set the variable, the plan keeps within it or says why it cannot. Hosts: an H200's
 128 GB, 8 x H100 on 2 TB at TP=8, and a variable the user set."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -28,7 +27,7 @@ def _no_variable(monkeypatch):
 
 def _size(args: EngineArgs, config, machine, started: bool) -> sizing.Sizing:
   cap = pinned_cap.cap_for(args, "gpu", machine.host_memory_bytes, started)
-  return sizing.size(args, config, dataclasses.replace(machine, pinned_cap=cap), timing=never)
+  return sizing.size(args, config, machine, timing=never, cap=cap)
 
 
 def test_an_h200_with_a_128gb_host_plans_within_xlas_default_or_raises_it():

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from jaxtier import checkpoint
 from jaxtier.checkpoint import placed
 from jaxtier.checkpoint.quantized import QuantizedSource, block_format
-from jaxtier.engine import sizing
+from jaxtier.engine import pinned_cap, sizing
 from jaxtier.engine.args import GB, EngineArgs
 from jaxtier.engine.engine import EngineConfig
 from jaxtier.model.config import ModelConfig
@@ -76,14 +76,15 @@ class Plan:
             "planner_preset": self.planner_preset}
 
 
-def open_checkpoint(model: str, args: EngineArgs, settings: sizing.Settings,
+def open_checkpoint(model: str, args: EngineArgs, machine: sizing.Machine,
                     metadata_only: bool = False) -> checkpoint.Opened:
-  """The checkpoint opened as the engine reads it: a GGUF file itself where its blocks are kept
-  (`settings.keep_quantized`), and with `quantization`, its float projections presented quantized
+  """The checkpoint opened as the engine on `machine` reads it: a GGUF file itself where its
+  blocks are kept (`sizing.Settings.keep_quantized`), and with `quantization`, its float projections presented quantized
   in the format of the path that multiplies them (`checkpoint.quantized.QuantizedSource`: CPU
   blocks, or the portable layouts, whose tables stay bfloat16). `metadata_only`: for planning
   (`checkpoint.open_metadata`: no conversion of a registry model, and a directory holding only a
   config.json opens)."""
+  settings = sizing.resolve(args, machine)
   keep = settings.keep_quantized
   opened = (checkpoint.open_metadata(model, keep_quantized=keep) if metadata_only
             else checkpoint.open_checkpoint(model, keep_quantized=keep))
@@ -205,9 +206,14 @@ def plan_checkpoint(model: str, opened: checkpoint.Opened, args: EngineArgs,
   arguments the model or the machine cannot run."""
   settings = sizing.resolve(args, machine)
   config = opened.config
+  # this process's JAX has started on its own platform; the process that runs a plan for
+  # another one has not yet, so jaxtier may still raise the cap there
+  cap = pinned_cap.cap_for(args, machine.platform, machine.host_memory_bytes,
+                           started=machine.platform == sizing.local_platform())
   s = sizing.size(args, config, machine, weights=_weights(config, opened.source, settings),
                   timing=_timing(config, settings, hardware_preset),
-                  expert_rates=_expert_rates(args, machine, hardware_preset), settings=settings)
+                  expert_rates=_expert_rates(args, machine, hardware_preset), settings=settings,
+                  cap=cap)
   planned = s.offload.plan is not None
   return Plan(model, args, machine, config, settings, s, layout_of(s, config.num_layers, mesh),
               engine_config_of(args, s), hardware_preset if planned else None, assumed)
@@ -221,7 +227,7 @@ def planned(model: str, args: EngineArgs | None = None, platform: str | None = N
   program export builds abstract state from its source); `mesh`: the layout's."""
   args = args if args is not None else EngineArgs(model=model)
   machine, preset_name, assumed = machine_for(args, platform, hardware_preset)
-  with open_checkpoint(model, args, sizing.resolve(args, machine), metadata_only=True) as opened:
+  with open_checkpoint(model, args, machine, metadata_only=True) as opened:
     yield plan_checkpoint(model, opened, args, machine, mesh=mesh, hardware_preset=preset_name,
                           assumed=assumed), opened
 

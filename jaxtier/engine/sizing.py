@@ -67,15 +67,13 @@ class Machine:
   """What the engine may use. `device_memory_bytes` is one device's (None: the backend reports
   none, as on CPU); `host_memory_bytes` the host's RAM (None: unknown, no bound).
   `cpu_kernels`: the C++ kernels are built (CPU only); `integer_dots`: they multiply int16 in
-  vector instructions. `pinned_cap`: the most pinned host memory the platform's client gives out
-  (`jaxtier.engine.pinned_cap`; None: no cap), which no plan exceeds."""
+  vector instructions."""
   platform: str
   num_devices: int = 1
   device_memory_bytes: int | None = None
   host_memory_bytes: int | None = None
   cpu_kernels: bool = False
   integer_dots: bool = False
-  pinned_cap: PinnedCap | None = None  # XLA's cap on pinned host memory (GPU; `pinned_cap`)
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -165,7 +163,7 @@ class Sizing:
   host_expert_bytes: int = 0  # of host_weight_bytes, the experts group's (over all devices)
   table_dtype: str | None = None  # the embedding and LM head's dtype where not `dtype`
   platform: str | None = None  # the machine's ("cpu", "gpu", "tpu")
-  pinned_cap: PinnedCap | None = None  # the cap the pinned bytes keep within (`Machine`'s)
+  pinned_cap: PinnedCap | None = None  # the cap the pinned bytes keep within (`size`'s)
 
   @property
   def device_kv_bytes(self) -> int:
@@ -379,7 +377,7 @@ def _offload(args: EngineArgs, config: ModelConfig, machine: Machine, weights: M
 def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
          weights: ModelBytes | None = None, timing: Timing | None = None,
          expert_rates: "expert_cost.ExpertRates | None" = None,
-         settings: Settings | None = None) -> Sizing:
+         settings: Settings | None = None, cap: PinnedCap | None = None) -> Sizing:
   """The engine `args` resolve to for a model of `config` on `machine` (see the module docstring).
 
   `weights`: one device's weight bytes as the loader will hold them (`ModelBytes`; resident
@@ -387,8 +385,10 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
   `jaxtier.checkpoint.placed.resident_bytes`); default: floats of the resolved dtype. `timing(batch,
   context)`: the measured link rate and decode-layer time, called only when the planner runs.
   `expert_rates`: the link and host rates the expert cost model runs at (default: the platform's
-  hardware preset). `settings`: `resolve(args, machine)`, where already made. Raises ValueError
-  for arguments this model or machine cannot run.
+  hardware preset). `settings`: `resolve(args, machine)`, where already made. `cap`: the most
+  pinned host memory the platform's client gives out (`jaxtier.engine.pinned_cap`; None: no cap),
+  which the host pool and the offloaded weights keep within. Raises ValueError for arguments this
+  model or machine cannot run.
   """
   _check_model(args, config)
   settings = settings or resolve(args, machine)
@@ -436,8 +436,7 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
         f"({max(device, 0) * block_bytes / GB:.3f} GB) but one sequence of max_model_len="
         f"{max_model_len} tokens needs {needed}: raise num_device_blocks / "
         "kv_cache_memory_gb (or device memory), or lower max_model_len")
-  host = _host_blocks(args, machine, device, host, block_bytes, host_weights * tp)
-  cap = machine.pinned_cap
+  host = _host_blocks(args, machine, device, host, block_bytes, host_weights * tp, cap)
   if cap is not None and host_weights * tp > cap.bytes:
     raise ValueError(f"the offloaded weights need {host_weights * tp / GB:.3f} GB of pinned host "
                      f"memory; XLA pins at most {cap.bytes / GB:.3f} GB ({cap.setting}): offload "
@@ -462,7 +461,7 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
 
 
 def _host_blocks(args: EngineArgs, machine: Machine, device: int, default: int | None,
-                 block_bytes: int, pinned_weights: int) -> int:
+                 block_bytes: int, pinned_weights: int, cap: PinnedCap | None) -> int:
   """The host pool in blocks: as asked (checked against the host's memory), or the default."""
   if args.num_host_blocks is not None:
     host = args.num_host_blocks
@@ -470,7 +469,7 @@ def _host_blocks(args: EngineArgs, machine: Machine, device: int, default: int |
     host = int(args.swap_space_gb * GB // block_bytes)
   else:
     host = device if default is None else default
-    rooms = [] if machine.pinned_cap is None else [machine.pinned_cap.bytes]
+    rooms = [] if cap is None else [cap.bytes]
     if machine.host_memory_bytes is not None:
       rooms.append(int(HOST_PIN_FRACTION * machine.host_memory_bytes))
     if rooms:
@@ -483,7 +482,6 @@ def _host_blocks(args: EngineArgs, machine: Machine, device: int, default: int |
   if machine.host_memory_bytes is not None and total > machine.host_memory_bytes:
     raise ValueError(f"{need}; the host has {machine.host_memory_bytes / GB:.3f} GB: lower "
                      "num_host_blocks / swap_space_gb")
-  cap = machine.pinned_cap
   if cap is not None and total > cap.bytes:
     raise ValueError(f"{need}; XLA pins at most {cap.bytes / GB:.3f} GB ({cap.setting}): lower "
                      f"num_host_blocks / swap_space_gb, or set {pinned_cap.ENV} higher before "
@@ -517,16 +515,13 @@ def detect_machine(args: EngineArgs, platform: str | None = None) -> Machine:
   exported for it runs there (`jax.export`). Where it is not this process's platform, nothing
   of this machine is measured: `tensor_parallel_size` devices of unknown memory (or
   `args.device_memory_gb`, which `size` reads) and a host of `args.host_memory_gb` (None:
-  unbounded). A GPU's pinned-memory cap is `pinned_cap.cap_for`'s (for another machine: its
-  process has not started JAX yet, so jaxtier raises the cap there where it must)."""
+  unbounded)."""
   import jax  # pylint: disable=import-outside-toplevel
   devices = jax.local_devices()
   local = local_platform()
   given = None if args.host_memory_gb is None else int(args.host_memory_gb * GB)
   if platform is not None and platform_name(platform) != local:
-    platform = platform_name(platform)
-    return Machine(platform, args.tensor_parallel_size, None, given,
-                   pinned_cap=pinned_cap.cap_for(args, platform, given, started=False))
+    return Machine(platform_name(platform), args.tensor_parallel_size, None, given)
   platform = local
   stats = devices[0].memory_stats() or {}
   host = host_memory(args)
@@ -536,5 +531,4 @@ def detect_machine(args: EngineArgs, platform: str | None = None) -> Machine:
     from jaxtier.kernels.cpu import library as cpu_kernels
     kernels = cpu_kernels.available()
     dots = kernels and cpu_kernels.integer_dots()
-  return Machine(platform, len(devices), stats.get("bytes_limit"), host, kernels, dots,
-                 pinned_cap.cap_for(args, platform, host, started=True))
+  return Machine(platform, len(devices), stats.get("bytes_limit"), host, kernels, dots)
