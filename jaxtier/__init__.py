@@ -14,7 +14,8 @@ import warnings as _warnings
 from importlib import import_module as _import_module
 
 _EXPORTS = {"LLM": "jaxtier.llm", "RequestOutput": "jaxtier.llm", "CompletionOutput": "jaxtier.llm",
-            "SamplingParams": "jaxtier.sampling", "Logprob": "jaxtier.sampling.logprobs"}
+            "SamplingParams": "jaxtier.sampling", "Logprob": "jaxtier.sampling.logprobs",
+            "rollout_arrays": "jaxtier.llm"}
 
 # Old module path -> where it lives now (deprecated paths, kept for one release).
 _MOVED_MODULES = {

@@ -12,6 +12,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxtier import checkpoint, offload
+from jaxtier.checkpoint import placed
+from jaxtier.checkpoint.params import ArraySource, check_params, flat_params
 from jaxtier.common.checks import check_prompt_ids
 from jaxtier.engine import build, doctor, link, pinned_cap, sizing
 from jaxtier.engine.args import EngineArgs
@@ -23,7 +25,8 @@ from jaxtier.offload.experts import ExpertOffloadedLayers
 from jaxtier.sampling.logprobs import LogprobDict
 from jaxtier.sampling.samplers import SamplingParams
 from jaxtier.scheduler import Request
-from jaxtier.text.tokenizer import Message, resolve_chat_template
+from jaxtier.model.transformer import Transformer
+from jaxtier.text.tokenizer import Message, Tokenizer, resolve_chat_template
 
 Prompt = str | Sequence[int]
 
@@ -31,12 +34,18 @@ Prompt = str | Sequence[int]
 @dataclasses.dataclass(frozen=True)
 class CompletionOutput:
   """One completion. `logprobs` (when `SamplingParams.logprobs` is set): one dict per generated
-  token, token id -> `Logprob`, holding the generated token and the top `logprobs` tokens."""
+  token, token id -> `Logprob`, holding the generated token and the top `logprobs` tokens; and
+  the same tokens' log-probabilities as float32 arrays [tokens] for a training step, in both of
+  vLLM's `logprobs_mode`s: `token_logprobs` under the raw model, `processed_logprobs` under the
+  distribution each token was drawn from (after penalties, biases, temperature, top-k / top-p /
+  min-p; 0 for greedy tokens). `rollout_arrays` pads them for a batch."""
   index: int
   text: str
   token_ids: tuple[int, ...]  # generated tokens only
   finish_reason: str  # "stop" or "length"
   logprobs: list[LogprobDict] | None = None
+  token_logprobs: np.ndarray | None = None  # [tokens] float32
+  processed_logprobs: np.ndarray | None = None  # [tokens] float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +57,8 @@ class RequestOutput:
   `prompt_logprobs` tokens given the tokens before it.
 
   `num_cached_tokens`: prompt tokens served from the prefix cache instead of computed (as in vLLM).
+  `weights_version`: the `LLM.weights_version` of the weights that generated it (0: the weights
+  it was built with; each `update_weights` adds one).
   """
   request_id: str
   prompt: str | None
@@ -55,6 +66,7 @@ class RequestOutput:
   outputs: tuple[CompletionOutput, ...]
   prompt_logprobs: list[LogprobDict | None] | None = None
   num_cached_tokens: int = 0
+  weights_version: int = 0
 
   @property
   def text(self) -> str:
@@ -67,6 +79,55 @@ class RequestOutput:
   @property
   def finish_reason(self) -> str:
     return self.outputs[0].finish_reason
+
+
+def _float32(values) -> np.ndarray | None:
+  return None if values is None else np.asarray(values, np.float32)
+
+
+def rollout_arrays(outputs: Sequence[RequestOutput], pad_id: int = 0) -> dict[str, np.ndarray]:
+  """Outputs (`LLM.generate` / `chat` results, each prompt repeated once per sample for GRPO's
+  groups) as padded numpy arrays for a training step, one row per output, each row its prompt
+  then its completion, right-padded to the longest:
+
+  - "tokens" [n, L] int32 (`pad_id` after the end), "positions" [n, L] int32;
+  - "prompt_lengths", "completion_lengths" [n] int32;
+  - "completion_mask" [n, L] float32: 1 where a row holds a generated token;
+  - "token_logprobs", "processed_logprobs" [n, L] float32: each generated token's
+    log-probability (raw and processed, `CompletionOutput`), 0 elsewhere; they need
+    `SamplingParams.logprobs` set (0 is enough), else ValueError;
+  - "group" [n] int32: the index of the row's prompt among the distinct prompts, in order of
+    first appearance (rows of one prompt share it).
+
+  Position p's token is predicted by the logits at p - 1: a training step's log-probabilities of
+  `tokens[:, 1:]` under `completion_mask[:, 1:]` line up with these arrays' `[:, 1:]`.
+  """
+  if not outputs:
+    raise ValueError("outputs is empty: expected at least one RequestOutput")
+  rows = [(o.prompt_token_ids, o.outputs[0]) for o in outputs]
+  missing = [i for i, (_, c) in enumerate(rows) if c.token_logprobs is None]
+  if missing:
+    raise ValueError(f"outputs {missing[:5]} carry no log-probabilities: generate with "
+                     "SamplingParams(logprobs=0) (or more)")
+  width = max(len(p) + len(c.token_ids) for p, c in rows)
+  n = len(rows)
+  out = {"tokens": np.full((n, width), pad_id, np.int32),
+         "positions": np.tile(np.arange(width, dtype=np.int32), (n, 1)),
+         "prompt_lengths": np.zeros(n, np.int32), "completion_lengths": np.zeros(n, np.int32),
+         "completion_mask": np.zeros((n, width), np.float32),
+         "token_logprobs": np.zeros((n, width), np.float32),
+         "processed_logprobs": np.zeros((n, width), np.float32),
+         "group": np.zeros(n, np.int32)}
+  groups: dict[tuple[int, ...], int] = {}
+  for i, (prompt, c) in enumerate(rows):
+    p, g = len(prompt), len(c.token_ids)
+    out["tokens"][i, :p + g] = list(prompt) + list(c.token_ids)
+    out["prompt_lengths"][i], out["completion_lengths"][i] = p, g
+    out["completion_mask"][i, p:p + g] = 1
+    out["token_logprobs"][i, p:p + g] = c.token_logprobs
+    out["processed_logprobs"][i, p:p + g] = c.processed_logprobs
+    out["group"][i] = groups.setdefault(tuple(prompt), len(groups))
+  return out
 
 
 def _bytes_by_format(tree) -> dict[str, int]:
@@ -135,9 +196,12 @@ class LLM:
   are step temporaries, which glibc maps afresh (page-faulting) every step once they pass 32 MB.
   """
 
-  def __init__(self, model: str, **engine_args):
+  def __init__(self, model: "str | Transformer", tokenizer: Tokenizer | None = None,
+               **engine_args):
     # parse -> plan -> load -> build
-    self.args = args = EngineArgs(model=model, **engine_args)
+    in_memory = not isinstance(model, str)
+    name = f"{getattr(getattr(model, 'config', None), 'architecture', 'model')} (in memory)"
+    self.args = args = EngineArgs(model=name if in_memory else model, **engine_args)
     # XLA reads its pinned-memory cap when JAX starts: raise it first where these arguments may
     # pin more (`jaxtier.engine.pinned_cap`)
     pinned_cap.raise_before_start(args, pinned_cap.host_memory(args))
@@ -145,17 +209,18 @@ class LLM:
     machine = sizing.detect_machine(args)
     # GGUF blocks are kept with weight_format="auto" on one device; otherwise a registry model
     # loads from its float32 Orbax copy.
-    opened = build.open_checkpoint(model, args, machine)
+    opened = (build.open_model(model, tokenizer, args, machine) if in_memory
+              else build.open_checkpoint(model, args, machine))
     try:
-      self.plan = build.plan_checkpoint(model, opened, args, machine, mesh=self.mesh)
+      self.plan = build.plan_checkpoint(args.model, opened, args, machine, mesh=self.mesh)
     except BaseException:
       opened.close()
       raise
     self.machine, self.config, self.sizing = machine, self.plan.config, self.plan.sizing
     self.layout, self.engine_config = self.plan.layout, self.plan.engine_config
     self.loaded = checkpoint.load_opened(opened, self.sizing.dtype, self.layout)
-    self.model_name = model
-    self.tokenizer = self.loaded.tokenizer
+    self.model_name = args.model
+    self.tokenizer = tokenizer or self.loaded.tokenizer
     if args.chat_template is not None:
       self.tokenizer = dataclasses.replace(
           self.tokenizer, chat_template=resolve_chat_template(args.chat_template))
@@ -168,6 +233,7 @@ class LLM:
     self._engine: Engine | None = None
     self._rng = np.random.default_rng(args.seed)
     self._next_id = 0
+    self.weights_version = 0  # how many times `update_weights` replaced the weights
 
   @property
   def offload(self) -> sizing.Offload:
@@ -303,6 +369,34 @@ class LLM:
     """Forgets every cached prefix block that no running request uses, on both tiers."""
     self.engine.reset_prefix_cache()
 
+  def update_weights(self, params, abort_running: bool = False) -> int:
+    """Replaces the model's weights with `params` and returns the new `weights_version`.
+
+    `params`: what an NNX trainer holds, `nnx.state(model, nnx.Param)` of a `Transformer` of this
+    config, or a flat dict in `jaxtier.checkpoint.params`' names (paths or "/"-joined), in the
+    engine's dtype. They are placed as the engine's weights are (`placed.build` with its layout:
+    arrays already where the engine keeps them are used as they are, others moved: resharded,
+    the offloaded tail to pinned host memory; quantized again where the engine quantizes), and
+    the engine runs them from its next step with no program compiled again. Live requests first
+    finish on the old weights (their outputs report the old version), or with `abort_running`
+    end with "abort". Every cached prefix is forgotten, on both tiers. Missing, unknown or
+    mis-shaped parameters, or another dtype, raise ValueError naming the parameter, and nothing
+    changes.
+    """
+    dtype = checkpoint.resolve_dtype(self.sizing.dtype)
+    flat = flat_params(params)
+    check_params(self.config, flat, dtype, "update_weights")
+    source = build.quantized_source(ArraySource(flat, "update_weights"), self.config, self.args,
+                                    self.plan.settings)
+    model = placed.build(self.config, source, dtype, self.layout)
+    graphdef, state = nnx.split(model)
+    if self._engine is not None:
+      self._engine.update_weights(state, abort_running)
+    self.graphdef, self.state = graphdef, state
+    self.loaded = dataclasses.replace(self.loaded, model=model)
+    self.weights_version += 1
+    return self.weights_version
+
   def doctor(self) -> str:
     """The symptom -> remedy rows that this run's figures show (see `jaxtier.engine.doctor`)."""
     stats = self.stats()
@@ -398,14 +492,14 @@ class LLM:
           request_id, self._next_id = self._next_id, self._next_id + 1
           seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
           engine.add_request(request_id, ids, params, seed)
-          mine[request_id] = (key, text, tuple(ids))
+          mine[request_id] = (key, text, tuple(ids), self.weights_version)
         if not mine:
           return
         for update in engine.step():
           generated += len(update.new_token_ids)
           if update.completion is None or update.request_id not in mine:
             continue
-          key, text, ids = mine.pop(update.request_id)
+          key, text, ids, version = mine.pop(update.request_id)
           c = update.completion
           if bar is not None:
             bar.update(1)
@@ -414,8 +508,10 @@ class LLM:
           yield key, RequestOutput(
               str(key), text, ids,
               (CompletionOutput(0, c.text, c.token_ids, c.finish_reason,
-                                None if c.logprobs is None else list(c.logprobs)),),
-              None if c.prompt_logprobs is None else list(c.prompt_logprobs), c.num_cached_tokens)
+                                None if c.logprobs is None else list(c.logprobs),
+                                _float32(c.token_logprobs), _float32(c.processed_logprobs)),),
+              None if c.prompt_logprobs is None else list(c.prompt_logprobs), c.num_cached_tokens,
+              version)
     finally:
       for request_id in mine:
         engine.abort(request_id)

@@ -146,6 +146,55 @@ class ConfigSource(TensorSource):
                      "read): it can be planned (a dry run), not loaded")
 
 
+class ArraySource(TensorSource):
+  """Parameters already in memory (a trainer's JAX arrays, or numpy) by path: what an engine
+  built around in-memory weights, or given new ones, places. A whole tensor that is a JAX array
+  of the target dtype is used as it is where it already has the target sharding and memory kind
+  (no copy), else moved there on the devices (resharded, or to pinned host memory); a part of a
+  tensor (a group of its layers), or another dtype, is read to the host and placed from there."""
+  kind = "arrays"
+
+  def __init__(self, params: Mapping[Path, object], where: str = "params"):
+    super().__init__(where)
+    self.params = dict(params)
+
+  def shapes(self) -> dict[Path, tuple[int, ...]]:
+    return {p: tuple(a.shape) for p, a in self.params.items()}
+
+  def read(self, path: Path, layers: Sequence[int] | None = None) -> np.ndarray:
+    a = self.params[path]
+    if layers is not None and is_layer_path(path):
+      a = a[np.asarray(layers)]
+    return np.asarray(a)
+
+  def place(self, path: Path, sharding, dtype) -> jax.Array | None:
+    a = self.params[path]
+    if not isinstance(a, jax.Array) or a.dtype != jnp.dtype(dtype):
+      return None
+    same = (a.sharding.is_equivalent_to(sharding, a.ndim)
+            and a.sharding.memory_kind == sharding.memory_kind)
+    return a if same else jax.device_put(a, sharding)
+
+
+def flat_params(params) -> dict[Path, object]:
+  """A model's parameters as this module's flat {path: array}: from an NNX state (`nnx.state(
+  model, nnx.Param)` of a `Transformer`), a nested dict of its pure form, or a flat dict whose
+  keys are paths (tuples) or "/"-joined names. Derived parameters (the rotary frequencies) are
+  left out. ValueError for anything else."""
+  if isinstance(params, nnx.State):
+    params = nnx.to_pure_dict(params)
+  if not isinstance(params, Mapping):
+    raise ValueError(f"params: expected an nnx.State or a dict of arrays, got "
+                     f"{type(params).__name__}")
+  if all(isinstance(k, tuple) for k in params):
+    flat = dict(params)
+  elif all(isinstance(k, str) and "/" in k for k in params):
+    flat = {tuple(k.split("/")): v for k, v in params.items()}
+  else:
+    flat = _flatten(params)
+  return {p: v for p, v in flat.items() if p not in DERIVED}
+
+
 def fused_row_splits(name: str, config: ModelConfig) -> list[tuple[int, int]]:
   """The [start, stop) output rows of each part of the fused HF tensor `name`
   (`HF_FUSED_LAYER_NAMES`)."""
@@ -183,6 +232,15 @@ def check_shapes(config: ModelConfig, shapes: Mapping[Path, Sequence[int]], dtyp
     if tuple(shapes[path]) != tuple(shape):
       raise ValueError(f"{source}: parameter {'/'.join(path)} has shape {tuple(shapes[path])}, "
                        f"expected {tuple(shape)}")
+
+
+def check_params(config: ModelConfig, params: Mapping[Path, object], dtype, source: str) -> None:
+  """`check_shapes`, and every parameter in `dtype`: ValueError naming the first that is not."""
+  check_shapes(config, {p: tuple(a.shape) for p, a in params.items()}, dtype, source)
+  for path, a in params.items():
+    if jnp.dtype(a.dtype) != jnp.dtype(dtype):
+      raise ValueError(f"{source}: parameter {'/'.join(path)} is {jnp.dtype(a.dtype).name}, "
+                       f"expected {jnp.dtype(dtype).name} (the engine's dtype)")
 
 
 def expected_shapes(config: ModelConfig, dtype) -> dict[Path, tuple[int, ...]]:

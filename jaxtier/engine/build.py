@@ -25,13 +25,16 @@ from collections.abc import Iterator
 
 from jaxtier import checkpoint
 from jaxtier.checkpoint import placed
+from jaxtier.checkpoint.params import ArraySource, params_from_model
 from jaxtier.checkpoint.quantized import QuantizedSource, block_format
 from jaxtier.engine import pinned_cap, sizing
 from jaxtier.engine.args import GB, EngineArgs
 from jaxtier.engine.engine import EngineConfig
 from jaxtier.model.config import ModelConfig
+from jaxtier.model.transformer import Transformer
 from jaxtier.offload import expert_cost, hardware, measure
 from jaxtier.offload.planner import ModelBytes
+from jaxtier.text.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,25 +82,46 @@ class Plan:
 def open_checkpoint(model: str, args: EngineArgs, machine: sizing.Machine,
                     metadata_only: bool = False) -> checkpoint.Opened:
   """The checkpoint opened as the engine on `machine` reads it: a GGUF file itself where its
-  blocks are kept (`sizing.Settings.keep_quantized`), and with `quantization`, its float projections presented quantized
-  in the format of the path that multiplies them (`checkpoint.quantized.QuantizedSource`: CPU
-  blocks, or the portable layouts, whose tables stay bfloat16). `metadata_only`: for planning
+  blocks are kept (`sizing.Settings.keep_quantized`), and with `quantization` quantized
+  (`quantized_source`). `metadata_only`: for planning
   (`checkpoint.open_metadata`: no conversion of a registry model, and a directory holding only a
   config.json opens)."""
   settings = sizing.resolve(args, machine)
   keep = settings.keep_quantized
   opened = (checkpoint.open_metadata(model, keep_quantized=keep) if metadata_only
             else checkpoint.open_checkpoint(model, keep_quantized=keep))
-  if args.quantization is None:
-    return opened
   try:
-    opened.source = QuantizedSource(
-        opened.source, block_format(args.quantization, settings.portable),
-        args.quantization_group_size, head=not settings.portable, config=opened.config)
+    opened.source = quantized_source(opened.source, opened.config, args, settings)
   except BaseException:
     opened.close()
     raise
   return opened
+
+
+def open_model(model: Transformer, tokenizer: Tokenizer, args: EngineArgs,
+               machine: sizing.Machine) -> checkpoint.Opened:
+  """An in-memory model (a `Transformer`'s parameters, as a trainer holds them) opened as a
+  checkpoint, for the engine on `machine` to place as it places one read from files
+  (`checkpoint.params.ArraySource`: arrays already where they go are used as they are)."""
+  if not isinstance(model, Transformer):
+    raise ValueError(f"model: expected a registry name, a path or a jaxtier.model.Transformer, "
+                     f"got {type(model).__name__}")
+  if not isinstance(tokenizer, Tokenizer):
+    raise ValueError("tokenizer: an in-memory model needs its jaxtier.text.tokenizer.Tokenizer "
+                     f"(jaxtier.checkpoint.load_model returns one), got {type(tokenizer).__name__}")
+  source = ArraySource(params_from_model(model), args.model)
+  return checkpoint.Opened("model", args.model, model.config, tokenizer, quantized_source(
+      source, model.config, args, sizing.resolve(args, machine)))
+
+
+def quantized_source(source, config: ModelConfig, args: EngineArgs, settings: sizing.Settings):
+  """`source`, with `quantization`, its float projections presented quantized in the format of
+  the path that multiplies them (`checkpoint.quantized.QuantizedSource`: CPU blocks, or the
+  portable layouts, whose tables stay bfloat16)."""
+  if args.quantization is None:
+    return source
+  return QuantizedSource(source, block_format(args.quantization, settings.portable),
+                         args.quantization_group_size, head=not settings.portable, config=config)
 
 
 def layout_of(s: sizing.Sizing, num_layers: int, mesh) -> placed.Layout:

@@ -196,6 +196,7 @@ class Engine:
     # A plan dispatched before its predecessor's tokens were read: (plan, calls, dispatched).
     self._ahead: tuple | None = None
     self._held: list[RequestUpdate] = []  # updates of a plan finished outside `step()`
+    self.weights_version = 0  # how many times `update_weights` replaced the parameters
 
   # Requests.
 
@@ -226,6 +227,26 @@ class Engine:
       return None
     self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
     return self._requests.finish(request_id, "abort", ())
+
+  def update_weights(self, state: nnx.State, abort_running: bool = False) -> int:
+    """Runs on the parameters `state` from now on, and returns the new weights version.
+
+    `state` must have the model's structure, shapes, dtypes and placements (`Runner.check_state`:
+    a ValueError, and nothing changed, otherwise), so no program compiles again. Live requests
+    first finish on the old weights (their updates are held for the next `step()`), or with
+    `abort_running` end at once with "abort". Then every cached prefix is forgotten, on both
+    tiers: its KV came from the old weights.
+    """
+    self.runner.check_state(state)
+    if abort_running:
+      self._held += [self.abort(request_id) for request_id in self._requests.ids()]
+    while self._requests:
+      self._held = self.step()
+    self._settle()
+    self.runner.replace_state(state)
+    self._state = scheduler.reset_prefix_cache(self._state)
+    self.weights_version += 1
+    return self.weights_version
 
   def reset_prefix_cache(self) -> None:
     """Forgets every cached prefix block no running request uses (both tiers)."""
@@ -438,9 +459,9 @@ class Engine:
     if sample_k is None and prompt is None:
       tokens_b, self.cache = self.runner.step(self.cache, arrays)
       return arrays, tokens_b, None
-    tokens_b, self.cache, sampled, prompt_top = self.runner.step_logprobs(
+    tokens_b, self.cache, sampled, prompt_top, processed = self.runner.step_logprobs(
         self.cache, arrays, sample_k, None if prompt is None else prompt.targets_bt, MAX_LOGPROBS)
-    return arrays, tokens_b, (prompt, prompt_top, sampled)
+    return arrays, tokens_b, (prompt, prompt_top, sampled, processed)
 
   def _collect(self, dispatched) -> tuple[list[tuple[Hashable, str]], list[RequestUpdate]]:
     """Reads each call's sampled tokens and appends them; returns stops and updates. Rows of
@@ -449,15 +470,15 @@ class Engine:
     finished, updates = [], []
     for arrays, tokens_b, extra, progresses in dispatched:
       tokens = np.asarray(tokens_b)
-      sampled = None
+      sampled = processed = None
       if extra is not None:  # log-probabilities: read only for calls that computed them
-        prompt, (prompt_top, sampled) = extra[0], jax.device_get(extra[1:])
+        prompt, (prompt_top, sampled, processed) = extra[0], jax.device_get(extra[1:])
         if prompt is not None:
           self._requests.record_prompt(prompt, prompt_top)
       for i, (request_id, keep) in enumerate(zip(arrays.request_ids, arrays.samples)):
         if not keep or not self._requests.is_current(request_id, progresses[i]):
           continue
-        update = self._requests.accept(request_id, int(tokens[i]), sampled, i)
+        update = self._requests.accept(request_id, int(tokens[i]), sampled, i, processed)
         self._totals.generated_tokens += len(update.new_token_ids)
         if update.completion is not None:
           finished.append((request_id, update.completion.finish_reason))

@@ -32,6 +32,8 @@ class RequestLogprobs:
   sample_k: int | None  # SamplingParams.logprobs
   prompt_k: int | None  # SamplingParams.prompt_logprobs
   generated: list[LogprobDict] = dataclasses.field(default_factory=list)  # one per generated token
+  token_lps: list[float] = dataclasses.field(default_factory=list)  # the raw model's, per token
+  processed_lps: list[float] = dataclasses.field(default_factory=list)  # the sampled distribution's
   prompt: list[LogprobDict | None] = dataclasses.field(default_factory=lambda: [None])  # first None
   prompt_sent: bool = False  # the prompt entries went out with an update
 
@@ -53,11 +55,13 @@ class RequestLogprobs:
       prompt, self.prompt_sent = tuple(self.prompt), True
     return new, prompt
 
-  def completion_fields(self) -> tuple[tuple[LogprobDict, ...] | None,
-                                       tuple[LogprobDict | None, ...] | None]:
-    """`Completion.logprobs` and `Completion.prompt_logprobs`."""
-    return (tuple(self.generated) if self.sample_k is not None else None,
-            tuple(self.prompt) if self.prompt_k is not None else None)
+  def completion_fields(self) -> dict:
+    """`Completion.logprobs`, `prompt_logprobs`, `token_logprobs` and `processed_logprobs`."""
+    sampled = self.sample_k is not None
+    return {"logprobs": tuple(self.generated) if sampled else None,
+            "prompt_logprobs": tuple(self.prompt) if self.prompt_k is not None else None,
+            "token_logprobs": tuple(self.token_lps) if sampled else None,
+            "processed_logprobs": tuple(self.processed_lps) if sampled else None}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,11 @@ class Completion:
   None): `logprobs` one dict per generated token when `SamplingParams.logprobs` is set,
   `prompt_logprobs` one entry per prompt token (the first None) when `prompt_logprobs` is set.
   `num_cached_tokens`: prompt tokens whose KV came from the engine's prefix cache instead of being
-  computed (`host_cached_tokens` of them loaded from its host tier), when the request first ran."""
+  computed (`host_cached_tokens` of them loaded from its host tier), when the request first ran.
+  With `logprobs` set, `token_logprobs` holds each generated token's log-probability under the raw
+  model (vLLM's "raw_logprobs") and `processed_logprobs` under the distribution it was drawn from
+  (after logit transforms, temperature and the top-k / top-p / min-p cut; 0 for a greedy row):
+  what a policy-gradient step needs, without the dicts."""
   token_ids: tuple[int, ...]
   text: str
   finish_reason: str  # "stop", "length" or "abort"
@@ -25,6 +29,8 @@ class Completion:
   prompt_logprobs: tuple[LogprobDict | None, ...] | None = None
   num_cached_tokens: int = 0
   host_cached_tokens: int = 0
+  token_logprobs: tuple[float, ...] | None = None
+  processed_logprobs: tuple[float, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ matcher, `add` makes it live once the scheduler has it, `accept` appends each sa
 import dataclasses
 from collections.abc import Hashable, Sequence
 
+import numpy as np
 from absl import logging
 
 from jaxtier.common.checks import check_prompt_ids
@@ -138,7 +139,7 @@ class LiveRequests:
       return RequestUpdate(request_id, new, Completion(tuple(progress.generated), progress.text(),
                                                        reason, **cached))
     completion = Completion(tuple(progress.generated), progress.text(), reason,
-                            *wanted.completion_fields(), **cached)
+                            **wanted.completion_fields(), **cached)
     return RequestUpdate(request_id, new, completion, *wanted.update_fields(len(new)))
 
   def record_hits(self, hits: Sequence[tuple[Hashable, int, int]]) -> None:
@@ -185,9 +186,10 @@ class LiveRequests:
     lp.record_prompt(rows, top, self.logprobs, self._token_text)
 
   def accept(self, request_id: Hashable, token: int, sampled: TopLogprobs | None,
-             row: int) -> RequestUpdate:
+             row: int, processed: np.ndarray | None = None) -> RequestUpdate:
     """Appends a token sampled for a live request (row `row` of `sampled`, its call's top
-    log-probabilities, when computed) and returns its update, with the completion when the token
+    log-probabilities, and of `processed`, the tokens' log-probabilities under the processed
+    distribution, when computed) and returns its update, with the completion when the token
     ends the request. Its grammar consumes the token first: complete, it ends the request with
     "stop"; rejecting the token (or allowing none), with "abort" and without the token."""
     progress, _ = self._live[request_id]
@@ -202,6 +204,8 @@ class LiveRequests:
     wanted = self.logprobs.get(request_id)
     if wanted is not None and wanted.sample_k is not None:
       wanted.generated.append(entry(sampled, row, token, wanted.sample_k, self._token_text))
+      wanted.token_lps.append(float(sampled.token_lp[row]))
+      wanted.processed_lps.append(float(processed[row]))
     if progress.finish_reason is not None:
       return self.finish(request_id, progress.finish_reason, (token,))
     if wanted is None:

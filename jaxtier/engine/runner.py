@@ -40,7 +40,8 @@ from jaxtier.kvcache import swap
 from jaxtier.kvcache.swap import (HostTier, gather_blocks, host_block_shardings,
                                   host_block_specs, part_slices, scatter_blocks)
 from jaxtier.sampling.logprobs import TopLogprobs, top_logprobs
-from jaxtier.sampling.samplers import LogitsArrays, SamplingArrays, sample, sample_transformed
+from jaxtier.sampling.samplers import (LogitsArrays, SamplingArrays, sample_transformed,
+                                       sample_with_logprobs)
 
 
 class EngineModel(Protocol):
@@ -105,7 +106,9 @@ def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, h_bth, targets_bt
 
 # Sampling is a program of its own: it compiles once per row count instead of once more inside
 # every (rows, tokens, width) variant of the model call; the logits stay on the device between.
-_sample = jax.jit(sample, static_argnames="portable")
+# It also gives each token's log-probability under the distribution it was drawn from (read only
+# for requests that ask for log-probabilities): no second pass over the logits.
+_sample = jax.jit(sample_with_logprobs, static_argnames="portable")
 # Batches where a row has logit transforms (penalties, logit_bias, masks) sample with this one
 # instead, one program per (rows, history width, id-list widths); warm-up does not compile it: a
 # configuration's first such batch of each shape compiles it.
@@ -291,6 +294,7 @@ class Runner:
     """`portable`: sample with what an accelerator runs (no CPU kernel; `kernels="portable"`)."""
     self.portable = portable
     self._leaves = tuple(jax.tree.leaves(state))
+    self._state_layout = _layout(state)
     self._forward = _forward_fn(graphdef, jax.tree.structure(state))
     self._prompt = _prompt_fn(graphdef, jax.tree.structure(state))
     layout = (graphdef, _layout(state), _layout(cache), portable)
@@ -298,6 +302,24 @@ class Runner:
     self._used: set[tuple] = set()
     self.compile_seconds = 0.0
     self.timer = SwapTimer()
+
+  def check_state(self, state: nnx.State) -> None:
+    """Raises ValueError, naming the first parameter that differs, unless `state` has this
+    engine's structure and every leaf its shape, dtype and placement: what lets `replace_state`
+    swap it in without compiling anything again."""
+    if jax.tree.structure(state) != self._state_layout[0]:
+      raise ValueError("the new parameters' structure differs from the engine's")
+    for (path, leaf), (shape, dtype, sharding) in zip(
+        jax.tree_util.tree_leaves_with_path(state), self._state_layout[1]):
+      if (leaf.shape, leaf.dtype, leaf.sharding) != (shape, dtype, sharding):
+        raise ValueError(f"parameter {jax.tree_util.keystr(path)}: {leaf.shape} {leaf.dtype} on "
+                         f"{leaf.sharding}, expected {shape} {dtype} on {sharding}")
+
+  def replace_state(self, state: nnx.State) -> None:
+    """Runs every later program on `state`'s arrays (checked by `check_state`): the compiled
+    programs take the parameters as arguments, so none compiles again."""
+    self.check_state(state)
+    self._leaves = tuple(jax.tree.leaves(state))
 
   @property
   def compiled_variants(self) -> int:
@@ -399,7 +421,7 @@ class Runner:
       if kind == "step":
         logits[key[1]], hidden[key[1], key[2]] = out[0], out[1]
       elif kind == "sample":
-        sampled[key[1]] = out
+        sampled[key[1]] = out[0]  # the tokens (then their log-probabilities)
 
   def step(self, cache: PagedKVCache, arrays: StepArrays) -> tuple[jax.Array, PagedKVCache]:
     """Dispatches one model call and its sampling; returns the sampled tokens [b] (not yet read)
@@ -407,11 +429,12 @@ class Runner:
     args = self.forward_args(cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm,
                              arrays.last_b)
     logits_bv, _, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
-    return self._sample(logits_bv, arrays), cache
+    return self._sample(logits_bv, arrays)[0], cache
 
-  def _sample(self, logits_bv: jax.Array, arrays: StepArrays) -> jax.Array:
+  def _sample(self, logits_bv: jax.Array, arrays: StepArrays) -> tuple[jax.Array, jax.Array]:
     """Dispatches the sampling of a call's logits [b, v]: the plain sampler, or the one with
-    logit transforms when a row has them."""
+    logit transforms when a row has them. Returns the tokens [b] and their log-probabilities
+    [b] under the processed distribution they were drawn from (`sample_with_logprobs`)."""
     if arrays.logits is None:
       args = (logits_bv, arrays.sampling)
       return self._program(("sample", arrays.shape[0]), _sample, args,
@@ -431,10 +454,12 @@ class Runner:
 
   def step_logprobs(self, cache: PagedKVCache, arrays: StepArrays, sample_k: int | None,
                     prompt_targets_bt: np.ndarray | None, prompt_k: int = 1
-                    ) -> tuple[jax.Array, PagedKVCache, TopLogprobs | None, TopLogprobs | None]:
+                    ) -> tuple[jax.Array, PagedKVCache, TopLogprobs | None, TopLogprobs | None,
+                               jax.Array]:
     """`step` that also computes log-probabilities, left on the device: of the sampled tokens
-    and the top `sample_k` ([b]; None: not computed), and of `prompt_targets_bt` at every
-    position and the top `prompt_k` ([b, t]; None: not computed)."""
+    and the top `sample_k` ([b]; None: not computed), of `prompt_targets_bt` at every position
+    and the top `prompt_k` ([b, t]; None: not computed), and of the sampled tokens under the
+    processed distribution they were drawn from ([b])."""
     args = self.forward_args(cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm,
                              arrays.last_b)
     logits_bv, h_bth, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
@@ -443,13 +468,13 @@ class Runner:
       prompt_args = (self._leaves, h_bth, prompt_targets_bt)
       key = ("prompt_logprobs",) + prompt_targets_bt.shape + (prompt_k,)
       prompt_top = self._program(key, self._prompt, prompt_args, k=prompt_k)(*prompt_args)
-    tokens_b = self._sample(logits_bv, arrays)
+    tokens_b, processed_b = self._sample(logits_bv, arrays)
     sampled_top = None
     if sample_k is not None:
       lp_args = (logits_bv, tokens_b)
       sampled_top = self._program(("logprobs", arrays.shape[0], sample_k), _sample_logprobs,
                                   lp_args, k=sample_k)(*lp_args)
-    return tokens_b, cache, sampled_top, prompt_top
+    return tokens_b, cache, sampled_top, prompt_top, processed_b
 
   def swap(self, cache: PagedKVCache, host: HostTier, direction: str, pairs
            ) -> tuple[PagedKVCache, HostTier]:
