@@ -9,6 +9,7 @@ placement-first loader (`jaxtier.checkpoint.placed`) never holds the whole model
 placed loader is tested against.
 """
 
+import functools
 from typing import Mapping, Sequence
 
 import jax
@@ -245,9 +246,16 @@ def check_params(config: ModelConfig, params: Mapping[Path, object], dtype, sour
 
 def expected_shapes(config: ModelConfig, dtype) -> dict[Path, tuple[int, ...]]:
   """Every checkpoint parameter's path and shape for `config` (derived ones excluded)."""
+  return dict(_expected_shapes(config, jnp.dtype(dtype)))
+
+
+@functools.lru_cache(maxsize=8)
+def _expected_shapes(config: ModelConfig, dtype) -> tuple[tuple[Path, tuple[int, ...]], ...]:
+  # traced once per config (a whole model's trace is a tenth of a second, and a training loop's
+  # `update_weights` checks every step's parameters against it)
   _, state = abstract_model(config, dtype)
-  return {p: tuple(s.shape) for p, s in _flatten(nnx.to_pure_dict(state)).items()
-          if p not in DERIVED}
+  return tuple((p, tuple(s.shape)) for p, s in _flatten(nnx.to_pure_dict(state)).items()
+               if p not in DERIVED)
 
 
 def abstract_model(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:

@@ -19,6 +19,7 @@ The groups built here are the ones `GroupedTransformer` would cut out of a loade
 stays the reference that tests compare against.
 """
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -266,19 +267,28 @@ def stack_formats(source: TensorSource | None, layers: range, platform: str | No
   return out
 
 
-def _abstract_modules(keys: Sequence[Hashable], make: Callable[[Hashable], nnx.Module]
-                      ) -> list[nnx.Module]:
-  """One abstract module per key, `make(key)` traced once per distinct key (a layer's trace is
-  tens of milliseconds) and copied for the others."""
-  traced: dict[Hashable, nnx.Module] = {}
-  modules = []
-  for key in keys:
-    if key in traced:
-      modules.append(copy.deepcopy(traced[key]))
-    else:
-      traced[key] = nnx.eval_shape(functools.partial(make, key))
-      modules.append(traced[key])
-  return modules
+# Abstract modules traced so far in this process, by what they are (a layer's trace takes tens of
+# milliseconds, a whole model's a tenth of a second): `build` runs again for every
+# `update_weights` of a training loop, and places into a copy.
+_TRACED: collections.OrderedDict[Hashable, nnx.Module] = collections.OrderedDict()
+_MOST_TRACED = 64
+
+
+def _traced(key: Hashable, make: Callable[[], nnx.Module]) -> nnx.Module:
+  """A copy of the abstract module `make()` returns (`nnx.eval_shape`), traced once per `key`."""
+  if key in _TRACED:
+    _TRACED.move_to_end(key)
+  else:
+    _TRACED[key] = nnx.eval_shape(make)
+    if len(_TRACED) > _MOST_TRACED:
+      _TRACED.popitem(last=False)
+  return copy.deepcopy(_TRACED[key])
+
+
+def _abstract_modules(base: tuple, keys: Sequence[Hashable],
+                      make: Callable[[Hashable], nnx.Module]) -> list[nnx.Module]:
+  """One abstract module per key, `make(key)` traced once per distinct key of `base`."""
+  return [_traced(base + (key,), functools.partial(make, key)) for key in keys]
 
 
 def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused: bool,
@@ -294,19 +304,23 @@ def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused:
     fused = fused and not config.num_experts  # a mixture of experts is never fused
     fuse = FusedDecoderLayer if fused else (lambda layer: layer)
     make = lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0)))
-    packed = fused and getattr(nnx.eval_shape(make), "packed", False)
+    base = ("layer", config, jnp.dtype(dtype).name, fused)
+    packed = fused and getattr(_traced(base + ((),), make), "packed", False)
     if packed and blocks is not None:
       kept = tuple(dict(blocks[i]) for i in layers)
     if any(kept):
       modules = _abstract_modules(
+          ("blocks", config, jnp.dtype(dtype).name, activations),
           [tuple(sorted(names.items())) for names in kept],
           lambda key: FusedDecoderLayer(DecoderLayer(config, dtype, nnx.Rngs(0)),
                                         formats=dict(key), activations=activations))
     else:
-      modules = _abstract_modules([()] * len(layers), lambda key: make())
+      modules = _abstract_modules(base, [()] * len(layers), lambda key: make())
     splits = [nnx.split(module) for module in modules]
   else:
-    splits = [nnx.split(nnx.eval_shape(lambda: make_layer_stack(config, dtype, nnx.Rngs(0),
+    key = ("stack", config, jnp.dtype(dtype).name, len(layers),
+           tuple(sorted((compact or {}).items())))
+    splits = [nnx.split(_traced(key, lambda: make_layer_stack(config, dtype, nnx.Rngs(0),
                                                                 len(layers), compact)))]
     packed = False
   kind = placement.PINNED_HOST if mode == "offload" else placement.DEVICE
@@ -559,8 +573,9 @@ def _arrange(config: ModelConfig, dtype, layout: Layout, placer: _Placer) -> Tra
   """`build`'s model, each parameter from `placer`."""
   source = placer.source
   sharding.check_tensor_parallel(config, sharding.tp_size(placer.mesh))
-  shell = nnx.eval_shape(lambda: Transformer(config, dtype, rngs=nnx.Rngs(0),
-                                             table_dtype=layout.table_dtype))
+  shell = _traced(("model", config, jnp.dtype(dtype).name, layout.table_dtype),
+                  lambda: Transformer(config, dtype, rngs=nnx.Rngs(0),
+                                      table_dtype=layout.table_dtype))
   compact = (lambda layers: stack_formats(source, layers, layout.platform)
              if layout.keep_quantized else {})
   if layout.plain and not compact(range(config.num_layers)):
