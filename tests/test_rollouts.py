@@ -2,6 +2,7 @@
 tokenizer=...)`), `update_weights` without recompiling, and the sampled tokens' log-probabilities
 as arrays (`rollout_arrays`), each against a fresh engine or a teacher-forced recomputation."""
 
+import functools
 import json
 import os
 import re
@@ -25,14 +26,19 @@ GREEDY = jaxtier.SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=1)
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
 
 
-@pytest.fixture(scope="module")
-def trainer():
+@functools.lru_cache(maxsize=2)
+def _trainer(path: str):
   """A model and tokenizer as a trainer holds them, and a second set of weights for it."""
-  model, tokenizer = checkpoint.load_model(TINY)
+  model, tokenizer = checkpoint.load_model(path)
   params = nnx.state(model, nnx.Param)
   keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(params))))
   new = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(next(keys), a.shape, a.dtype), params)
   return model, tokenizer, params, new
+
+
+@pytest.fixture(scope="module")
+def trainer():
+  return _trainer(TINY)
 
 
 def _with(model, params):
@@ -56,17 +62,20 @@ def _assert_prompt_logprobs_close(got, want):
     np.testing.assert_allclose(g[1:], w[1:], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("engine_args", [
-    dict(), dict(offload_tail_layers=1, prefetch_depth=1),
-    dict(quantization="int8", kernels="portable"),  # per output channel: any width
-    dict(kernels="portable")], ids=["resident", "offloaded", "int8", "portable"])
-def test_updated_weights_give_what_a_fresh_engine_of_them_gives(trainer, engine_args):
-  model, tokenizer, params, new = trainer
+@pytest.mark.parametrize("name, engine_args", [
+    ("tiny_llama", dict()), ("tiny_llama", dict(offload_tail_layers=1, prefetch_depth=1)),
+    ("tiny_mistral", dict(quantization="int8")),  # the CPU kernels' int8 blocks (widths of 32s)
+    ("tiny_llama", dict(quantization="int8", kernels="portable")),  # per output channel
+    ("tiny_llama", dict(kernels="portable"))],
+    ids=["resident", "offloaded", "int8", "int8-portable", "portable"])
+def test_updated_weights_give_what_a_fresh_engine_of_them_gives(name, engine_args):
+  model, tokenizer, params, new = _trainer(fixture_path(name))
   kwargs = dict(max_model_len=64, max_num_seqs=4) | engine_args
   llm = jaxtier.LLM(model, tokenizer=tokenizer, **kwargs)
   before, _, versions = _outputs(llm)
   assert versions == [0, 0]
-  assert before == _outputs(jaxtier.LLM(TINY, **kwargs))[0]  # the same weights, from their files
+  # the same weights, from their files
+  assert before == _outputs(jaxtier.LLM(fixture_path(name), **kwargs))[0]
   programs, seconds = len(runner._PROGRAMS), llm.engine.runner.compile_seconds
   assert llm.update_weights(new) == 1
   tokens, prompt_lps, versions = _outputs(llm)
@@ -242,21 +251,25 @@ model, tokenizer = checkpoint.load_model(sys.argv[1])
 params = nnx.state(model, nnx.Param)
 keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(params))))
 new = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(next(keys), a.shape, a.dtype), params)
-greedy = jaxtier.SamplingParams(max_tokens=8, temperature=0)
+greedy = jaxtier.SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=1)
+first = lambda outs: [[None if e is None else next(iter(e.values())).logprob
+                       for e in o.prompt_logprobs] for o in outs]
 prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
 llm = jaxtier.LLM(model, tokenizer=tokenizer, max_model_len=64, max_num_seqs=4,
                   tensor_parallel_size=2)
 before = [o.token_ids for o in llm.generate(prompts, greedy)]
 seconds = llm.engine.runner.compile_seconds
 llm.update_weights(new)  # arrays on one device: resharded over the two
-after = [o.token_ids for o in llm.generate(prompts, greedy)]
+outs = llm.generate(prompts, greedy)
+after, after_lps = [o.token_ids for o in outs], first(outs)
 graphdef, state = nnx.split(model)
 fresh_model = nnx.merge(graphdef, state)
 nnx.update(fresh_model, new)
 fresh = jaxtier.LLM(fresh_model, tokenizer=tokenizer, max_model_len=64, max_num_seqs=4,
                     tensor_parallel_size=2)
-print(json.dumps({"before": before, "after": after,
-                  "fresh": [o.token_ids for o in fresh.generate(prompts, greedy)],
+fresh_outs = fresh.generate(prompts, greedy)
+print(json.dumps({"before": before, "after": after, "after_lps": after_lps,
+                  "fresh": [o.token_ids for o in fresh_outs], "fresh_lps": first(fresh_outs),
                   "compiled_nothing": llm.engine.runner.compile_seconds == seconds,
                   "devices": len(llm.state["embed"]["embedding"].value.sharding.device_set)}))
 """
@@ -268,4 +281,5 @@ def test_an_update_under_tensor_parallelism_equals_a_fresh_engine():
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   assert out["after"] == out["fresh"] and out["after"] != out["before"]
+  _assert_prompt_logprobs_close(out["after_lps"], out["fresh_lps"])
   assert out["compiled_nothing"] and out["devices"] == 2
