@@ -1,7 +1,7 @@
 """Run doctor: reads a run's stats (and optionally its per-step trace), prints what to change.
 
 Matches the stats (what `LLM.stats()` returns, saved as JSON) against the symptom -> remedy table of
-jaxtier/tools/doctor.py and prints every row that applies with the figures that triggered it, then
+jaxtier/engine/doctor.py and prints every row that applies with the figures that triggered it, then
 the three numbers to watch on every run: swap count, swap bytes and swap time.
 
   python scripts/doctor.py --stats=run_stats.json

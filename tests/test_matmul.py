@@ -50,7 +50,7 @@ def test_kernel_builds():
 
 def test_panel_width_is_the_kernels():
   """The default packing is the width the kernel was built for: 64 columns with AVX-512, 16
-  without (`jaxtier/matmul_cpu.cc`)."""
+  without (`jaxtier/kernels/cpu/matmul_cpu.cc`)."""
   avx512 = "avx512f" in cpu_kernels._cpu_signature().split()
   assert matmul.panel_width() == cpu_kernels.panel_width() == (64 if avx512 else 16)
   assert matmul.pack(np.ones((3, 64), np.float32)).shape[-1] == matmul.panel_width()
@@ -204,7 +204,7 @@ def test_norm_kernel_lowers_for_float32_on_cpu_only():
 
 def test_concurrent_calls_each_get_their_own_product():
   """Kernel calls from several threads at once share the kernels' crew of helper threads
-  (`jaxtier/cpu_crew.h`): a call offered while another runs takes its place, and the earlier
+  (`jaxtier/kernels/cpu/cpu_crew.h`): a call offered while another runs takes its place, and the earlier
   caller finishes its own items. Every product must still be its own, exactly as alone."""
   rng = np.random.default_rng(5)
   cases = [case(rng, m, 576, 960) for m in (1, 3, 8, 17)]

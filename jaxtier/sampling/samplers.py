@@ -431,10 +431,10 @@ def _kernel_argmax(logits_bv: jax.Array) -> jax.Array:
 
 
 def argmax(logits_bv: jax.Array) -> jax.Array:
-  """`argmax_reference`, by the CPU kernel (`jaxtier/argmax_cpu.cc`) for float32 logits lowered
-  for CPU, where XLA's max and masked min are two passes over the logits and the kernel one. The
-  kernel gives v - 1 for any row holding a NaN. A process whose backend is not a CPU never builds
-  the kernels here."""
+  """`argmax_reference`, by the CPU kernel (`jaxtier/kernels/cpu/argmax_cpu.cc`) for float32 logits
+  lowered for CPU, where XLA's max and masked min are two passes over the logits and the kernel one.
+  The kernel gives v - 1 for any row holding a NaN. A process whose backend is not a CPU never
+  builds the kernels here."""
   if (logits_bv.dtype != jnp.float32 or not logits_bv.size or logits_bv.ndim < 1
       or jax.default_backend() != "cpu" or not cpu_kernels.available()):
     return argmax_reference(logits_bv)

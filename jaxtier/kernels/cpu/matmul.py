@@ -4,7 +4,7 @@ A [K, N] weight is stored packed as [ceil(N / P), K, P]: panel p holds columns [
 row by row, so each panel is one contiguous stream (columns past N are zero, and the product is
 sliced back to N). P, `panel_width()`, is the width of the kernel's register tile on this CPU:
 64 columns with AVX-512, 16 with AVX2 (64 where the kernels are unavailable; any P works with the
-reference). `jaxtier/matmul_cpu.cc` multiplies by a packed weight reading each panel once in
+reference). `matmul_cpu.cc` multiplies by a packed weight reading each panel once in
 order, with a tile of x's rows summed in registers: at decode's few rows XLA:CPU's matmuls on the
 [K, N] layout fall well short of the memory's rate, and the kernel streams the weight at it; at
 prefill sizes the two are on par.
@@ -27,7 +27,7 @@ of 4.
 The same blocks can instead multiply with int16 activations (`pack_q4_1(..., activations="int16")`,
 `pack_q8_0` and `pack_q8_16` likewise): uint16 (Q4_1), int16 (Q8_0) or int32 (Q8_16) words
 holding the blocks in panels of L columns, L = `lanes()` (16 with AVX-512, 8 with AVX2), per
-block d (and m) then the values in pairs of K rows (see `jaxtier/matmul_cpu.cc`). The kernel
+block d (and m) then the values in pairs of K rows (see `matmul_cpu.cc`). The kernel
 quantizes x per block of 32 values to int16 (`quantize_activations`) and sums each block's
 products exactly in int32; the reference is x's dequantized int16 values times the dequantized
 weights. Faster (no float dequantization, a
