@@ -204,8 +204,8 @@ def test_norm_kernel_lowers_for_float32_on_cpu_only():
 
 def test_concurrent_calls_each_get_their_own_product():
   """Kernel calls from several threads at once share the kernels' crew of helper threads
-  (`jaxtier/kernels/cpu/cpu_crew.h`): a call offered while another runs takes its place, and the earlier
-  caller finishes its own items. Every product must still be its own, exactly as alone."""
+  (`jaxtier/kernels/cpu/cpu_crew.h`): a call offered while another runs takes its place, and the
+  earlier caller finishes its own items. Every product must still be its own, exactly as alone."""
   rng = np.random.default_rng(5)
   cases = [case(rng, m, 576, 960) for m in (1, 3, 8, 17)]
   packed = [(jnp.asarray(x), jnp.asarray(matmul.pack(w))) for x, w in cases]
