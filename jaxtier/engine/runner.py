@@ -40,8 +40,8 @@ from jaxtier.kvcache import swap
 from jaxtier.kvcache.swap import (HostTier, gather_blocks, host_block_shardings,
                                   host_block_specs, part_slices, scatter_blocks)
 from jaxtier.sampling.logprobs import TopLogprobs, top_logprobs
-from jaxtier.sampling.samplers import (LogitsArrays, SamplingArrays, sample_transformed,
-                                       sample_with_logprobs)
+from jaxtier.sampling.samplers import (LogitsArrays, SamplingArrays, processed_logprobs, sample,
+                                       sample_transformed)
 
 
 class EngineModel(Protocol):
@@ -106,15 +106,16 @@ def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, h_bth, targets_bt
 
 # Sampling is a program of its own: it compiles once per row count instead of once more inside
 # every (rows, tokens, width) variant of the model call; the logits stay on the device between.
-# It also gives each token's log-probability under the distribution it was drawn from (read only
-# for requests that ask for log-probabilities): no second pass over the logits.
-_sample = jax.jit(sample_with_logprobs, static_argnames="portable")
+_sample = jax.jit(sample, static_argnames="portable")
 # Batches where a row has logit transforms (penalties, logit_bias, masks) sample with this one
 # instead, one program per (rows, history width, id-list widths); warm-up does not compile it: a
 # configuration's first such batch of each shape compiles it.
 _sample_transformed = jax.jit(sample_transformed, static_argnames="portable")
-# So are the sampled tokens' log-probabilities, run only for calls where a request asks for them.
+# So are the sampled tokens' log-probabilities, run only for calls where a request asks for them:
+# under the raw model, and under the distribution each token was drawn from (that one, like the
+# transformed sampler, compiles on a call's first need: not warmed up).
 _sample_logprobs = jax.jit(top_logprobs, static_argnames="k")
+_processed_logprobs = jax.jit(processed_logprobs)
 
 
 @jax.jit
@@ -329,7 +330,8 @@ class Runner:
     """The programs this engine ran: ("step", rows, tokens, width), ("sample", rows),
     ("follow", rows) (`step_after`), ("swap", direction, x), ("sample_transformed", rows,
     history, biased, allowed) (`LogitsArrays.widths`), and for log-probabilities
-    ("logprobs", rows, k) and ("prompt_logprobs", rows, tokens, k)."""
+    ("logprobs", rows, k), ("processed_logprobs", rows[, widths]) and ("prompt_logprobs", rows,
+    tokens, k)."""
     return sorted(self._used, key=str)
 
   def _program(self, key: tuple, jitted, args, **static):
@@ -421,7 +423,7 @@ class Runner:
       if kind == "step":
         logits[key[1]], hidden[key[1], key[2]] = out[0], out[1]
       elif kind == "sample":
-        sampled[key[1]] = out[0]  # the tokens (then their log-probabilities)
+        sampled[key[1]] = out
 
   def step(self, cache: PagedKVCache, arrays: StepArrays) -> tuple[jax.Array, PagedKVCache]:
     """Dispatches one model call and its sampling; returns the sampled tokens [b] (not yet read)
@@ -429,12 +431,11 @@ class Runner:
     args = self.forward_args(cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm,
                              arrays.last_b)
     logits_bv, _, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
-    return self._sample(logits_bv, arrays)[0], cache
+    return self._sample(logits_bv, arrays), cache
 
-  def _sample(self, logits_bv: jax.Array, arrays: StepArrays) -> tuple[jax.Array, jax.Array]:
+  def _sample(self, logits_bv: jax.Array, arrays: StepArrays) -> jax.Array:
     """Dispatches the sampling of a call's logits [b, v]: the plain sampler, or the one with
-    logit transforms when a row has them. Returns the tokens [b] and their log-probabilities
-    [b] under the processed distribution they were drawn from (`sample_with_logprobs`)."""
+    logit transforms when a row has them."""
     if arrays.logits is None:
       args = (logits_bv, arrays.sampling)
       return self._program(("sample", arrays.shape[0]), _sample, args,
@@ -458,8 +459,8 @@ class Runner:
                                jax.Array]:
     """`step` that also computes log-probabilities, left on the device: of the sampled tokens
     and the top `sample_k` ([b]; None: not computed), of `prompt_targets_bt` at every position
-    and the top `prompt_k` ([b, t]; None: not computed), and of the sampled tokens under the
-    processed distribution they were drawn from ([b])."""
+    and the top `prompt_k` ([b, t]; None: not computed), and with `sample_k`, of the sampled
+    tokens under the processed distribution they were drawn from ([b]; `processed_logprobs`)."""
     args = self.forward_args(cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm,
                              arrays.last_b)
     logits_bv, h_bth, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
@@ -468,12 +469,17 @@ class Runner:
       prompt_args = (self._leaves, h_bth, prompt_targets_bt)
       key = ("prompt_logprobs",) + prompt_targets_bt.shape + (prompt_k,)
       prompt_top = self._program(key, self._prompt, prompt_args, k=prompt_k)(*prompt_args)
-    tokens_b, processed_b = self._sample(logits_bv, arrays)
-    sampled_top = None
+    tokens_b = self._sample(logits_bv, arrays)
+    sampled_top = processed_b = None
     if sample_k is not None:
       lp_args = (logits_bv, tokens_b)
       sampled_top = self._program(("logprobs", arrays.shape[0], sample_k), _sample_logprobs,
                                   lp_args, k=sample_k)(*lp_args)
+      key = ("processed_logprobs", arrays.shape[0])
+      processed_args = (logits_bv, tokens_b, arrays.sampling)
+      if arrays.logits is not None:
+        key, processed_args = key + arrays.logits.widths, processed_args + (arrays.logits,)
+      processed_b = self._program(key, _processed_logprobs, processed_args)(*processed_args)
     return tokens_b, cache, sampled_top, prompt_top, processed_b
 
   def swap(self, cache: PagedKVCache, host: HostTier, direction: str, pairs

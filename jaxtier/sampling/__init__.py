@@ -15,7 +15,7 @@ from jaxtier.common.lazy import lazy_names as _lazy_names
 _SAMPLERS = ("BIAS_LIMIT", "PENALTY_LIMIT", "SamplingParamError", "SamplingParams",
              "bad_words_token_ids", "LogitRules", "SamplingArrays", "MIN_HISTORY", "MIN_IDS",
              "LogitsArrays", "grammar_allowed", "transform_logits", "argmax_reference", "argmax",
-             "sample", "sample_transformed")
+             "sample", "sample_transformed", "processed_logprobs")
 
 __all__ = sorted(_SAMPLERS)
 __getattr__, __dir__ = _lazy_names(

@@ -391,20 +391,28 @@ def transform_logits(logits_bv: jax.Array, t: LogitsArrays) -> jax.Array:
   return logits_bv
 
 
-def _sample_row(logits_v, temperature, top_k, top_p, min_p, key):
-  """One row's token and its log-probability under the distribution it is drawn from (the
-  logits over temperature, with only the top-k / top-p / min-p tokens kept)."""
+def _kept(logits_v, temperature, top_k, top_p, min_p):
+  """The distribution a row's token is drawn from: (its logits over temperature sorted down
+  [v], their token ids [v], which of them top-k / top-p / min-p keep [v])."""
   scaled_v = logits_v.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
   sorted_v, order_v = jax.lax.top_k(scaled_v, scaled_v.shape[-1])
   rank_v = jnp.arange(scaled_v.shape[-1])
   keep_v = (top_k <= 0) | (rank_v < top_k)
-  unnormalized_v = jnp.exp(jnp.where(keep_v, sorted_v, -jnp.inf) - sorted_v[0])  # softmax's
-  probs_v = unnormalized_v / jnp.sum(unnormalized_v)
+  probs_v = jax.nn.softmax(jnp.where(keep_v, sorted_v, -jnp.inf))
   keep_v &= (jnp.cumsum(probs_v) - probs_v) < top_p  # the smallest prefix whose mass reaches top_p
   keep_v &= (min_p <= 0) | (sorted_v >= sorted_v[0] + jnp.log(min_p))  # p >= min_p * max p
-  choice = jax.random.categorical(key, jnp.where(keep_v, sorted_v, -jnp.inf))
-  kept_mass = jnp.sum(jnp.where(keep_v, unnormalized_v, 0.0))  # no second pass of exponentials
-  return order_v[choice], sorted_v[choice] - sorted_v[0] - jnp.log(kept_mass)
+  return sorted_v, order_v, keep_v
+
+
+def _sample_row(logits_v, temperature, top_k, top_p, min_p, key):
+  sorted_v, order_v, keep_v = _kept(logits_v, temperature, top_k, top_p, min_p)
+  return order_v[jax.random.categorical(key, jnp.where(keep_v, sorted_v, -jnp.inf))]
+
+
+def _processed_row(logits_v, token, temperature, top_k, top_p, min_p):
+  sorted_v, order_v, keep_v = _kept(logits_v, temperature, top_k, top_p, min_p)
+  kept_v = jnp.where(keep_v, sorted_v, -jnp.inf)
+  return kept_v[jnp.argmax(order_v == token)] - jax.nn.logsumexp(kept_v)
 
 
 def argmax_reference(logits_bv: jax.Array) -> jax.Array:
@@ -441,34 +449,34 @@ def argmax(logits_bv: jax.Array) -> jax.Array:
   return jax.lax.platform_dependent(logits_bv, cpu=_kernel_argmax, default=argmax_reference)
 
 
-def sample_with_logprobs(logits_bv: jax.Array, s: SamplingArrays, portable: bool = False
-                         ) -> tuple[jax.Array, jax.Array]:
-  """`sample`'s tokens [b] and each token's log-probability [b] float32 under the distribution
-  it was drawn from, the processed one (vLLM's "processed_logprobs": after temperature and the
-  top-k / top-p / min-p cut; 0 for a greedy row, whose distribution is its argmax alone)."""
+def sample(logits_bv: jax.Array, s: SamplingArrays, portable: bool = False) -> jax.Array:
+  """Next token per row [b] int32: argmax where temperature is 0, else top-k/top-p sampling.
+  `portable`: the argmax an accelerator runs (`argmax_reference`), never the CPU kernel."""
   greedy_b = argmax_reference(logits_bv) if portable else argmax(logits_bv)
-  greedy = lambda: (greedy_b, jnp.zeros(greedy_b.shape, jnp.float32))
 
   def stochastic():
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(
         s.seed_b, s.step_b)
-    drawn_b, logprob_b = jax.vmap(_sample_row)(logits_bv, s.temperature_b, s.top_k_b, s.top_p_b,
-                                               s.min_p_b, keys)
-    hot_b = s.temperature_b > 0
-    return (jnp.where(hot_b, drawn_b.astype(jnp.int32), greedy_b),
-            jnp.where(hot_b, logprob_b, 0.0))
+    drawn_b = jax.vmap(_sample_row)(logits_bv, s.temperature_b, s.top_k_b, s.top_p_b, s.min_p_b,
+                                    keys)
+    return jnp.where(s.temperature_b > 0, drawn_b.astype(jnp.int32), greedy_b)
 
-  return jax.lax.cond(jnp.any(s.temperature_b > 0), stochastic, greedy)
-
-
-def sample(logits_bv: jax.Array, s: SamplingArrays, portable: bool = False) -> jax.Array:
-  """Next token per row [b] int32: argmax where temperature is 0, else top-k/top-p sampling.
-  `portable`: the argmax an accelerator runs (`argmax_reference`), never the CPU kernel."""
-  return sample_with_logprobs(logits_bv, s, portable)[0]
+  return jax.lax.cond(jnp.any(s.temperature_b > 0), stochastic, lambda: greedy_b)
 
 
 def sample_transformed(logits_bv: jax.Array, s: SamplingArrays, t: LogitsArrays,
-                       portable: bool = False) -> tuple[jax.Array, jax.Array]:
-  """`sample_with_logprobs` after `transform_logits`: the sampler of batches where a row
-  transforms logits (its log-probabilities are of the transformed distribution)."""
-  return sample_with_logprobs(transform_logits(logits_bv, t), s, portable)
+                       portable: bool = False) -> jax.Array:
+  """`sample` after `transform_logits`: the sampler of batches where a row transforms logits."""
+  return sample(transform_logits(logits_bv, t), s, portable)
+
+
+def processed_logprobs(logits_bv: jax.Array, tokens_b: jax.Array, s: SamplingArrays,
+                       t: LogitsArrays | None = None) -> jax.Array:
+  """Each row's token's log-probability [b] float32 under the distribution `sample` (or, with
+  `t`, `sample_transformed`) draws it from: vLLM's "processed_logprobs", after the logit
+  transforms, temperature and the top-k / top-p / min-p cut; 0 for a greedy row, whose
+  distribution is its argmax alone."""
+  logits_bv = logits_bv if t is None else transform_logits(logits_bv, t)
+  lp_b = jax.vmap(_processed_row)(logits_bv, tokens_b, s.temperature_b, s.top_k_b, s.top_p_b,
+                                  s.min_p_b)
+  return jnp.where(s.temperature_b > 0, lp_b, 0.0)
