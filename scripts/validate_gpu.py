@@ -12,6 +12,12 @@ machine that has JAX but not jaxtier's other dependencies):
 - `engine_tiny`: `jaxtier.LLM` on the tiny Llama fixture: greedy tokens of the contiguous-cache
   reference driver, the resident engine, the engine with offloaded tail layers, and the engine
   under a device pool small enough to swap, which must all be identical; swap bytes and seconds.
+  In the same engines: a prompt and then the same prompt and another with its 16-token prefix,
+  identical to the reference with the prefix-cache hits counted in the stats; and a JSON-schema
+  request per prompt (sampled with seeds), whose tokens must be identical resident, offloaded and
+  swapping and whose texts must parse. Then the tiny Mixtral fixture with every layer's experts
+  in pinned host memory (`offload_expert_layers=-1`), streamed and computed on the host: the
+  reference driver's tokens.
 - `sampling`: prompt log-probabilities of 24 and 40 prompts in one call against each alone, and the
   logit controls (penalties, min_p, logit_bias) identical under swapping and without planning
   ahead.
@@ -185,28 +191,119 @@ def _greedy_ids(llm, prompts, max_tokens):
   return [list(o.token_ids) for o in llm.generate(prompts, params)]
 
 
-def section_engine_tiny() -> dict:
-  import jax
+# Every text this schema accepts is short (an enum, an integer below 100, a boolean): random
+# weights close it within a few dozen tokens, so each output must parse.
+JSON_SCHEMA = {"type": "object",
+               "properties": {"kind": {"enum": ["cat", "dog"]},
+                              "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                              "ok": {"type": "boolean"}},
+               "required": ["kind", "age", "ok"], "additionalProperties": False}
+
+
+def _schema_ok(text: str) -> bool:
+  """Whether `text` is a JSON object JSON_SCHEMA accepts."""
+  try:
+    value = json.loads(text)
+  except ValueError:
+    return False
+  return (isinstance(value, dict) and set(value) == {"kind", "age", "ok"}
+          and value["kind"] in ("cat", "dog") and type(value["age"]) is int
+          and 0 <= value["age"] <= 99 and type(value["ok"]) is bool)
+
+
+def _reference_ids(directory: str, batches, max_tokens: int) -> list[list[list[int]]]:
+  """Greedy tokens of the contiguous-cache reference driver (`jaxtier.engine.padded`) on a
+  fixture in float32, one list per batch of prompts in `batches` (each its own driver call)."""
   import numpy as np
-  from jaxtier import checkpoint
-  import jaxtier
   from flax import nnx
+  from jaxtier import checkpoint
   from jaxtier.engine.padded import generate_batch
   from jaxtier.sampling import SamplingParams
   from jaxtier.scheduler import Request
+  loaded = checkpoint.load(directory, "float32")
+  greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+  graphdef, state = nnx.split(loaded.model)
+  out = []
+  for prompts in batches:
+    requests = [Request.of(i, p, greedy, 0) for i, p in enumerate(prompts)]
+    out.append([list(c.token_ids) for c in generate_batch(graphdef, state, loaded.tokenizer,
+                                                          requests, 64, np.float32)])
+  return out
+
+
+def _guarded(out: dict, label: str, fn) -> None:
+  """out[label] = fn(), or {"error": ...} where it raises: one part's failure keeps the section's
+  other parts (a section's own error would replace them all)."""
+  try:
+    out[label] = fn()
+  except Exception as e:  # pylint: disable=broad-except  (recorded, and the next part runs)
+    out[label] = {"error": f"{type(e).__name__}: {e}"[:2000],
+                  "traceback": traceback.format_exc()[-2000:]}
+
+
+def section_engine_tiny() -> dict:
+  import jax
+  import numpy as np
+  import jaxtier
   directory = os.path.join(FIXTURES, "tiny_llama")
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, 300, size=n).tolist() for n in (5, 11, 23, 3, 17, 30, 9, 14)]
+  shared = rng.integers(3, 300, size=16).tolist()
+  prefixed = [shared + rng.integers(3, 300, size=n).tolist() for n in (5, 9)]
   max_tokens = 24
-  out = {}
+  structured = [jaxtier.SamplingParams(max_tokens=40, temperature=0.8, seed=i,
+                                       structured_outputs={"json": JSON_SCHEMA})
+                for i in range(len(prompts))]
+  common = dict(max_model_len=64, max_num_seqs=8, block_size=4, dtype="float32")
+  out, structured_ids = {}, {}
+
+  def llama(extra: dict, ref, ref_prefixed) -> dict:
+    llm = jaxtier.LLM(directory, **common, **extra)
+    start = time.perf_counter()
+    got = _greedy_ids(llm, prompts, max_tokens)
+    stats = llm.stats()
+    entry = {"identical_to_reference": got == ref, "seconds": time.perf_counter() - start,
+             "swap_out_count": stats.get("swap_out_count"),
+             "swap_out_bytes": stats.get("swap_out_bytes"),
+             "swap_in_bytes": stats.get("swap_in_bytes"),
+             "swap_seconds": stats.get("swap_seconds")}
+    if stats.get("swap_seconds"):
+      entry["swap_gbps"] = ((stats.get("swap_out_bytes") or 0) + (stats.get("swap_in_bytes") or 0)
+                            ) / stats["swap_seconds"] / 1e9
+    # one JSON-schema request per prompt, all at once (the small pool swaps them)
+    start = time.perf_counter()
+    outputs = [o.outputs[0] for o in llm.generate(prompts, structured)]
+    entry["structured_seconds"] = time.perf_counter() - start
+    entry["structured_ids"] = [list(o.token_ids) for o in outputs]
+    entry["structured_parse"] = all(_schema_ok(o.text) for o in outputs)
+    entry["structured_finish_reasons"] = sorted({o.finish_reason for o in outputs})
+    entry["structured_swap_out_count"] = (llm.stats().get("swap_out_count") or 0) - (
+        stats.get("swap_out_count") or 0)
+    if extra.get("enable_prefix_caching", True):
+      # a prompt, then the same prompt and another with its 16-token prefix: cache hits
+      hits, start = llm.stats()["prefix_device_hit_tokens"], time.perf_counter()
+      again = _greedy_ids(llm, prefixed[:1], max_tokens) + _greedy_ids(llm, prefixed, max_tokens)
+      entry["prefix_identical_to_reference"] = again == ref_prefixed[:1] + ref_prefixed
+      entry["prefix_hit_tokens"] = llm.stats()["prefix_device_hit_tokens"] - hits
+      entry["prefix_seconds"] = time.perf_counter() - start
+    benchlib.release(llm)
+    return entry
+
+  def mixtral(mode: str, directory: str, ref) -> dict:
+    llm = jaxtier.LLM(directory, **common, num_device_blocks=128, num_host_blocks=64,
+                      offload_expert_layers=-1, expert_offload_mode=mode)
+    start = time.perf_counter()
+    got = _greedy_ids(llm, prompts, max_tokens)
+    report = llm.memory_report()
+    entry = {"identical_to_reference": got == ref, "seconds": time.perf_counter() - start,
+             "offload_expert_layers": report["offload_expert_layers"],
+             "host_expert_bytes": report["host_expert_bytes"],
+             "expert_stream_from_tokens": llm.stats().get("expert_stream_from_tokens")}
+    benchlib.release(llm)
+    return entry
+
   with jax.default_matmul_precision("highest"):
-    loaded = checkpoint.load(directory, "float32")
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    graphdef, state = nnx.split(loaded.model)
-    requests = [Request.of(i, p, greedy, 0) for i, p in enumerate(prompts)]
-    ref = [list(c.token_ids) for c in generate_batch(graphdef, state, loaded.tokenizer, requests,
-                                                     64, np.float32)]
-    common = dict(max_model_len=64, max_num_seqs=8, block_size=4, dtype="float32")
+    ref, ref_prefixed = _reference_ids(directory, [prompts, prefixed], max_tokens)
     runs = {
         "resident": dict(num_device_blocks=128, num_host_blocks=64),
         "offload_2_layers": dict(num_device_blocks=128, num_host_blocks=64, offload_tail_layers=2,
@@ -215,22 +312,21 @@ def section_engine_tiny() -> dict:
                                 enable_prefix_caching=False),
     }
     for label, extra in runs.items():
-      llm = jaxtier.LLM(directory, **common, **extra)
-      start = time.perf_counter()
-      got = _greedy_ids(llm, prompts, max_tokens)
-      stats = llm.stats()
-      entry = {"identical_to_reference": got == ref, "seconds": time.perf_counter() - start,
-               "swap_out_count": stats.get("swap_out_count"),
-               "swap_out_bytes": stats.get("swap_out_bytes"),
-               "swap_in_bytes": stats.get("swap_in_bytes"),
-               "swap_seconds": stats.get("swap_seconds")}
-      if stats.get("swap_seconds"):
-        entry["swap_gbps"] = ((stats.get("swap_out_bytes") or 0) + (stats.get("swap_in_bytes") or 0)
-                              ) / stats["swap_seconds"] / 1e9
-      out[label] = entry
-      del llm
-      gc.collect()
-  out["all_identical"] = all(v["identical_to_reference"] for v in out.values())
+      _guarded(out, label, lambda extra=extra: llama(extra, ref, ref_prefixed))
+      structured_ids[label] = out[label].pop("structured_ids", None)
+    out["structured_identical"] = all(ids == structured_ids["resident"]
+                                      for ids in structured_ids.values())
+    # every layer's routed experts in pinned host memory, streamed and computed on the host
+    moe = os.path.join(FIXTURES, "tiny_mixtral")
+    (moe_ref,) = _reference_ids(moe, [prompts], max_tokens)
+    for mode in ("stream", "host"):
+      _guarded(out, f"mixtral_experts_{mode}", lambda mode=mode: mixtral(mode, moe, moe_ref))
+  parts = [v for v in out.values() if isinstance(v, dict)]
+  out["all_identical"] = (all(v.get("identical_to_reference") for v in parts)
+                          and all(v.get("prefix_identical_to_reference", True) for v in parts)
+                          and out["structured_identical"])
+  out["structured_parse"] = all(out[label].get("structured_parse") for label in runs)
+  out["prefix_hits_counted"] = all(out[label].get("prefix_hit_tokens", 1) > 0 for label in runs)
   return out
 
 

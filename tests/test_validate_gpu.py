@@ -17,8 +17,17 @@ def test_validate_gpu_dry_run(tmp_path):
   assert all("error" not in s for s in sections.values()), sections
   assert sections["env"]["backend"] == "cpu"
   assert sections["hf_tiny"]["float32_highest_ok"]
-  assert sections["engine_tiny"]["all_identical"]
-  assert sections["engine_tiny"]["small_pool_swap"]["swap_out_count"] > 0
+  engine = sections["engine_tiny"]
+  assert engine["all_identical"]
+  assert engine["small_pool_swap"]["swap_out_count"] > 0
+  # structured outputs: the same tokens resident, offloaded and swapping, and texts that parse
+  assert engine["structured_identical"] and engine["structured_parse"]
+  assert engine["small_pool_swap"]["structured_swap_out_count"] > 0
+  assert engine["prefix_hits_counted"] and engine["resident"]["prefix_hit_tokens"] >= 16
+  assert engine["resident"]["prefix_identical_to_reference"]
+  for mode in ("stream", "host"):
+    experts_entry = engine[f"mixtral_experts_{mode}"]
+    assert experts_entry["identical_to_reference"] and experts_entry["host_expert_bytes"] > 0
   assert sections["sampling"]["ok"], sections["sampling"]
   assert sections["sampling"]["swap_out_count"] > 0
   experts = sections["experts"]
