@@ -1,10 +1,18 @@
 """Checks the accelerator path on the machine it runs on and writes one JSON object.
 
-What a GPU (or TPU) user runs, checked in one short process (`scripts/validate_gpu.sh` wraps it for a
-machine that has JAX but not jaxtier's other dependencies):
+What a GPU (or TPU) user runs, checked in one short process (`scripts/validate_gpu.sh` wraps it
+for a machine that has JAX but not jaxtier's other dependencies). The sections, in their default
+order (cheap ones first):
 - `env`: JAX and its devices, each device's memory kinds and limit.
-- `link`: host <-> device copy rates with `pinned_host` buffers at 4, 64 and 512 MiB, and the device's
-  own copy rate (bytes read plus written), which bounds a decode step.
+- `swap`: the engine's own swap programs (`jaxtier.kvcache.swap` on a `PagedKVCache` and its
+  `HostTier`) with blocks of TinyLlama-1.1B's shape (22 layers, 4 kv heads, head_dim 64, 16
+  tokens, bfloat16; smaller with `--allow_cpu`): GB/s each way at 1, 8 and 64 blocks (medians of
+  5 after a warm-up), and what the host tier's pinned buffers cost the first time it takes blocks
+  (swap-outs into slots never used, every earlier block kept, against rewriting used slots:
+  seconds per block). It runs before `link`, whose 512 MiB buffers would grow XLA's pinned pool
+  first.
+- `link`: host <-> device copy rates with `pinned_host` buffers at 4, 64 and 512 MiB, and the
+  device's own copy rate (bytes read plus written), which bounds a decode step.
 - `hf_tiny`: the tiny Hugging Face fixtures' logits (committed, computed by transformers in float32;
   one per family: Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE)
   against jaxtier's at the highest matmul precision, at the platform's default precision (TF32 on
@@ -21,15 +29,6 @@ machine that has JAX but not jaxtier's other dependencies):
 - `sampling`: prompt log-probabilities of 24 and 40 prompts in one call against each alone, and the
   logit controls (penalties, min_p, logit_bias) identical under swapping and without planning
   ahead.
-- `decode`: a random-weight model of TinyLlama-1.1B's shape in bfloat16 (smaller with
-  `--allow_cpu`): decode tokens/s at batch 1, 8 and 32 against the bound weight bytes / device copy
-  rate, and with offloaded tail layers against max(resident step, offloaded bytes / host-to-device
-  rate).
-- `experts`: two mixture-of-experts layers (8 experts of 2048 x 5632, 2 per token, bfloat16;
-  smaller with `--allow_cpu`) with their experts in pinned host memory: seconds of a forward call
-  of 1 to 256 tokens when the experts stream to the device and when the host computes them, the
-  measured crossover, and the cost model's (`jaxtier.offload.expert_cost`) at the measured
-  host-to-device rate.
 - `quant`: one projection of Llama-8B's MLP (4096 x 14336; smaller with `--allow_cpu`) as
   bfloat16, int8 (a scale per output channel) and int4 (uint4, a scale and minimum per 32 rows,
   `jaxtier.model.quant`): seconds of x @ w at 1, 8 and 32 rows against the bound weight bytes /
@@ -38,6 +37,11 @@ machine that has JAX but not jaxtier's other dependencies):
   array of the weight's shape (`float_weight_copies`, the names of any that do; XLA:CPU does write
   one, so a dry run reports `fused` false); and the engine on the tiny Qwen3 fixture quantized to
   int4, resident and with an offloaded tail, giving the same greedy tokens.
+- `experts`: two mixture-of-experts layers (8 experts of 2048 x 5632, 2 per token, bfloat16;
+  smaller with `--allow_cpu`) with their experts in pinned host memory: seconds of a forward call
+  of 1 to 256 tokens when the experts stream to the device and when the host computes them, the
+  measured crossover, and the cost model's (`jaxtier.offload.expert_cost`) at the measured
+  host-to-device rate.
 - `attention`: paged attention at the default model's attention shape (3 kv heads, 9 query heads,
   head_dim 64, bfloat16 pages of 16 slots): the Pallas Triton kernel
   (`jaxtier.attention.pallas_gpu`) against the XLA path (`paged_attention`), seconds per
@@ -46,20 +50,56 @@ machine that has JAX but not jaxtier's other dependencies):
   512-token chunk at contexts 0 and 2048; the largest difference between the two. With
   `--allow_cpu` on a CPU it runs tiny shapes with the kernel in Pallas interpret mode (`interpret`
   true in its JSON), only so that the section executes.
+- `compile`: the programs the default server configuration (`configs/serve_default.py`, its model
+  replaced by TinyLlama-1.1B's shape; smaller with `--allow_cpu`) compiles at warm-up
+  (`jaxtier.engine.engine.warmup_programs`), counted by kind, and the compile seconds of a
+  representative few (`jaxtier.tools.export.representative_programs`: the widest decode step, its
+  sampler, the largest prefill step, a swap-out), built from abstract state (no weight is read)
+  with JAX's persistent compilation cache off; the warm-up estimated as count x mean and by kind.
+- `pinned_cap`: XLA's GPU client caps pinned host memory at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64
+  GiB unset), read when the backend starts: a child process started with the variable above 64
+  allocates pinned_host buffers of 1 GiB past 64 GiB in all, where the host's available memory
+  allows (else the section says why it did not); whether that worked, the bytes and the seconds.
+  Off a GPU there is no cap: the same code pins 64 MiB and reports `cap` "none".
+- `profile`: a `jax.profiler` trace (its perfetto JSON, parsed with the standard library) of a few
+  decode steps at batch 8 of the 1.1B-shaped model (below), resident and with its last 8 layers
+  offloaded: the time per kind of event (kernels, gathers, host-to-device and device-to-host
+  copies, host dispatch, host waiting, other; self time, so nested events count once) in all and
+  per step, and the top 10 events by time. The trace files go to a directory beside the JSON
+  (`<out>_profile/`).
+- `decode`: a random-weight model of TinyLlama-1.1B's shape in bfloat16 (smaller with
+  `--allow_cpu`): decode tokens/s at batch 1, 8 and 32 against the bound weight bytes / device copy
+  rate; with offloaded tail layers (8 and 16) at the default prefetch depth, at batch 1 and 32,
+  and at batch 1 at each prefetch depth 1-4 (`--decode_depths`), and with
+  `quantization="int8"` and `"int4"` (`--decode_quantizations`) resident and offloaded; each
+  offloaded step against max(resident step of the same weights, offloaded bytes / host-to-device
+  rate); quantized runs take `kernels="portable"` (what "auto" is on an accelerator; on a CPU the
+  C++ kernels would keep bfloat16 weights unquantized). The runs go in that order until the
+  section's time box is spent.
 
 Each section is timed and guarded: an error is recorded in the section and the next one runs; a
-section that would start past `--budget_s` is skipped. The JSON is rewritten after every section,
-so a run cut short still leaves what it measured.
+section that would start past `--budget_s` is skipped. The sections that could run long
+(`TIME_BOX_S`) have a time box, cut to what is left of the budget: past it they start no new
+measurement and list the ones they left out (`skipped_by_time_box`). The JSON is rewritten after
+every section, so a run cut short still leaves what it measured.
 
   python scripts/validate_gpu.py --out=validate_gpu.json             # on a GPU or TPU
   python scripts/validate_gpu.py --out=/tmp/v.json --allow_cpu       # a dry run on a CPU
 """
 
+import atexit
+import collections
 import dataclasses
 import gc
+import glob
+import gzip
+import importlib.util
+import inspect
 import json
 import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,20 +109,51 @@ from absl import app, flags
 
 import benchlib
 
+SECTIONS = ["env", "swap", "link", "hf_tiny", "engine_tiny", "sampling", "quant", "experts",
+            "attention", "compile", "pinned_cap", "profile", "decode"]
+# Seconds each long section may take at most (cut to what is left of --budget_s): on an H200 the
+# whole run is meant to fit 8 minutes.
+TIME_BOX_S = {"swap": 30.0, "compile": 60.0, "pinned_cap": 75.0, "profile": 60.0, "decode": 200.0}
+
 _OUT = flags.DEFINE_string("out", "validate_gpu.json", "where the JSON goes")
 _ALLOW_CPU = flags.DEFINE_bool("allow_cpu", False, "run on a CPU (small shapes; a dry run)")
-_BUDGET = flags.DEFINE_float("budget_s", 420.0, "no section starts after this many seconds")
-_SECTIONS = flags.DEFINE_list("sections", ["env", "link", "hf_tiny", "engine_tiny", "sampling",
-                                           "decode", "experts", "quant", "attention"],
-                              "sections to run, in order")
+_BUDGET = flags.DEFINE_float("budget_s", 450.0, "no section starts after this many seconds; the "
+                             "time boxes are cut to what is left of it")
+_SECTIONS = flags.DEFINE_list("sections", SECTIONS, "sections to run, in order")
 _DECODE_BATCHES = flags.DEFINE_list("decode_batches", ["1", "8", "32"], "decode batch sizes")
 _DECODE_OFFLOAD = flags.DEFINE_list("decode_offload", ["8", "16"],
                                     "offloaded tail layers for the decode section (2 and 4 of the "
                                     "small model's 8 with --allow_cpu)")
+_DECODE_DEPTHS = flags.DEFINE_list("decode_depths", ["1", "2", "3", "4"],
+                                   "prefetch depths of the decode section's offloaded runs (at "
+                                   "most 2, for 2 layers only, with --allow_cpu)")
+_DECODE_QUANT = flags.DEFINE_list("decode_quantizations", ["int8", "int4"],
+                                  "weight quantizations of the decode section (resident and "
+                                  "offloaded at the default depth)")
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 MIB = 1 << 20
+GIB = 1 << 30
+
+
+class _Box:
+  """A section's time box: `allows(label)` is False once its seconds are spent, and then records
+  the measurement `label` as left out."""
+
+  def __init__(self, seconds: float):
+    self.seconds = seconds
+    self.end = time.perf_counter() + seconds
+    self.skipped: list[str] = []
+
+  def allows(self, label: str) -> bool:
+    if time.perf_counter() < self.end:
+      return True
+    self.skipped.append(label)
+    return False
+
+  def left(self) -> float:
+    return self.end - time.perf_counter()
 
 
 def _median(values):
@@ -106,6 +177,67 @@ def section_env() -> dict:
     stats = d.memory_stats() or {}
     entry["bytes_limit"] = stats.get("bytes_limit")
     out["devices"].append(entry)
+  return out
+
+
+def section_swap(box: _Box) -> dict:
+  """Host-tier swap rates and the first-use cost of its pinned buffers (see the module
+  docstring)."""
+  import numpy as np
+  from jaxtier.kvcache import HostTier, PagedCacheConfig, PagedKVCache, swap_in, swap_out
+  small = _ALLOW_CPU.value
+  layers, kv_heads, head_dim, block_size = (4, 2, 32, 16) if small else (22, 4, 64, 16)
+  counts, repeats = (1, 8, 64), 5
+  chunk, fresh_chunks = (16, 4) if small else (64, 16)  # first-use swaps: chunk blocks each
+  used = max(counts)
+  config = PagedCacheConfig(layers, kv_heads, head_dim, 2 * used, block_size,
+                            used + chunk * fresh_chunks, "bfloat16", "xla")
+  cache, host = PagedKVCache.create(config), HostTier.empty(config.num_host_blocks)
+  rng = np.random.default_rng(0)
+  out = {"block": {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
+                   "block_size": block_size, "dtype": "bfloat16",
+                   "bytes": config.bytes_per_block}, "blocks": {}}
+  for n in counts:
+    if not box.allows(f"{n}_blocks"):
+      continue
+    reports = {"out": [], "in": []}
+    for _ in range(repeats + 1):  # the first pair compiles (and is left out of the medians)
+      slots = np.arange(n)  # used slots, rewritten: the host pool has the memory already
+      host, report = swap_out(cache, host, rng.choice(config.num_device_blocks, n, False), slots)
+      reports["out"].append(report)
+      cache, report = swap_in(cache, host, rng.permutation(slots),
+                              rng.choice(config.num_device_blocks, n, False))
+      reports["in"].append(report)
+    row = {"bytes": n * config.bytes_per_block, "parts": list(reports["out"][0].parts)}
+    for direction, rs in reports.items():
+      seconds = _median([r.seconds for r in rs[1:]])
+      name = "d2h" if direction == "out" else "h2d"
+      row[f"{name}_gbps"] = row["bytes"] / seconds / 1e9
+      row[f"{name}_ms"] = seconds * 1e3
+      row[f"{name}_compile_s"] = rs[0].compile_seconds
+    out["blocks"][str(n)] = row
+  # first use: swap-outs of `chunk` blocks into slots never written, every earlier block kept,
+  # so the pool takes new pinned memory; against the same swap-out into used slots
+  if box.allows("first_use"):
+    steady = []
+    for _ in range(repeats + 1):
+      host, report = swap_out(cache, host, rng.choice(config.num_device_blocks, chunk, False),
+                              np.arange(chunk))
+      steady.append(report)
+    fresh = []
+    for i in range(fresh_chunks):
+      slots = used + i * chunk + np.arange(chunk)
+      host, report = swap_out(cache, host, rng.choice(config.num_device_blocks, chunk, False),
+                              slots)
+      fresh.append(report.seconds)
+    steady_s = _median([r.seconds for r in steady[1:]])
+    extra = sum(fresh) - fresh_chunks * steady_s
+    out["first_use"] = {"blocks": chunk * fresh_chunks, "chunk_blocks": chunk,
+                        "bytes": chunk * fresh_chunks * config.bytes_per_block,
+                        "fresh_chunk_ms": [s * 1e3 for s in fresh],
+                        "used_slots_chunk_ms": steady_s * 1e3,
+                        "seconds_per_block": extra / (chunk * fresh_chunks),
+                        "host_bytes_stored": host.bytes_stored()}
   return out
 
 
@@ -391,9 +523,10 @@ def _greedy_with(llm, prompts, params):
   return [list(o.token_ids) for o in llm.generate(prompts, params)]
 
 
-def _random_llama_dir(directory: str, small: bool) -> dict:
+def _random_llama_dir(directory: str, small: bool, weights: bool = True) -> dict:
   """A Hugging Face Llama directory with random float16 weights of TinyLlama-1.1B's shape (or a
-  small one), and the tiny fixture's tokenizer (token ids are what the benchmark feeds)."""
+  small one), and the tiny fixture's tokenizer (token ids are what the benchmark feeds); without
+  `weights`, its config.json and tokenizer only (what a plan reads)."""
   import numpy as np
   from safetensors.numpy import save_file
   cfg = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -410,6 +543,8 @@ def _random_llama_dir(directory: str, small: bool) -> dict:
     json.dump(config, f)
   for name in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(os.path.join(FIXTURES, "tiny_llama", name), directory)
+  if not weights:
+    return cfg
   rng = np.random.default_rng(0)
   h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
   hd = h // cfg["num_attention_heads"]
@@ -432,73 +567,142 @@ def _random_llama_dir(directory: str, small: bool) -> dict:
   return cfg
 
 
-def section_decode(link: dict | None) -> dict:
+_LLAMA_DIRS: dict[bool, tuple[str, dict]] = {}
+
+
+def _llama_dir(weights: bool) -> tuple[str, dict, float]:
+  """(directory, config, seconds spent writing it now) of the run's random 1.1B-shaped model
+  (`_random_llama_dir`), written once per run and removed at exit; without `weights`, a directory
+  with weights serves too."""
+  for have in ((True,) if weights else (True, False)):
+    if have in _LLAMA_DIRS:
+      return (*_LLAMA_DIRS[have], 0.0)
+  start = time.perf_counter()
+  directory = tempfile.mkdtemp(prefix="jaxtier-validate-")
+  atexit.register(shutil.rmtree, directory, ignore_errors=True)
+  cfg = _random_llama_dir(directory, _ALLOW_CPU.value, weights)
+  _LLAMA_DIRS[weights] = (directory, cfg)
+  return directory, cfg, time.perf_counter() - start
+
+
+def _rates(link: dict | None) -> tuple[float | None, float | None]:
+  """(device copy GB/s, host-to-device GB/s at the largest size measured) of the link section."""
+  link = link or {}
+  h2d = (link.get("512MiB") or link.get("64MiB") or {}).get("h2d_gbps")
+  return link.get("device_copy_gbps"), h2d
+
+
+def _seconds_each(fn, repeats: int) -> list[float]:
+  """Seconds of each of `repeats` calls of `fn()` (no warm-up: the caller has run it)."""
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    samples.append(time.perf_counter() - start)
+  return samples
+
+
+def _decode_cell(llm, batch: int, vocab: int, rng, new_tokens: int, prompt_len: int) -> dict:
+  """One decode step at `batch` rows: the difference of a `new_tokens`-token and a 2-token run
+  over the steps between (medians of 3, after a first run that compiles)."""
+  import jaxtier
+  prompts = [rng.integers(3, vocab, size=prompt_len).tolist() for _ in range(batch)]
+  params = jaxtier.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+  short = dataclasses.replace(params, max_tokens=2)
+  first = time.perf_counter()
+  llm.generate(prompts, params)
+  first = time.perf_counter() - first
+  # prefill and set-up cancel out in the difference
+  t_short = _median(_seconds_each(lambda: llm.generate(prompts, short), 3))
+  t_long = _median(_seconds_each(lambda: llm.generate(prompts, params), 3))
+  if t_long <= t_short:  # noise swamped the decode steps: no figure rather than a wrong one
+    return {"first_call_seconds": first, "step_ms": None,
+            "error": f"a {new_tokens}-token run ({t_long:.4f} s) was not slower than a 2-token "
+                     f"one ({t_short:.4f} s)"}
+  step = (t_long - t_short) / (new_tokens - 2)
+  return {"first_call_seconds": first, "step_ms": step * 1e3, "tokens_per_s": batch / step}
+
+
+def _decode_runs(offloads: list[int], batches: list[int]) -> list[tuple]:
+  """The decode section's runs in order: (label, offloaded layers, prefetch depth, quantization,
+  batches)."""
+  small = _ALLOW_CPU.value
+  swept = offloads[:1] if small else offloads  # fewer shapes in a dry run
+  depths = [int(d) for d in _DECODE_DEPTHS.value if not small or int(d) <= 2]
+  runs = [("resident", 0, "auto", None, batches)]
+  runs += [(f"offload_{n}", n, "auto", None, sorted({1, max(batches)})) for n in offloads]
+  runs += [(f"offload_{n}_depth_{d}", n, d, None, [1]) for n in swept for d in depths]
+  for q in _DECODE_QUANT.value:
+    runs += [(f"{q}_resident", 0, "auto", q, [1])]
+    runs += [(f"{q}_offload_{n}", n, "auto", q, [1]) for n in swept]
+  return runs
+
+
+def section_decode(link: dict | None, box: _Box) -> dict:
   import numpy as np
   import jaxtier
   small = _ALLOW_CPU.value
-  tmp = tempfile.mkdtemp(prefix="jaxtier-validate-")
-  try:
-    start = time.perf_counter()
-    cfg = _random_llama_dir(tmp, small)
-    out = {"model": cfg, "write_seconds": time.perf_counter() - start}
-    new_tokens = 32 if not small else 8
-    prompt_len = 16
-    batches = [int(b) for b in _DECODE_BATCHES.value]
-    copy_gbps = (link or {}).get("device_copy_gbps")
-    h2d = ((link or {}).get("512MiB") or (link or {}).get("64MiB") or {}).get("h2d_gbps")
-    rng = np.random.default_rng(1)
-    offloads = [2, 4] if small else [int(n) for n in _DECODE_OFFLOAD.value]
-    runs = [("resident", 0)] + [(f"offload_{n}", n) for n in offloads]
-    resident_step = {}
-    for label, offloaded in runs:
-      if offloaded >= cfg["num_hidden_layers"]:
+  directory, cfg, wrote = _llama_dir(weights=True)
+  new_tokens = 32 if not small else 8
+  prompt_len = 16
+  out = {"model": cfg, "write_seconds": wrote, "prompt_tokens": prompt_len,
+         "new_tokens": new_tokens}
+  batches = [int(b) for b in _DECODE_BATCHES.value]
+  copy_gbps, h2d = _rates(link)
+  rng = np.random.default_rng(1)
+  offloads = [2, 4] if small else [int(n) for n in _DECODE_OFFLOAD.value]
+  resident_step = {}  # (quantization, batch) -> ms
+  default_depth = {}  # offloaded layers -> the depth "auto" took
+
+  def run(offloaded: int, depth, quantization: str | None, run_batches: list[int]) -> dict:
+    load_start = time.perf_counter()
+    llm = jaxtier.LLM(directory, dtype="bfloat16", max_model_len=256, max_num_seqs=max(batches),
+                      block_size=16, num_device_blocks=max(batches) * 8 + 16,
+                      num_host_blocks=64, offload_tail_layers=offloaded, prefetch_depth=depth,
+                      quantization=quantization, enable_prefix_caching=False,
+                      kernels="portable" if quantization else "auto")
+    report = llm.memory_report()
+    entry = {"load_seconds": time.perf_counter() - load_start,
+             "prefetch_depth": report["prefetch_depth"], "quantization": quantization}
+    if quantization is None and depth == "auto":
+      entry["memory_report"] = report
+      if offloaded:
+        default_depth[offloaded] = report["prefetch_depth"]
+    else:
+      entry.update({k: report[k] for k in ("device_weight_bytes", "host_weight_bytes",
+                                           "weight_bytes_by_format")})
+    weight_bytes = report.get("device_weight_bytes", 0) + report.get("host_weight_bytes", 0)
+    for b in run_batches:
+      cell = _decode_cell(llm, b, cfg["vocab_size"], rng, new_tokens, prompt_len)
+      entry[f"batch_{b}"] = cell
+      if cell["step_ms"] is None:
         continue
-      load_start = time.perf_counter()
-      llm = jaxtier.LLM(tmp, dtype="bfloat16", max_model_len=256, max_num_seqs=max(batches),
-                        block_size=16, num_device_blocks=max(batches) * 8 + 16,
-                        num_host_blocks=64, offload_tail_layers=offloaded,
-                        enable_prefix_caching=False)
-      report = llm.memory_report()
-      entry = {"load_seconds": time.perf_counter() - load_start, "memory_report": report}
-      weight_bytes = report.get("device_weight_bytes", 0) + report.get("host_weight_bytes", 0)
-      for b in batches if offloaded == 0 else [1, max(batches)]:
-        prompts = [rng.integers(3, cfg["vocab_size"], size=prompt_len).tolist() for _ in range(b)]
-        params = jaxtier.SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-        first = time.perf_counter()
-        llm.generate(prompts, params)
-        compile_and_run = time.perf_counter() - first
-        short = jaxtier.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-        # medians of a few runs each; prefill and set-up cancel out in the difference
-        t_short = _timed(lambda: llm.generate(prompts, short), 3)
-        t_long = _timed(lambda: llm.generate(prompts, params), 3)
-        if t_long <= t_short:  # noise swamped the decode steps: no figure rather than a wrong one
-          entry[f"batch_{b}"] = {"first_call_seconds": compile_and_run, "step_ms": None,
-                                 "error": f"a {new_tokens}-token run ({t_long:.4f} s) was not "
-                                          f"slower than a 2-token one ({t_short:.4f} s)"}
-          continue
-        step = (t_long - t_short) / (new_tokens - 2)
-        cell = {"first_call_seconds": compile_and_run, "step_ms": step * 1e3,
-                "tokens_per_s": b / step}
-        if copy_gbps:
-          bound = weight_bytes / (copy_gbps * 1e9)
-          cell["hbm_bound_ms"] = bound * 1e3
-          cell["ratio_to_hbm_bound"] = step / bound
-        if offloaded:
-          cell["resident_step_ms"] = resident_step.get(b)
-          if h2d and resident_step.get(b):
-            link_s = report.get("host_weight_bytes", 0) / (h2d * 1e9)
-            bound = max(resident_step[b] / 1e3, link_s)
-            cell["link_bound_ms"] = link_s * 1e3
-            cell["ratio_to_max_compute_link"] = step / bound
-        else:
-          resident_step[b] = step * 1e3
-        entry[f"batch_{b}"] = cell
-      out[label] = entry
-      del llm
-      gc.collect()
-    return out
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+      step = cell["step_ms"] / 1e3
+      if copy_gbps:
+        bound = weight_bytes / (copy_gbps * 1e9)
+        cell["hbm_bound_ms"] = bound * 1e3
+        cell["ratio_to_hbm_bound"] = step / bound
+      resident = resident_step.get((quantization, b))
+      if not offloaded:
+        resident_step[quantization, b] = cell["step_ms"]
+        continue
+      cell["resident_step_ms"] = resident
+      if h2d and resident:
+        link_s = report.get("host_weight_bytes", 0) / (h2d * 1e9)
+        bound = max(resident / 1e3, link_s)
+        cell["link_bound_ms"] = link_s * 1e3
+        cell["ratio_to_max_compute_link"] = step / bound
+    benchlib.release(llm)
+    return entry
+
+  for label, offloaded, depth, quantization, run_batches in _decode_runs(offloads, batches):
+    if offloaded >= cfg["num_hidden_layers"] or (depth != "auto" and depth > offloaded):
+      continue
+    if depth != "auto" and default_depth.get(offloaded) == depth:
+      out[label] = {"same_as": f"offload_{offloaded}"}
+    elif box.allows(label):
+      _guarded(out, label, lambda: run(offloaded, depth, quantization, run_batches))
+  return out
 
 
 def section_experts(link: dict | None) -> dict:
@@ -689,6 +893,338 @@ def section_attention(link: dict | None) -> dict:
   return out
 
 
+def _server_engine_args() -> dict:
+  """The engine arguments of the default server configuration (`configs/serve_default.py`), its
+  model, address and port left out."""
+  from jaxtier.engine import args as engine_args
+  spec = importlib.util.spec_from_file_location(
+      "serve_default", os.path.join(ROOT, "configs", "serve_default.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config().to_dict()
+  fields = {f.name for f in dataclasses.fields(engine_args.EngineArgs)} - {"model"}
+  out = {k: v for k, v in config.items() if k in fields}
+  for name, low, high in (("offload_tail_layers", 0, None),
+                          ("prefetch_depth", 1, engine_args.MAX_PREFETCH_DEPTH)):
+    if name in out:
+      out[name] = engine_args.int_or_auto(name, out[name], low, high)
+  return out
+
+
+def _program_kind(key: tuple) -> str:
+  """Which measured program stands for a warm-up program in the estimate by kind."""
+  if key[0] == "step":
+    return "decode" if key[2] == 1 else "prefill"
+  return "swap_out" if key[0] == "swap" else "sample"
+
+
+def section_compile(box: _Box) -> dict:
+  """The default server configuration's warm-up: its program count and the compile seconds of a
+  representative few (see the module docstring)."""
+  import jax
+  from jaxtier.engine.engine import warmup_programs
+  from jaxtier.tools import export
+  directory, cfg, _ = _llama_dir(weights=False)
+  args = _server_engine_args()
+  platform = "cuda" if jax.default_backend() == "gpu" else jax.default_backend()
+  engine = export.abstract_engine(directory, platform, **args)
+  keys = warmup_programs(engine.engine_config)
+  out = {"model": cfg, "engine_args": args,
+         "engine_config": dataclasses.asdict(engine.engine_config), "programs": len(keys),
+         "programs_by_kind": dict(collections.Counter(k[0] for k in keys))}
+  wanted = export.representative_programs(engine.engine_config, engine.vocab_size)
+  groups = (("decode", "sample"), ("prefill",), ("swap_out",))  # a sampler after its step
+  seconds, keys_of, errors = {}, {}, {}
+  cache_was = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)  # compile, do not read a cache
+  try:
+    for group in groups:
+      names = [n for n in group if n in wanted]
+      if not names or not box.allows("+".join(names)):
+        continue
+      mark = [engine.runner.compile_seconds]
+
+      def progress(done, total, key, mark=mark):
+        del done, total
+        seconds[key] = engine.runner.compile_seconds - mark[0]
+        mark[0] = engine.runner.compile_seconds
+
+      try:
+        engine.runner.compile_programs(engine.cache, [wanted[n] for n in names], progress)
+      except Exception as e:  # pylint: disable=broad-except  (the other groups still compile)
+        errors.update({n: f"{type(e).__name__}: {e}"[:2000] for n in names})
+        continue
+      keys_of.update({n: wanted[n] for n in names})
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache_was)
+  measured = {n: seconds[k] for n, k in keys_of.items()}
+  out["compiled"] = {n: {"key": list(keys_of[n]), "seconds": s} for n, s in measured.items()}
+  out["compiled"].update({n: {"key": list(wanted[n]), "error": e} for n, e in errors.items()})
+  if measured:
+    mean = sum(measured.values()) / len(measured)
+    out["seconds_per_program"] = mean
+    out["warmup_estimate_seconds"] = mean * len(keys)
+    # each program at the seconds of the measured one of its kind (the mean where it is missing)
+    out["warmup_estimate_by_kind_seconds"] = sum(measured.get(_program_kind(k), mean)
+                                                 for k in keys)
+  return out
+
+
+def pin_buffers(total_bytes: int, chunk_bytes: int) -> None:
+  """(The `pinned_cap` section's child process.) Allocates `pinned_host` buffers of
+  `chunk_bytes`, each a copy of one device buffer, until `total_bytes` are held or an allocation
+  fails; prints one JSON line: the bytes held, the seconds, the error if any."""
+  started = time.perf_counter()
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import SingleDeviceSharding
+  device = jax.devices()[0]
+  pinned = SingleDeviceSharding(device, memory_kind="pinned_host")
+  source = jnp.zeros(chunk_bytes, jnp.uint8).block_until_ready()
+  held, error = [], None
+  start = time.perf_counter()
+  try:
+    while len(held) * chunk_bytes < total_bytes:
+      held.append(jax.device_put(source, pinned).block_until_ready())
+  except Exception as e:  # pylint: disable=broad-except  (how far it got is the answer)
+    error = f"{type(e).__name__}: {e}"[:1000]
+  seconds = time.perf_counter() - start
+  print(json.dumps({"platform": device.platform, "allocated_bytes": len(held) * chunk_bytes,
+                    "buffers": len(held), "seconds": seconds, "error": error,
+                    "startup_seconds": start - started}), flush=True)
+
+
+def _available_memory() -> int | None:
+  """The host's available memory in bytes (MemAvailable), else its RAM, else None."""
+  from jaxtier.engine import pinned_cap
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return pinned_cap.host_memory_bytes()
+
+
+def section_pinned_cap(box: _Box) -> dict:
+  """Pinned host memory past XLA's default cap, in a child process (see the module docstring)."""
+  import jax
+  from jaxtier.engine import pinned_cap
+  gpu = jax.default_backend() == "gpu"
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  env.pop(pinned_cap.ENV, None)
+  if gpu:
+    total, chunk = (pinned_cap.XLA_DEFAULT_GIB + 2) * GIB, GIB
+    cap_gib = pinned_cap.XLA_DEFAULT_GIB + 8
+    env[pinned_cap.ENV] = str(cap_gib)
+    out = {"cap": f"{pinned_cap.ENV}={cap_gib}"}
+  else:
+    total, chunk = 64 * MIB, 16 * MIB
+    out = {"cap": "none"}  # XLA's cap is its GPU client's
+  available = _available_memory()
+  out.update(requested_bytes=total, chunk_bytes=chunk, host_available_bytes=available)
+  if gpu and (available is None or available < total + 8 * GIB):
+    out["skipped"] = (f"the host has {(available or 0) / GIB:.0f} GiB available; pinning "
+                      f"{total / GIB:.0f} GiB needs {total / GIB + 8:.0f}")
+    return out
+  code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+          f"import validate_gpu; validate_gpu.pin_buffers({total}, {chunk})")
+  start = time.perf_counter()
+  try:
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=max(box.left(), 10.0))
+  except subprocess.TimeoutExpired:
+    out["error"] = f"the child process ran past the section's {box.seconds:.0f} s time box"
+    return out
+  out["child_seconds"] = time.perf_counter() - start
+  lines = child.stdout.strip().splitlines()
+  if child.returncode != 0 or not lines:
+    out["error"] = (f"the child process exited with {child.returncode}: "
+                    f"{child.stderr.strip()[-1500:]}")
+    return out
+  result = json.loads(lines[-1])
+  result["allocation_error"] = result.pop("error")
+  out.update(result)
+  out["ok"] = result["allocation_error"] is None and result["allocated_bytes"] >= total
+  if result["seconds"] > 0:
+    out["gbps"] = result["allocated_bytes"] / result["seconds"] / 1e9
+  return out
+
+
+# How `_trace_summary` sorts a trace's events. Derived device lines (the trace viewer's per-op and
+# per-module views of the same kernels) are not counted.
+_DERIVED = re.compile(r"^(XLA (Modules|Ops|TraceMe|Async Ops)|Steps|TensorFlow|Framework|Source|"
+                      r"Launch Stats)", re.I)
+_H2D = re.compile(r"h2d|htod|host ?to ?device", re.I)
+_D2H = re.compile(r"d2h|dtoh|device ?to ?host", re.I)
+_COMPUTE_THREAD = re.compile(r"XLAEigen|XLAPjRtCpuClient|intra.?op", re.I)
+_COMPILE = re.compile(r"compil|codegen|llvm|autotun", re.I)
+# a wait, or reading a result (the Python tracer does not see the wait inside numpy's asarray)
+_WAIT = re.compile(r"wait|block_until_ready|sleep|acquire|synchroniz|numpy asarray|__array__",
+                   re.I)
+TRACE_KINDS = ("kernels", "gathers", "host_to_device", "device_to_host", "host_dispatch",
+               "host_wait", "other")
+
+
+def _event_kind(name: str, process: str, thread: str) -> str:
+  """One of TRACE_KINDS for an event `name` on `thread` of `process` ("/device:GPU:0",
+  "/host:CPU"). On a CPU backend the compiled programs run on host threads (XLA's compute
+  threads are counted as kernels)."""
+  on_device = process.startswith("/device:")
+  python = name.startswith("$")  # the Python tracer's function events
+  if not on_device and _WAIT.search(name):
+    return "host_wait"
+  if not python and (_H2D.search(name) or on_device and _H2D.search(thread)):
+    return "host_to_device"
+  if not python and (_D2H.search(name) or on_device and _D2H.search(thread)):
+    return "device_to_host"
+  if on_device or _COMPUTE_THREAD.search(thread):
+    return "gathers" if "gather" in name.lower() else "kernels"
+  if _COMPILE.search(thread) or not python and _COMPILE.search(name):
+    return "other"
+  return "host_dispatch"
+
+
+def _self_times(events: list[dict]) -> list[float]:
+  """Each event's duration less its children's, for the complete events of one thread (sorted
+  by start here), so nested events count once."""
+  events.sort(key=lambda e: (e["ts"], -e["dur"]))
+  own = [float(e["dur"]) for e in events]
+  stack = []  # (end, index) of the open events
+  for i, e in enumerate(events):
+    while stack and stack[-1][0] <= e["ts"]:
+      stack.pop()
+    if stack:
+      own[stack[-1][1]] -= min(e["dur"], stack[-1][0] - e["ts"])
+    stack.append((e["ts"] + e["dur"], i))
+  return [max(t, 0.0) for t in own]
+
+
+def _trace_summary(trace: dict, steps: int) -> dict:
+  """A perfetto JSON trace as time per kind of event (TRACE_KINDS; self time, summed over threads
+  and streams, so work in parallel adds up) in all and per step, its tracks, and the top 10
+  events by time."""
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  processes, threads, tracks = {}, {}, collections.defaultdict(list)
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      processes[e["pid"]] = e.get("args", {}).get("name", "")
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      threads[e["pid"], e.get("tid")] = e.get("args", {}).get("name", "")
+    elif e.get("ph") == "X" and "dur" in e:
+      tracks[e["pid"], e.get("tid")].append(e)
+  by_kind = dict.fromkeys(TRACE_KINDS, 0.0)
+  by_name = collections.defaultdict(lambda: [0.0, 0, ""])
+  rows, profiler = [], 0.0
+  for (pid, tid), track in tracks.items():
+    process, thread = processes.get(pid, str(pid)), threads.get((pid, tid), str(tid))
+    counted = not _DERIVED.search(thread)
+    own = _self_times(track)
+    rows.append({"process": process, "thread": thread, "events": len(track),
+                 "self_ms": sum(own) / 1e3, "counted": counted})
+    if not counted:
+      continue
+    for e, t in zip(track, own):
+      if "profiler.py" in e.get("name", ""):  # the trace's own start and stop
+        profiler += t
+        continue
+      kind = _event_kind(e.get("name", ""), process, thread)
+      by_kind[kind] += t
+      entry = by_name[e.get("name", "")[:120]]
+      entry[0] += t
+      entry[1] += 1
+      entry[2] = kind
+  top = sorted(by_name.items(), key=lambda item: -item[1][0])[:10]
+  return {"events": sum(len(t) for t in tracks.values()), "steps": steps,
+          "span_ms": (max(e["ts"] + e["dur"] for t in tracks.values() for e in t)
+                      - min(e["ts"] for t in tracks.values() for e in t)) / 1e3 if tracks else 0.0,
+          "device_events": sum(len(t) for (pid, _), t in tracks.items()
+                               if processes.get(pid, "").startswith("/device:")),
+          "by_kind_ms": {k: v / 1e3 for k, v in by_kind.items()},
+          "profiler_ms": profiler / 1e3,  # the trace's own start and stop, not counted
+          "by_kind_per_step_ms": {k: v / 1e3 / steps for k, v in by_kind.items()},
+          "top_events": [{"name": name, "kind": kind, "count": count, "ms": t / 1e3,
+                          "per_step_ms": t / 1e3 / steps}
+                         for name, (t, count, kind) in top],
+          "tracks": sorted(rows, key=lambda r: -r["self_ms"])[:16]}
+
+
+def _profiled_steps(llm, trace_dir: str, batch: int, steps: int, vocab: int, rng) -> dict:
+  """`steps` decode steps of `batch` one-token prompts, once untimed by the profiler and once
+  inside `jax.profiler.trace` (perfetto output), after a run that compiles what they run; the
+  wall time per step of each, and the trace summarized (`_trace_summary`)."""
+  import jax
+  import jaxtier
+  engine = llm.engine
+  prompts = [[int(t)] for t in rng.integers(3, vocab, size=batch)]
+  params = jaxtier.SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+  llm.generate(prompts, params)
+  out = {}
+  for label in ("untraced", "traced"):
+    for i, prompt in enumerate(prompts):
+      engine.add_request((label, i), prompt, params, seed=0)
+    engine.step()  # the prompts' step
+    engine.step()  # the first decode step: the ones measured follow it
+    tracing = jax.profiler.trace(trace_dir, create_perfetto_trace=True) if label == "traced" \
+        else _nothing()
+    with tracing:
+      start = time.perf_counter()
+      for _ in range(steps):
+        engine.step()
+      out[f"{label}_step_ms"] = (time.perf_counter() - start) / steps * 1e3
+    while engine.has_unfinished():
+      engine.step()
+  found = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+  if not found:
+    files = [os.path.relpath(p, trace_dir) for p in glob.glob(os.path.join(trace_dir, "**", "*"),
+                                                                recursive=True)]
+    out["parse_error"] = f"no perfetto_trace.json.gz under {trace_dir} (files: {files[:10]})"
+    return out
+  out["trace_file"] = max(found, key=os.path.getmtime)
+  try:
+    with gzip.open(out["trace_file"], "rt") as f:
+      out["summary"] = _trace_summary(json.load(f), steps)
+  except Exception as e:  # pylint: disable=broad-except  (the raw trace is still there)
+    out["parse_error"] = f"{type(e).__name__}: {e}"
+  return out
+
+
+def section_profile(box: _Box) -> dict:
+  """Profiler traces of resident and offloaded decode steps (see the module docstring)."""
+  import jax
+  import numpy as np
+  import jaxtier
+  small = _ALLOW_CPU.value
+  directory, cfg, wrote = _llama_dir(weights=True)
+  root = os.path.splitext(os.path.abspath(_OUT.value))[0] + "_profile"
+  shutil.rmtree(root, ignore_errors=True)
+  batch, steps = 8, 4 if small else 5
+  out = {"model": cfg, "write_seconds": wrote, "trace_dir": root, "batch": batch, "steps": steps}
+  rng = np.random.default_rng(3)
+
+  def profiled(label: str, offloaded: int) -> dict:
+    llm = jaxtier.LLM(directory, dtype="bfloat16", max_model_len=256, max_num_seqs=batch,
+                      block_size=16, num_device_blocks=batch * 8 + 16, num_host_blocks=64,
+                      offload_tail_layers=offloaded, enable_prefix_caching=False)
+    entry = {"offload_tail_layers": offloaded,
+             "prefetch_depth": llm.memory_report()["prefetch_depth"]}
+    entry.update(_profiled_steps(llm, os.path.join(root, label), batch, steps,
+                                 cfg["vocab_size"], rng))
+    summary = entry.get("summary")
+    if summary and not summary["device_events"] and jax.default_backend() != "cpu":
+      entry["note"] = ("no device events in the trace: the profiler saw the host only (is "
+                       "CUPTI missing?)")
+    benchlib.release(llm)
+    return entry
+
+  for label, offloaded in (("resident", 0), ("offloaded", 2 if small else 8)):
+    if not box.allows(label):
+      continue
+    _guarded(out, label, lambda label=label, offloaded=offloaded: profiled(label, offloaded))
+  return out
+
+
 def main(argv):
   del argv
   import jax
@@ -697,17 +1233,26 @@ def main(argv):
   began = time.perf_counter()
   result = {"sections": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
   for name in _SECTIONS.value:
-    if time.perf_counter() - began > _BUDGET.value:
+    elapsed = time.perf_counter() - began
+    if elapsed > _BUDGET.value:
       result["sections"][name] = {"skipped": "time budget"}
       continue
     start = time.perf_counter()
+    fn = globals()[f"section_{name}"]
+    params = inspect.signature(fn).parameters
+    kwargs = {}
+    if "link" in params:
+      kwargs["link"] = result["sections"].get("link")
+    if "box" in params:
+      kwargs["box"] = _Box(min(TIME_BOX_S[name], _BUDGET.value - elapsed))
     try:
-      if name in ("decode", "experts", "quant", "attention"):
-        value = globals()[f"section_{name}"](result["sections"].get("link"))
-      else:
-        value = globals()[f"section_{name}"]()
+      value = fn(**kwargs)
     except Exception as e:  # pylint: disable=broad-except  (one section's failure is its result)
       value = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    if "box" in kwargs:
+      value["time_box_s"] = kwargs["box"].seconds
+      if kwargs["box"].skipped:
+        value["skipped_by_time_box"] = kwargs["box"].skipped
     value["section_seconds"] = time.perf_counter() - start
     result["sections"][name] = value
     result["total_seconds"] = time.perf_counter() - began
