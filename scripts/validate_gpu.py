@@ -81,7 +81,8 @@ Each section is timed and guarded: an error is recorded in the section and the n
 section that would start past `--budget_s` is skipped. The sections that could run long
 (`TIME_BOX_S`) have a time box, cut to what is left of the budget: past it they start no new
 measurement and list the ones they left out (`skipped_by_time_box`). The JSON is rewritten after
-every section, so a run cut short still leaves what it measured.
+every section, so a run cut short still leaves what it measured. `--doc=FILE` appends a table of
+each section's headline figures, with the commit and the device, to FILE after the run.
 
   python scripts/validate_gpu.py --out=validate_gpu.json             # on a GPU or TPU
   python scripts/validate_gpu.py --out=/tmp/v.json --allow_cpu       # a dry run on a CPU
@@ -120,6 +121,9 @@ _ALLOW_CPU = flags.DEFINE_bool("allow_cpu", False, "run on a CPU (small shapes; 
 _BUDGET = flags.DEFINE_float("budget_s", 450.0, "no section starts after this many seconds; the "
                              "time boxes are cut to what is left of it")
 _SECTIONS = flags.DEFINE_list("sections", SECTIONS, "sections to run, in order")
+_DOC = flags.DEFINE_string("doc", None, "after the run, append a table of each section's "
+                           "headline figures, the commit and the device to this markdown file "
+                           "(e.g. docs/gpu_validation.md)")
 _DECODE_BATCHES = flags.DEFINE_list("decode_batches", ["1", "8", "32"], "decode batch sizes")
 _DECODE_OFFLOAD = flags.DEFINE_list("decode_offload", ["8", "16"],
                                     "offloaded tail layers for the decode section (2 and 4 of the "
@@ -1225,13 +1229,142 @@ def section_profile(box: _Box) -> dict:
   return out
 
 
+def _commit() -> str:
+  """The commit this tree is at (`git rev-parse HEAD`), or "unknown"."""
+  try:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=10, check=True).stdout.strip() or "unknown"
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+
+
+def _fmt(x, digits: int = 3) -> str:
+  """A figure for the doc's table: `digits` significant digits, "-" for none."""
+  return "-" if x is None else f"{x:.{digits}g}"
+
+
+def _cell_ms(entry: dict | None, batch: int = 1) -> str:
+  """A decode run's step milliseconds at `batch` rows, for the doc's table."""
+  return _fmt(((entry or {}).get(f"batch_{batch}") or {}).get("step_ms"))
+
+
+def _headline(name: str, v: dict) -> tuple[str, str]:
+  """(pass / fail / ran, the key figures) of a section's JSON, for the doc's table."""
+  def passed(ok):
+    return "pass" if ok else "fail"
+  if name == "env":
+    kinds = ", ".join(d["kind"] for d in v["devices"])
+    return "ran", f"JAX {v['jax']}, flax {v['flax']}, {v['backend']}: {kinds}"
+  if name == "swap":
+    rows = v["blocks"]
+    rates = "; ".join(f"{n}: {_fmt(r['h2d_gbps'])} in / {_fmt(r['d2h_gbps'])} out"
+                      for n, r in rows.items())
+    first = v.get("first_use", {}).get("seconds_per_block")
+    return "ran", (f"GB/s by blocks ({_fmt(v['block']['bytes'] / 1e6)} MB each) {rates}; "
+                   f"first use {_fmt(first and first * 1e6)} us/block")
+  if name == "link":
+    big = v.get("512MiB") or v.get("64MiB") or {}
+    return "ran", (f"pinned h2d {_fmt(big.get('h2d_gbps'))} / d2h {_fmt(big.get('d2h_gbps'))} "
+                   f"GB/s; device copy {_fmt(v.get('device_copy_gbps'))} GB/s")
+  if name == "hf_tiny":
+    worst = max(v[n]["float32_highest"]["max_abs_err"] for n in HF_TINY)
+    return passed(v["float32_highest_ok"]), f"float32 highest: worst error {_fmt(worst)}"
+  if name == "engine_tiny":
+    swaps = v.get("small_pool_swap", {}).get("swap_out_count")
+    hits = v.get("resident", {}).get("prefix_hit_tokens")
+    return (passed(v["all_identical"] and v["structured_parse"] and v["prefix_hits_counted"]),
+            f"identical to the reference: {v['all_identical']} (resident, offloaded, {swaps} "
+            f"swaps, prefix hits {hits} tokens, experts streamed and on the host); JSON "
+            f"identical {v['structured_identical']}, parses {v['structured_parse']}")
+  if name == "sampling":
+    return passed(v["ok"]), (f"prompt logprobs 40 rows max diff "
+                             f"{_fmt(v['prompt_logprobs_40_rows_max_diff'])}")
+  if name == "quant":
+    rows = v["rows"]
+    return passed(v["engine_int4"]["offloaded_equals_resident"]), (
+        f"fused {v['fused']}; batch 1 ms bf16 {_fmt(rows['bfloat16']['1']['seconds'] * 1e3)}, "
+        f"int8 {_fmt(rows['int8']['1']['seconds'] * 1e3)}, "
+        f"int4 {_fmt(rows['int4']['1']['seconds'] * 1e3)}")
+  if name == "experts":
+    return "ran", (f"stream faster from {v['measured_stream_from_tokens']} tokens (cost model: "
+                   f"{v['model_stream_from_tokens']})")
+  if name == "attention":
+    cell = max(v["decode"].items(), key=lambda kv: kv[1]["kv_bytes"])
+    return "ran", (f"{cell[0]}: pallas {_fmt(cell[1]['pallas_s'] * 1e3)} ms, xla "
+                   f"{_fmt(cell[1]['xla_s'] * 1e3)} ms; max diff "
+                   f"{_fmt(v['max_abs_diff_pallas_xla'])}")
+  if name == "compile":
+    each = ", ".join(f"{n} {_fmt(c['seconds'])} s" if "seconds" in c else f"{n} failed"
+                     for n, c in v["compiled"].items())
+    return "ran", (f"{v['programs']} warm-up programs; {each}; warm-up ~"
+                   f"{_fmt(v.get('warmup_estimate_seconds'))} s (count x mean), "
+                   f"~{_fmt(v.get('warmup_estimate_by_kind_seconds'))} s by kind")
+  if name == "pinned_cap":
+    if "skipped" in v:
+      return "skipped", v["skipped"]
+    return passed(v.get("ok")), (f"cap {v['cap']}: {_fmt(v.get('allocated_bytes', 0) / GIB)} "
+                                 f"GiB pinned in {_fmt(v.get('seconds'))} s"
+                                 + (f" ({v['allocation_error']})"
+                                    if v.get("allocation_error") else ""))
+  if name == "profile":
+    parts = []
+    for label in ("resident", "offloaded"):
+      s = (v.get(label) or {}).get("summary")
+      if s:
+        kinds = ", ".join(f"{k} {_fmt(t)}" for k, t in s["by_kind_per_step_ms"].items() if t)
+        parts.append(f"{label} step {_fmt(v[label]['traced_step_ms'])} ms (self ms per step: "
+                     f"{kinds})")
+      elif v.get(label):
+        parts.append(f"{label}: {v[label].get('parse_error')}")
+    return "ran", "; ".join(parts)
+  if name == "decode":
+    resident = v.get("resident") or {}
+    parts = ["step ms (over max(compute, link)): resident " + ", ".join(
+        f"batch {k[6:]} {_cell_ms(resident, int(k[6:]))}" for k in resident
+        if k.startswith("batch_"))]
+    for label, entry in v.items():
+      if isinstance(entry, dict) and label != "resident" and "batch_1" in entry:
+        ratio = entry["batch_1"].get("ratio_to_max_compute_link")
+        parts.append(f"{label} {_cell_ms(entry)}" + (f" ({_fmt(ratio)}x)" if ratio else ""))
+    return "ran", "; ".join(parts)
+  return "ran", ""
+
+
+def append_doc(path: str, result: dict) -> None:
+  """Appends a markdown table of the run's headline figures per section to `path`."""
+  lines = ["", f"### Run at {result['commit']} on {result['device']}, {result['started']}", "",
+           f"`scripts/validate_gpu.py`, {result.get('total_seconds', 0):.0f} s in all; each "
+           "section's figures are in its JSON.", "",
+           "| section | result | headline figures | seconds |", "| --- | --- | --- | --- |"]
+  for name, v in result["sections"].items():
+    if "skipped" in v and len(v) <= 2:
+      status, figures = "skipped", v["skipped"]
+    elif v.get("error"):
+      status, figures = "error", str(v["error"])[:300]
+    else:
+      try:
+        status, figures = _headline(name, v)
+      except Exception as e:  # pylint: disable=broad-except  (a figure missing from the JSON)
+        status, figures = "ran", f"(no headline: {type(e).__name__}: {e})"
+      failed = [k for k, part in v.items() if isinstance(part, dict) and part.get("error")]
+      if failed:
+        status, figures = "fail", f"{figures}; errors in: {', '.join(failed)}"
+      if v.get("skipped_by_time_box"):
+        figures += f"; left out by its time box: {', '.join(v['skipped_by_time_box'])}"
+    figures = figures.replace("|", "\\|").replace("\n", " ")
+    lines.append(f"| {name} | {status} | {figures} | {v.get('section_seconds', 0):.0f} |")
+  with open(path, "a") as f:
+    f.write("\n".join(lines) + "\n")
+
+
 def main(argv):
   del argv
   import jax
   if jax.default_backend() == "cpu" and not _ALLOW_CPU.value:
     raise SystemExit("no accelerator: JAX runs on the CPU (pass --allow_cpu for a dry run)")
   began = time.perf_counter()
-  result = {"sections": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+  result = {"sections": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": _commit(),
+            "device": jax.devices()[0].device_kind}
   for name in _SECTIONS.value:
     elapsed = time.perf_counter() - began
     if elapsed > _BUDGET.value:
@@ -1260,6 +1393,8 @@ def main(argv):
       json.dump(result, f, indent=1, default=str)
     print(f"validate_gpu: {name} done in {value['section_seconds']:.1f} s", flush=True)
   print(json.dumps(result, default=str))
+  if _DOC.value:
+    append_doc(_DOC.value, result)
 
 
 if __name__ == "__main__":

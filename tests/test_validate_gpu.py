@@ -13,12 +13,14 @@ SECTIONS = ("env,swap,link,hf_tiny,engine_tiny,sampling,quant,experts,attention,
 
 
 def test_validate_gpu_dry_run(tmp_path):
-  out = tmp_path / "v.json"
+  out, doc = tmp_path / "v.json", tmp_path / "doc.md"
+  doc.write_text("# Runs\n")
   subprocess.run([sys.executable, "scripts/validate_gpu.py", f"--out={out}", "--allow_cpu",
                   f"--sections={SECTIONS}", "--decode_batches=1", "--decode_depths=2",
-                  "--decode_quantizations=int4"],
+                  "--decode_quantizations=int4", f"--doc={doc}"],
                  cwd=ROOT, check=True, capture_output=True, timeout=600)
-  sections = json.loads(out.read_text())["sections"]
+  result = json.loads(out.read_text())
+  sections = result["sections"]
   assert list(sections) == SECTIONS.split(",")
   assert all("error" not in s and "skipped" not in s and "skipped_by_time_box" not in s
              for s in sections.values()), sections
@@ -84,6 +86,13 @@ def test_validate_gpu_dry_run(tmp_path):
   assert decode["offload_2_depth_2"].get("prefetch_depth", 2) == 2
   assert (decode["int4_resident"]["device_weight_bytes"]
           < decode["resident"]["memory_report"]["device_weight_bytes"])
+
+  # --doc: a row per section under the commit and the device
+  table = doc.read_text()
+  assert table.startswith("# Runs\n") and f"### Run at {result['commit']} on cpu" in table
+  rows = [line for line in table.splitlines() if line.startswith("| ")][2:]
+  assert [row.split(" | ")[0][2:] for row in rows] == SECTIONS.split(",")
+  assert all(" | error | " not in row for row in rows), table
 
 
 def test_trace_summary_sorts_events_by_kind(tmp_path):
