@@ -12,10 +12,12 @@ import time
 from typing import Any, Callable
 
 
-def timed_calls(fn: Callable[[], Any], repeats: int) -> list[float]:
+def timed_calls(fn: Callable[[], Any], repeats: int, warmup: bool = True) -> list[float]:
   """Seconds of each of `repeats` calls of `fn()` (which blocks until its work is done), after one
-  untimed call (compiles, warms caches); each script takes the central figure it reports."""
-  fn()
+  untimed call (compiles, warms caches) unless `warmup` is False (the caller has made such a call
+  already); each script takes the central figure it reports."""
+  if warmup:
+    fn()
   samples = []
   for _ in range(repeats):
     start = time.perf_counter()

@@ -596,16 +596,6 @@ def _rates(link: dict | None) -> tuple[float | None, float | None]:
   return link.get("device_copy_gbps"), h2d
 
 
-def _seconds_each(fn, repeats: int) -> list[float]:
-  """Seconds of each of `repeats` calls of `fn()` (no warm-up: the caller has run it)."""
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    samples.append(time.perf_counter() - start)
-  return samples
-
-
 def _decode_cell(llm, batch: int, vocab: int, rng, new_tokens: int, prompt_len: int) -> dict:
   """One decode step at `batch` rows: the difference of a `new_tokens`-token and a 2-token run
   over the steps between (medians of 3, after a first run that compiles)."""
@@ -617,8 +607,8 @@ def _decode_cell(llm, batch: int, vocab: int, rng, new_tokens: int, prompt_len: 
   llm.generate(prompts, params)
   first = time.perf_counter() - first
   # prefill and set-up cancel out in the difference
-  t_short = _median(_seconds_each(lambda: llm.generate(prompts, short), 3))
-  t_long = _median(_seconds_each(lambda: llm.generate(prompts, params), 3))
+  t_short = _median(benchlib.timed_calls(lambda: llm.generate(prompts, short), 3, warmup=False))
+  t_long = _median(benchlib.timed_calls(lambda: llm.generate(prompts, params), 3, warmup=False))
   if t_long <= t_short:  # noise swamped the decode steps: no figure rather than a wrong one
     return {"first_call_seconds": first, "step_ms": None,
             "error": f"a {new_tokens}-token run ({t_long:.4f} s) was not slower than a 2-token "
