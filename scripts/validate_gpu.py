@@ -62,20 +62,21 @@ order (cheap ones first):
   allows (else the section says why it did not); whether that worked, the bytes and the seconds.
   Off a GPU there is no cap: the same code pins 64 MiB and reports `cap` "none".
 - `profile`: a `jax.profiler` trace (its perfetto JSON, parsed with the standard library) of a few
-  decode steps at batch 8 of the 1.1B-shaped model (below), resident and with its last 8 layers
-  offloaded: the time per kind of event (kernels, gathers, host-to-device and device-to-host
-  copies, host dispatch, host waiting, other; self time, so nested events count once) in all and
-  per step, and the top 10 events by time. The trace files go to a directory beside the JSON
-  (`<out>_profile/`).
+  decode steps of the 1.1B-shaped model (below) at the decode section's first batch size, resident
+  and with its last 8 layers offloaded, in engines built as the decode section builds them (whose
+  first runs then find their programs compiled): the time per kind of event (kernels, gathers,
+  host-to-device and device-to-host copies, host dispatch, host waiting, other; self time, so
+  nested events count once) in all and per step, and the top 10 events by time. The trace files
+  go to a directory beside the JSON (`<out>_profile/`).
 - `decode`: a random-weight model of TinyLlama-1.1B's shape in bfloat16 (smaller with
-  `--allow_cpu`): decode tokens/s at batch 1, 8 and 32 against the bound weight bytes / device copy
-  rate; with offloaded tail layers (8 and 16) at the default prefetch depth, at batch 1 and 32,
-  and at batch 1 at each prefetch depth 1-4 (`--decode_depths`), and with
-  `quantization="int8"` and `"int4"` (`--decode_quantizations`) resident and offloaded; each
-  offloaded step against max(resident step of the same weights, offloaded bytes / host-to-device
-  rate); quantized runs take `kernels="portable"` (what "auto" is on an accelerator; on a CPU the
-  C++ kernels would keep bfloat16 weights unquantized). The runs go in that order until the
-  section's time box is spent.
+  `--allow_cpu`): decode tokens/s against the bound weight bytes / device copy rate, and with
+  offloaded tail layers against max(resident step of the same weights, offloaded bytes /
+  host-to-device rate). In this order, until the section's time box is spent: at batch 1
+  (`--decode_batches`' first) resident, with 8 and 16 layers offloaded (`--decode_offload`) at the
+  default prefetch depth, at each depth 1-4 (`--decode_depths`), and with `quantization="int8"`
+  and `"int4"` (`--decode_quantizations`; `kernels="portable"`, what "auto" is on an accelerator:
+  on a CPU the C++ kernels would keep bfloat16 weights unquantized) resident and offloaded; then
+  resident at batch 8 and 32 and offloaded at 32.
 
 Each section is timed and guarded: an error is recorded in the section and the next one runs; a
 section that would start past `--budget_s` is skipped. The sections that could run long
@@ -617,24 +618,40 @@ def _decode_cell(llm, batch: int, vocab: int, rng, new_tokens: int, prompt_len: 
   return {"first_call_seconds": first, "step_ms": step * 1e3, "tokens_per_s": batch / step}
 
 
+def _decode_llm(directory: str, offloaded: int, depth="auto", quantization: str | None = None):
+  """An engine of the random 1.1B-shaped model as the decode section builds it; the profile
+  section builds the same, so that decode's first runs find their programs compiled."""
+  import jaxtier
+  most = max(int(b) for b in _DECODE_BATCHES.value)
+  return jaxtier.LLM(directory, dtype="bfloat16", max_model_len=256, max_num_seqs=most,
+                     block_size=16, num_device_blocks=most * 8 + 16, num_host_blocks=64,
+                     offload_tail_layers=offloaded, prefetch_depth=depth,
+                     quantization=quantization, enable_prefix_caching=False,
+                     kernels="portable" if quantization else "auto")
+
+
 def _decode_runs(offloads: list[int], batches: list[int]) -> list[tuple]:
   """The decode section's runs in order: (label, offloaded layers, prefetch depth, quantization,
-  batches)."""
+  batches). The first batch size first, in every configuration; then the resident run's other
+  batch sizes and the default-depth runs' largest (a run of a label seen before adds cells)."""
   small = _ALLOW_CPU.value
   swept = offloads[:1] if small else offloads  # fewer shapes in a dry run
   depths = [int(d) for d in _DECODE_DEPTHS.value if not small or int(d) <= 2]
-  runs = [("resident", 0, "auto", None, batches)]
-  runs += [(f"offload_{n}", n, "auto", None, sorted({1, max(batches)})) for n in offloads]
-  runs += [(f"offload_{n}_depth_{d}", n, d, None, [1]) for n in swept for d in depths]
+  first, more = batches[:1], batches[1:]
+  runs = [("resident", 0, "auto", None, first)]
+  runs += [(f"offload_{n}", n, "auto", None, first) for n in offloads]
+  runs += [(f"offload_{n}_depth_{d}", n, d, None, first) for n in swept for d in depths]
   for q in _DECODE_QUANT.value:
-    runs += [(f"{q}_resident", 0, "auto", q, [1])]
-    runs += [(f"{q}_offload_{n}", n, "auto", q, [1]) for n in swept]
+    runs += [(f"{q}_resident", 0, "auto", q, first)]
+    runs += [(f"{q}_offload_{n}", n, "auto", q, first) for n in swept]
+  if more:
+    runs += [("resident", 0, "auto", None, more)]
+    runs += [(f"offload_{n}", n, "auto", None, [max(more)]) for n in offloads]
   return runs
 
 
 def section_decode(link: dict | None, box: _Box) -> dict:
   import numpy as np
-  import jaxtier
   small = _ALLOW_CPU.value
   directory, cfg, wrote = _llama_dir(weights=True)
   new_tokens = 32 if not small else 8
@@ -650,11 +667,7 @@ def section_decode(link: dict | None, box: _Box) -> dict:
 
   def run(offloaded: int, depth, quantization: str | None, run_batches: list[int]) -> dict:
     load_start = time.perf_counter()
-    llm = jaxtier.LLM(directory, dtype="bfloat16", max_model_len=256, max_num_seqs=max(batches),
-                      block_size=16, num_device_blocks=max(batches) * 8 + 16,
-                      num_host_blocks=64, offload_tail_layers=offloaded, prefetch_depth=depth,
-                      quantization=quantization, enable_prefix_caching=False,
-                      kernels="portable" if quantization else "auto")
+    llm = _decode_llm(directory, offloaded, depth, quantization)
     report = llm.memory_report()
     entry = {"load_seconds": time.perf_counter() - load_start,
              "prefetch_depth": report["prefetch_depth"], "quantization": quantization}
@@ -694,8 +707,10 @@ def section_decode(link: dict | None, box: _Box) -> dict:
       continue
     if depth != "auto" and default_depth.get(offloaded) == depth:
       out[label] = {"same_as": f"offload_{offloaded}"}
-    elif box.allows(label):
-      _guarded(out, label, lambda: run(offloaded, depth, quantization, run_batches))
+    elif box.allows(f"{label} (batch {', '.join(map(str, run_batches))})"):
+      part = {}
+      _guarded(part, label, lambda: run(offloaded, depth, quantization, run_batches))
+      out.setdefault(label, {}).update(part[label])
   return out
 
 
@@ -1145,13 +1160,13 @@ def _trace_summary(trace: dict, steps: int) -> dict:
 
 
 def _profiled_steps(llm, trace_dir: str, batch: int, steps: int, vocab: int, rng) -> dict:
-  """`steps` decode steps of `batch` one-token prompts, once untimed by the profiler and once
+  """`steps` decode steps of `batch` 16-token prompts, once untimed by the profiler and once
   inside `jax.profiler.trace` (perfetto output), after a run that compiles what they run; the
   wall time per step of each, and the trace summarized (`_trace_summary`)."""
   import jax
   import jaxtier
   engine = llm.engine
-  prompts = [[int(t)] for t in rng.integers(3, vocab, size=batch)]
+  prompts = [rng.integers(3, vocab, size=16).tolist() for _ in range(batch)]
   params = jaxtier.SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
   llm.generate(prompts, params)
   out = {}
@@ -1188,19 +1203,16 @@ def section_profile(box: _Box) -> dict:
   """Profiler traces of resident and offloaded decode steps (see the module docstring)."""
   import jax
   import numpy as np
-  import jaxtier
   small = _ALLOW_CPU.value
   directory, cfg, wrote = _llama_dir(weights=True)
   root = os.path.splitext(os.path.abspath(_OUT.value))[0] + "_profile"
   shutil.rmtree(root, ignore_errors=True)
-  batch, steps = 8, 4 if small else 5
+  batch, steps = int(_DECODE_BATCHES.value[0]), 4 if small else 5
   out = {"model": cfg, "write_seconds": wrote, "trace_dir": root, "batch": batch, "steps": steps}
   rng = np.random.default_rng(3)
 
   def profiled(label: str, offloaded: int) -> dict:
-    llm = jaxtier.LLM(directory, dtype="bfloat16", max_model_len=256, max_num_seqs=batch,
-                      block_size=16, num_device_blocks=batch * 8 + 16, num_host_blocks=64,
-                      offload_tail_layers=offloaded, enable_prefix_caching=False)
+    llm = _decode_llm(directory, offloaded)
     entry = {"offload_tail_layers": offloaded,
              "prefetch_depth": llm.memory_report()["prefetch_depth"]}
     entry.update(_profiled_steps(llm, os.path.join(root, label), batch, steps,
