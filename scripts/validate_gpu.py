@@ -973,7 +973,9 @@ def section_compile(box: _Box) -> dict:
     mean = sum(measured.values()) / len(measured)
     out["seconds_per_program"] = mean
     out["warmup_estimate_seconds"] = mean * len(keys)
-    # each program at the seconds of the measured one of its kind (the mean where it is missing)
+    # each program at the seconds of the measured one of its kind: a step at the decode or the
+    # prefill step's, a swap at the swap-out's, the rest (sampling, follow, log-probabilities) at
+    # the sampler's; the mean where that one was not measured
     out["warmup_estimate_by_kind_seconds"] = sum(measured.get(_program_kind(k), mean)
                                                  for k in keys)
   return out
