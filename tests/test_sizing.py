@@ -155,3 +155,15 @@ def test_unknown_device_memory_offloads_nothing_and_fixed_offload_needs_no_plann
 def test_arguments_this_model_cannot_run(kwargs, config, match):
   with pytest.raises(ValueError, match=match):
     sizing.size(EngineArgs(**kwargs), config, CPU_2CORE, timing=never)
+
+
+def test_a_quantization_the_cpu_layers_would_not_hold_is_refused():
+  """Unrolled layers keep quantized blocks only where the CPU kernels pack them (float32, kernels
+  built): otherwise the weights would stay floats and the quantization be lost without a word."""
+  for args, machine in ((EngineArgs(model="m", quantization="int8", dtype="bfloat16"), CPU_2CORE),
+                        (EngineArgs(model="m", quantization="int4"),
+                         sizing.Machine("cpu", 1, None, 24 * 2**30))):
+    with pytest.raises(ValueError, match="quantization=.*float32 with the kernels built"):
+      sizing.size(args, SMOLLM, machine, timing=never)
+  portable = EngineArgs(model="m", quantization="int8", dtype="bfloat16", kernels="portable")
+  assert sizing.size(portable, SMOLLM, CPU_2CORE, timing=never).layer_execution == "scan"

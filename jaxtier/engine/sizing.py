@@ -392,6 +392,14 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
   """
   _check_model(args, config)
   settings = settings or resolve(args, machine)
+  if (args.quantization is not None and settings.layer_execution == "unrolled"
+      and (settings.dtype != "float32" or not machine.cpu_kernels)):
+    # unrolled layers keep blocks only where the CPU kernels pack them: the weights would stay
+    # floats, the quantization silently lost
+    raise ValueError(f"quantization={args.quantization!r}: the CPU kernels' unrolled layers hold "
+                     f"quantized blocks only in float32 with the kernels built (dtype="
+                     f"{settings.dtype!r}, kernels built: {machine.cpu_kernels}); use "
+                     "dtype='float32', or kernels='portable' for compact weights in any dtype")
   tp = args.tensor_parallel_size
   max_model_len = args.max_model_len or config.max_position_embeddings
   dtype, kv_dtype = settings.dtype, settings.kv_cache_dtype
