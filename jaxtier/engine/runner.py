@@ -112,8 +112,8 @@ _sample = jax.jit(sample, static_argnames="portable")
 # configuration's first such batch of each shape compiles it.
 _sample_transformed = jax.jit(sample_transformed, static_argnames="portable")
 # So are the sampled tokens' log-probabilities, run only for calls where a request asks for them:
-# under the raw model, and under the distribution each token was drawn from (that one, like the
-# transformed sampler, compiles on a call's first need: not warmed up).
+# under the raw model, and under the distribution each token was drawn from (with logit
+# transforms, that one compiles on a call's first need, as the transformed sampler does).
 _sample_logprobs = jax.jit(top_logprobs, static_argnames="k")
 _processed_logprobs = jax.jit(processed_logprobs)
 
@@ -266,15 +266,16 @@ def program_keys(shapes, swap_sizes, logprob_k: int | None = None) -> list[tuple
   """The programs (`Runner.variants` keys) an engine of these shapes can run, each once, every
   program after those whose outputs it takes: for each (rows, tokens, width) in `shapes` its
   model call and sampling, `follow` for a decode call (`step_after`), and with `logprob_k` the
-  sampled tokens' log-probabilities and a prefill call's prompt log-probabilities at that
-  top-k width; then swaps in both directions of every block count in `swap_sizes`."""
+  sampled tokens' log-probabilities (raw at that top-k width, and processed) and a prefill
+  call's prompt log-probabilities at that top-k width; then swaps in both directions of every
+  block count in `swap_sizes`."""
   keys = []
   for b, t, m in shapes:
     keys += [("step", b, t, m), ("sample", b)]
     if t == 1:
       keys.append(("follow", b))
     if logprob_k is not None:
-      keys.append(("logprobs", b, logprob_k))
+      keys += [("logprobs", b, logprob_k), ("processed_logprobs", b)]
       if t > 1:
         keys.append(("prompt_logprobs", b, t, logprob_k))
   keys += [("swap", direction, x) for x, direction in itertools.product(swap_sizes, ("out", "in"))]
@@ -406,6 +407,10 @@ class Runner:
       elif kind == "logprobs":
         _, b, k = key
         jitted, args, static = _sample_logprobs, (logits[b], sampled[b]), {"k": k}
+      elif kind == "processed_logprobs":
+        b = key[1]
+        sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
+        jitted, args = _processed_logprobs, (logits[b], sampled[b], sampling)
       elif kind == "prompt_logprobs":
         _, b, t, k = key
         jitted, static = self._prompt, {"k": k}
