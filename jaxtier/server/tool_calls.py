@@ -14,6 +14,10 @@ calls parsed out of the reply.
   function (the reply is constrained to that function's parameters schema: its arguments).
 - A reply with calls has `message.tool_calls` (ids `call_<hex>`), `content` the text before the
   first call (None when empty) and finish_reason "tool_calls".
+- A reply cut short (max_tokens) keeps the calls it completed: the whole elements of a cut
+  "required" array, the closed `<tool_call>` blocks of an "auto" reply; the unfinished rest is
+  dropped and finish_reason stays "length", as OpenAI and vLLM report a truncated reply. A cut
+  named call has no complete call: its text is left as content.
 """
 
 import json
@@ -110,6 +114,44 @@ def _call(name: str, arguments: Any) -> dict:
           "function": {"name": name, "arguments": text}}
 
 
+def array_prefix(text: str) -> list | None:
+  """The elements of the JSON array `text` opens, up to the first that does not decode: all of
+  them for a whole array, the complete ones for an array cut short (max_tokens), so that calls
+  finished before the cut are kept. None when `text` does not open an array.
+
+  Each element is decoded on its own (`raw_decode`), so brackets, braces and escaped quotes inside
+  strings never confuse where an element ends; the whitespace and commas between elements are
+  skipped."""
+  text = text.strip()
+  if not text.startswith("["):
+    return None
+  decoder, items, at = json.JSONDecoder(), [], 1
+  while True:
+    while at < len(text) and text[at] in " \t\n\r,":
+      at += 1
+    if at >= len(text) or text[at] == "]":
+      return items
+    try:
+      item, at = decoder.raw_decode(text, at)
+    except json.JSONDecodeError:
+      return items
+    items.append(item)
+
+
+def _known_call(item: Any, names: set[str]) -> bool:
+  """Whether an element of a "required" reply is a call: an object naming one of the tools, with
+  an object of parameters (missing: none)."""
+  return (isinstance(item, dict) and item.get("name") in names
+          and isinstance(item.get("parameters", {}), dict))
+
+
+def finish_reason(reason: str) -> str:
+  """The finish_reason of a reply that holds calls, from the engine's: "tool_calls" when the
+  reply ended by itself ("stop"), else the engine's ("length" when max_tokens cut it), as OpenAI
+  and vLLM report a truncated reply."""
+  return "tool_calls" if reason == "stop" else reason
+
+
 def parse(text: str, tools: Sequence[dict], choice: str | dict
           ) -> tuple[str | None, list[dict]] | None:
   """(content, tool calls) of a reply, or None when it holds no call (then it is plain content).
@@ -122,14 +164,9 @@ def parse(text: str, tools: Sequence[dict], choice: str | dict
       return None  # cut short (max_tokens): left as content
     return None, [_call(choice["function"]["name"], text)]
   if choice == "required":
-    try:
-      items = json.loads(text)
-    except json.JSONDecodeError:
-      return None
-    if not isinstance(items, list):
-      return None
-    calls = [_call(item["name"], item.get("parameters", {})) for item in items
-             if isinstance(item, dict) and item.get("name") in names]
+    items = array_prefix(text)
+    calls = [_call(item["name"], item.get("parameters", {})) for item in items or ()
+             if _known_call(item, names)]
     return (None, calls) if calls else None
   if choice != "auto":
     return None
