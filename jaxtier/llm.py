@@ -42,10 +42,11 @@ class CompletionOutput:
   index: int
   text: str
   token_ids: tuple[int, ...]  # generated tokens only
-  finish_reason: str  # "stop" or "length"
+  finish_reason: str  # "stop", "length", or "abort" (then `error` says why, where known)
   logprobs: list[LogprobDict] | None = None
   token_logprobs: np.ndarray | None = None  # [tokens] float32
   processed_logprobs: np.ndarray | None = None  # [tokens] float32
+  error: str | None = None  # why the request ended early: its grammar failed to compile or run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,8 +186,9 @@ class LLM:
       layer_execution, offload_tail_layers, prefetch_depth, offload_expert_layers,
       expert_offload_mode, device_memory_gb,
       tensor_parallel_size, trace_path, attention_impl, kernels, weight_format, quantization
-      ("int8", "int4"), quantization_group_size, block_activations, chat_template. Bad values
-      raise ValueError before any weight loads.
+      ("int8", "int4"), quantization_group_size, block_activations, grammar_max_bytes,
+      grammar_max_items, grammar_max_depth, grammar_max_lexer_states, grammar_compile_timeout_s,
+      chat_template. Bad values raise ValueError before any weight loads.
 
   Loading is placement-first (`jaxtier.checkpoint.placed`): each tensor goes straight to its
   device shard or, for the offloaded tail, to pinned host memory.
@@ -276,7 +278,8 @@ class LLM:
     padded reference driver (`run_batch`) holds no pools beside it."""
     if self._engine is None:
       self._engine = Engine(nnx.merge(self.graphdef, self.state), self.tokenizer,
-                            self.engine_config, tail=self._link_tail())
+                            self.engine_config, tail=self._link_tail(),
+                            grammar_limits=self.args.grammar_limits)
     return self._engine
 
   def _link_tail(self) -> link.Tail:
@@ -509,7 +512,8 @@ class LLM:
               str(key), text, ids,
               (CompletionOutput(0, c.text, c.token_ids, c.finish_reason,
                                 None if c.logprobs is None else list(c.logprobs),
-                                _float32(c.token_logprobs), _float32(c.processed_logprobs)),),
+                                _float32(c.token_logprobs), _float32(c.processed_logprobs),
+                                c.error),),
               None if c.prompt_logprobs is None else list(c.prompt_logprobs), c.num_cached_tokens,
               version)
     finally:

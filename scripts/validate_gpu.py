@@ -937,7 +937,7 @@ def section_compile(box: _Box) -> dict:
   args = _server_engine_args()
   platform = "cuda" if jax.default_backend() == "gpu" else jax.default_backend()
   engine = export.abstract_engine(directory, platform, **args)
-  keys = warmup_programs(engine.engine_config)
+  keys = warmup_programs(engine.engine_config, engine.vocab_size)
   out = {"model": cfg, "engine_args": args,
          "engine_config": dataclasses.asdict(engine.engine_config), "programs": len(keys),
          "programs_by_kind": dict(collections.Counter(k[0] for k in keys))}

@@ -129,7 +129,7 @@ def test_every_warmup_program_of_max_num_seqs_1_to_64_builds(llm):
   for n in range(1, MAX_NUM_SEQS + 1):
     config = dataclasses.replace(engine.config, max_num_seqs=n,
                                  max_num_batched_tokens=EngineArgs(max_num_seqs=n).token_budget)
-    programs.update(dict.fromkeys(warmup_programs(config)))
+    programs.update(dict.fromkeys(warmup_programs(config, engine.vocab_size)))
   keys = list(programs)
   traced = engine.runner.trace_programs(engine.cache, keys)
   assert list(traced) == keys

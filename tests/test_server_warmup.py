@@ -34,7 +34,7 @@ def served():
 
 def test_warmup_logs_progress_with_each_program_compiled(served, caplog):
   caplog.set_level(logging.INFO, logger="absl")
-  keys = warmup_programs(served.engine_config)
+  keys = warmup_programs(served.engine_config, served.engine.vocab_size)
   engine = AsyncEngine(served)
   try:
     assert engine.wait_ready(timeout_s=300)

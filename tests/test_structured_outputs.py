@@ -50,19 +50,35 @@ def sampled(constraint, max_tokens=60, **kwargs) -> SamplingParams:
     ({}, "structured_outputs"),
     ({"regex": "a", "choice": ["a"]}, "structured_outputs"),
     ({"json": "{not json"}, "structured_outputs.json"),
-    ({"json": {"type": "frobnicate"}}, "structured_outputs.json"),
-    ({"regex": "(unclosed"}, "structured_outputs.regex"),
     ({"choice": []}, "structured_outputs.choice"),
     ({"choice": "abc"}, "structured_outputs.choice"),
-    ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar"),
     ({"json_object": "yes"}, "structured_outputs.json_object"),
     ({"jsonschema": {}}, "structured_outputs"),
     ("json", "structured_outputs"),
 ])
-def test_bad_constraints_are_value_errors_naming_the_field(value, field):
+def test_malformed_constraints_are_value_errors_naming_the_field(value, field):
   with pytest.raises(ValueError, match=re.escape(field)) as info:
     SamplingParams(structured_outputs=value)
   assert info.value.field == "structured_outputs"
+
+
+@pytest.mark.parametrize("value, field", [
+    ({"json": {"type": "frobnicate"}}, "structured_outputs.json"),
+    ({"regex": "(unclosed"}, "structured_outputs.regex"),
+    ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar"),
+])
+def test_invalid_grammars_are_refused_before_they_are_queued(tiny, value, field):
+  """llguidance validates a constraint when a request arrives (as vLLM does), not when the
+  parameters are made; the engine is left with nothing live."""
+  params = SamplingParams(structured_outputs=value)
+  with pytest.raises(ValueError, match=re.escape(field)) as info:
+    params.structured_outputs.llguidance_grammar()
+  assert info.value.field == field
+  e = engine(tiny)
+  with pytest.raises(ValueError, match=re.escape(field)):
+    e.add_request("r", [5, 6, 7], sampled(value), seed=0)
+  assert not e.has_unfinished()
+  assert_all_free(e)
 
 
 def test_constraints_are_parsed_from_mappings():
@@ -209,13 +225,22 @@ def test_abort_and_prefix_hits_leave_no_matcher_or_block(tiny):
 
 def test_a_grammar_that_allows_nothing_ends_the_request_without_a_crash(tiny):
   e = engine(tiny)
+  finished = e.grammars.finished
+
+  def broken():  # "<s>" is not allowed: each compiled matcher is in error before it samples
+    out = finished()
+    for _, matcher, _ in out:
+      matcher._matcher.consume_token(0)
+    return out
+
+  e.grammars.finished = broken
   e.add_request("r", [5, 6, 7], sampled({"regex": "x+"}), seed=0)
-  e._grammars["r"]._matcher.consume_token(0)  # "<s>" is not allowed: the matcher is in error
   done = None
   while e.has_unfinished():
     for update in e.step():
       done = update.completion or done
   assert done.finish_reason == "abort" and done.token_ids == ()
+  assert "structured_outputs.regex: the grammar failed after 0 tokens" in done.error
   assert_all_free(e)
 
 

@@ -17,6 +17,7 @@ from jaxtier.common.checks import (MAX_BLOCK_SIZE, MAX_PREFETCH_DEPTH, check_boo
 from jaxtier.common import choices
 from jaxtier.common.choices import (DTYPE_BYTES, EXPERT_OFFLOAD_MODES, QUANTIZATION_GROUP_SIZES,
                                     QUANTIZATIONS, check_quantization)
+from jaxtier.common.grammar_limits import GrammarLimits
 from jaxtier.common.kv_bytes import ELEMENT_BYTES
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 from jaxtier.scheduler.scheduler_config import PREEMPTION_MODES
@@ -189,6 +190,28 @@ class EngineArgs:
       "up to ~3e-3 on the default model; a row's result still does not depend on its batch). "
       "float32: bit for bit the dequantized model. auto: int16 where the kernels multiply int16 "
       "in vector instructions (x86 with AVX2 or AVX-512), else float32", BLOCK_ACTIVATIONS)
+  grammar_max_bytes: int = _arg(
+      GrammarLimits.grammar_max_bytes,
+      "structured outputs: most bytes in one request's constraint (a schema's JSON text, a "
+      "regex or grammar, a choice's strings together); larger ones are refused (a 400 in the "
+      "server). 1 MB holds a choice of ~100,000 words, past the lexer llguidance builds within "
+      "its default fuel")
+  grammar_max_items: int = _arg(
+      GrammarLimits.grammar_max_items,
+      "structured outputs: most strings in a choice, or values in one enum of a schema (a "
+      "choice of 50,000 words compiles in ~0.5 s on one core)")
+  grammar_max_depth: int = _arg(
+      GrammarLimits.grammar_max_depth,
+      "structured outputs: deepest nesting of a JSON schema's objects and arrays (the parser "
+      "llguidance reads schemas with stops at 128)")
+  grammar_max_lexer_states: int = _arg(
+      GrammarLimits.grammar_max_lexer_states,
+      "structured outputs: llguidance's max_lexer_states, the size of a grammar's lexer "
+      "automaton (1-2 kB a state, so at most ~100 MB a grammar)")
+  grammar_compile_timeout_s: float = _arg(
+      GrammarLimits.grammar_compile_timeout_s,
+      "structured outputs: seconds a grammar may take to compile in a worker thread (the "
+      "request waits outside the batch meanwhile); past it the request ends with an error")
   chat_template: str | None = _arg(
       None, "the chat template chat requests render with, instead of the model's: a path to a "
       ".jinja file, or the template itself (a value holding a brace or a newline), as vLLM's "
@@ -255,9 +278,19 @@ class EngineArgs:
     if self.quantization is not None and self.tensor_parallel_size > 1:
       raise ValueError(f"quantization={self.quantization!r} runs on one device, not "
                        f"tensor_parallel_size={self.tensor_parallel_size}")
+    for name in ("grammar_max_bytes", "grammar_max_items", "grammar_max_depth",
+                 "grammar_max_lexer_states"):
+      check_int(name, getattr(self, name), 1)
+    check_positive("grammar_compile_timeout_s", self.grammar_compile_timeout_s)
     if self.chat_template is not None:
       from jaxtier.text import tokenizer  # pylint: disable=import-outside-toplevel
       tokenizer.resolve_chat_template(self.chat_template)
+
+  @property
+  def grammar_limits(self) -> GrammarLimits:
+    """The structured-output limits these arguments set."""
+    return GrammarLimits(**{f.name: getattr(self, f.name)
+                            for f in dataclasses.fields(GrammarLimits)})
 
   @property
   def token_budget(self) -> int:

@@ -27,12 +27,17 @@ it; only steps that are all decode (no prefill, swap, preemption, log-probabilit
 and only when no row of the call has logit transforms (penalties, `logit_bias`, masks: their
 next step needs the token not yet read; `SamplingParams.transforms_logits`) or a grammar.
 
-Structured outputs (`SamplingParams.structured_outputs`): each constrained request has a
-`GrammarMatcher` on the host. Building a call that samples for it computes the grammar's token
-bitmask (it enters the sampling program as an array, `LogitsArrays.grammar_bw`); reading the
-token, the matcher consumes it. The request stops with "stop" when the grammar is complete, and
-with "abort" (the reason logged) if the grammar rejects the token (it never should: the mask
-allowed it) or allows none. Only sampled tokens reach the matcher, once each: a recomputed
+Structured outputs (`SamplingParams.structured_outputs`): a constrained request's constraint is
+checked against the engine's `GrammarLimits` when it arrives (a ValueError naming the limit and
+the field), and its grammar compiles in a worker thread (`jaxtier.engine.grammars`) while it
+waits in the queue, held: it keeps its place, the requests behind it are admitted, and the others
+keep stepping. A grammar that fails to compile, or takes longer than
+`grammar_compile_timeout_s`, ends its request with "abort" and the reason in
+`Completion.error`. Once compiled, the request has a `GrammarMatcher` on the host. Building a call
+that samples for it computes the grammar's token bitmask (it enters the sampling program as an
+array, `LogitsArrays.grammar_bw`); reading the token, the matcher consumes it. The request stops
+with "stop" when the grammar is complete, and with "abort" (the reason in `Completion.error`) if
+the grammar rejects the token (it never should: the mask allowed it) or allows none. Only sampled tokens reach the matcher, once each: a recomputed
 request's prefill of its generated tokens and prefix-cache hits do not touch it.
 
 Arrivals and aborts are applied to the scheduler state when they happen: an aborted request's
@@ -63,9 +68,11 @@ from flax import nnx
 from jaxtier import scheduler
 from jaxtier.common.buckets import pow2_buckets_up_to, row_bucket
 from jaxtier.common.kv_bytes import kv_block_bytes
+from jaxtier.common.grammar_limits import GrammarLimits
 from jaxtier.engine import link
 from jaxtier.engine import logprob_requests as lp
 from jaxtier.engine import step_inputs as batching
+from jaxtier.engine.grammars import GrammarCompiles
 from jaxtier.engine.outputs import RequestUpdate
 from jaxtier.engine.request_state import LiveRequests
 from jaxtier.engine.runner import Runner, program_keys
@@ -81,6 +88,9 @@ from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED, FINISHED
 from jaxtier.text.detokenize import RequestProgress
 from jaxtier.text.tokenizer import Tokenizer
+
+
+GRAMMAR_WAIT_S = 0.05  # a step with only grammars compiling waits this long for one, at most
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,19 +136,23 @@ class EngineConfig:
   async_scheduling: bool
 
 
-def warmup_programs(config: EngineConfig) -> list[tuple]:
+def warmup_programs(config: EngineConfig, vocab_size: int) -> list[tuple]:
   """The programs (`Runner.variants` keys) `Engine.warmup` compiles for `config`: every one
   such an engine can run. Its calls' shapes (`batch.step_shapes`), their sampling, the sampled
   and prompt tokens' log-probabilities at MAX_LOGPROBS, and the swap programs of every
   power-of-two block count up to the smaller pool or `swap.MAX_SWAP_BLOCKS`
-  (`runner.program_keys`). Pure, so the list of a configuration can be checked without building
-  its engine (`Runner.trace_programs`)."""
+  (`runner.program_keys`); and at every row count, the transformed sampler and its processed
+  log-probabilities at the widths of rows constrained by a grammar alone, for a grammar over
+  `vocab_size` tokens (the larger of the model's logits and the tokenizer, as
+  `structured.grammar_tokenizer` sizes it), so a request with `structured_outputs` compiles
+  nothing either. Pure, so the list of a configuration can be checked without building its
+  engine (`Runner.trace_programs`)."""
   c = config
   shapes = batching.step_shapes(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                 batching.table_width(c.max_model_len, c.block_size))
   most_swapped = min(c.num_device_blocks, c.num_host_blocks, MAX_SWAP_BLOCKS)
   swap_sizes = pow2_buckets_up_to(most_swapped) if most_swapped else []
-  return program_keys(shapes, swap_sizes, MAX_LOGPROBS)
+  return program_keys(shapes, swap_sizes, MAX_LOGPROBS, vocab_size)
 
 
 def cache_config(model_config, config: EngineConfig) -> PagedCacheConfig:
@@ -161,10 +175,11 @@ class Engine:
     config: pool sizes and policies.
     tail: the offloaded tail's weight bytes per step and planned compute seconds, for the link
       budget (`jaxtier.engine.link`); none by default.
+    grammar_limits: what a structured-output constraint may cost (`GrammarLimits`).
   """
 
   def __init__(self, model: nnx.Module, tokenizer: Tokenizer, config: EngineConfig,
-               tail: link.Tail = link.NO_TAIL):
+               tail: link.Tail = link.NO_TAIL, grammar_limits: GrammarLimits = GrammarLimits()):
     c = model.config
     self.config, self.tokenizer = config, tokenizer
     self.cache_config = cache_config(c, config)
@@ -190,6 +205,7 @@ class Engine:
     self.runner = Runner(graphdef, state, self.cache, portable=config.kernels == "portable")
     self._state = scheduler.initial_state(scheduler_config)
     self._requests = LiveRequests(tokenizer, c.vocab_size, config.max_model_len)
+    self.grammars = GrammarCompiles(tokenizer, c.vocab_size, grammar_limits)
     self._totals = Totals()
     self._started = time.perf_counter()
     self._trace = Trace(config.trace_path) if config.trace_path else None
@@ -204,18 +220,25 @@ class Engine:
                   seed: int, priority: int = 0) -> None:
     """Queues a request; it starts running when the scheduler admits it.
 
-    Raises ValueError for a request `LiveRequests.check` refuses: an id that is live, a prompt
-    that is empty or leaves no room to generate, token ids outside the vocabulary, or a grammar
-    llguidance cannot build.
+    Raises ValueError for a request `LiveRequests.check` refuses (an id that is live, a prompt
+    that is empty or leaves no room to generate, token ids outside the vocabulary) or a
+    constraint past the engine's `GrammarLimits` or one llguidance refuses. A constrained request
+    waits, held in the queue, until its grammar has compiled (see the module docstring).
     """
     new = self._requests.check(request_id, prompt_ids, params, seed)
+    if params.constrained:
+      self.grammars.check(params.structured_outputs)
     request = scheduler.Request.of(request_id, new.prompt_ids, params, seed,
                                    max_tokens=new.max_tokens,
                                    arrival_time=time.perf_counter() - self._started,
                                    priority=priority,
                                    skip_prefix_cache=params.prompt_logprobs is not None)
-    self._state = scheduler.apply_event(self._state, scheduler.Arrive(request))
+    self._state = scheduler.apply_event(self._state,
+                                        scheduler.Arrive(request, held=params.constrained))
     self._requests.add(new)
+    if params.constrained:
+      self.grammars.cancel(request_id)  # an earlier request's, under the same id
+      self.grammars.submit(request_id, params.structured_outputs)
     self._totals.prompt_tokens += len(new.prompt_ids)
 
   def abort(self, request_id: Hashable) -> RequestUpdate | None:
@@ -225,6 +248,7 @@ class Engine:
     """
     if request_id not in self._requests:
       return None
+    self.grammars.cancel(request_id)
     self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
     return self._requests.finish(request_id, "abort", ())
 
@@ -277,7 +301,7 @@ class Engine:
     Returns {"programs": count, "compile_seconds": time spent compiling now}; programs already
     compiled in this process (or found in JAX's persistent compilation cache) cost little.
     """
-    keys = warmup_programs(self.config)
+    keys = warmup_programs(self.config, max(self.vocab_size, self.tokenizer.vocab_size))
     before = self.runner.compile_seconds
     self.runner.compile_programs(self.cache, keys, progress)
     return {"programs": len(keys), "compile_seconds": self.runner.compile_seconds - before}
@@ -294,6 +318,11 @@ class Engine:
     """
     start = time.perf_counter()
     held, self._held = self._held, []
+    held += self._compiled()
+    if self._ahead is None and self._requests and len(self.grammars) == len(self._requests):
+      # Every live request waits for its grammar: wait for one instead of planning nothing.
+      self.grammars.wait(GRAMMAR_WAIT_S)
+      return held + self._compiled()
     try:
       plan, updates, calls, dispatched = self._schedule_and_dispatch()
       ahead = self._plan_ahead(plan, dispatched)
@@ -308,6 +337,21 @@ class Engine:
     self._update_rates()
     self._state = link.relink(self._state, self.link_budget.fields())
     return held + updates + new_updates
+
+  def _compiled(self) -> list[RequestUpdate]:
+    """Releases the requests whose grammar compiled into the queue; ends, with the reason in
+    their completion, those whose grammar failed. Returns the updates of those ended."""
+    updates = []
+    for request_id, matcher, error in self.grammars.finished():
+      if request_id not in self._requests:
+        continue
+      if matcher is None:
+        self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
+        updates.append(self._requests.finish(request_id, "abort", (), error=error))
+        continue
+      self._requests.set_grammar(request_id, matcher)
+      self._state = scheduler.apply_event(self._state, scheduler.Release(request_id))
+    return updates
 
   def _schedule_and_dispatch(self):
     """The step's plan, dispatched: the one the previous step dispatched ahead, if any, else a
@@ -353,8 +397,11 @@ class Engine:
     # The scheduler ends requests on its own only when it aborts them (host pool full, over the
     # KV cap); the engine ended the others itself, and their ids may be live again by now.
     requests = self._requests
-    updates = [requests.finish(e.request_id, "abort", ()) for e in plan.ended
-               if e.status == ABORTED and e.reason != ABORT_CLIENT and e.request_id in requests]
+    updates = []
+    for e in plan.ended:
+      if e.status == ABORTED and e.reason != ABORT_CLIENT and e.request_id in requests:
+        self.grammars.cancel(e.request_id)
+        updates.append(requests.finish(e.request_id, "abort", ()))
     self._requests.record_hits(plan.hits)
     for direction, pairs in (("out", plan.swap_out + plan.writeback), ("in", plan.swap_in),
                              ("in", plan.prefetch)):
@@ -441,6 +488,7 @@ class Engine:
     if self._state.in_flight is not None:
       self._state = scheduler.apply_event(self._state, scheduler.StepFinished(()))
     for request_id in self._requests.ids():
+      self.grammars.cancel(request_id)
       self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
       self._requests.finish(request_id, "abort", ())
     # The failed plan's blocks were never written, and the pools may be lost: forget the cache.
@@ -517,10 +565,12 @@ class Engine:
         "device_kv_bytes": device_pool_bytes(self.cache),
         "host_kv_bytes": host_pool_bytes(self.cache),
         "host_kv_bytes_stored": self.host.num_stored * self.block_bytes,
+        **self.grammars.figures(),
         **self.link_budget.settings(self._state.config),
     }
 
   def close(self) -> None:
+    self.grammars.close()
     if self._trace is not None:
       self._trace.close()
       self._trace = None

@@ -24,13 +24,14 @@ class Completion:
   what a policy-gradient step needs, without the dicts."""
   token_ids: tuple[int, ...]
   text: str
-  finish_reason: str  # "stop", "length" or "abort"
+  finish_reason: str  # "stop", "length" or "abort" (`error` says why, where the engine knows)
   logprobs: tuple[LogprobDict, ...] | None = None
   prompt_logprobs: tuple[LogprobDict | None, ...] | None = None
   num_cached_tokens: int = 0
   host_cached_tokens: int = 0
   token_logprobs: tuple[float, ...] | None = None
   processed_logprobs: tuple[float, ...] | None = None
+  error: str | None = None  # why a request ended early ("abort"), e.g. its grammar failed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,12 +2,13 @@
 
 A live request has its `RequestProgress` (generated tokens, stop checks, text) and seed; its
 `LogitRules` when it transforms logits (`SamplingParams.transforms_logits`: penalties,
-`logit_bias`, masks); a `GrammarMatcher` with structured outputs (llguidance's tokenizer is built
-once, for the first grammar); a `RequestLogprobs` when it asks for log-probabilities
+`logit_bias`, masks); a `GrammarMatcher` with structured outputs, once its grammar compiled
+(`jaxtier.engine.grammars`; `set_grammar`); a `RequestLogprobs` when it asks for log-probabilities
 (`jaxtier.engine.logprob_requests`); and the prefix-cache hits of its first admission, which its
 completion reports. `LiveRequests.check` checks an arriving request and builds its rules and
-matcher, `add` makes it live once the scheduler has it, `accept` appends each sampled token
-(the matcher consumes it first) and `finish` drops its state and returns its last update.
+`check` checks an arriving request and builds its rules, `add` makes it live once the scheduler
+has it, `accept` appends each sampled token (the matcher consumes it first) and `finish` drops its
+state and returns its last update.
 """
 
 import dataclasses
@@ -22,22 +23,21 @@ from jaxtier.engine.outputs import Completion, RequestUpdate
 from jaxtier.engine.step_inputs import SamplingInfo
 from jaxtier.sampling.logprobs import TopLogprobs, entry
 from jaxtier.sampling.samplers import LogitRules, SamplingParams
-from jaxtier.sampling.structured import GrammarMatcher, grammar_tokenizer
+from jaxtier.sampling.structured import GrammarMatcher
 from jaxtier.text.detokenize import RequestProgress
 from jaxtier.text.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
 class NewRequest:
-  """An arriving request that passed the checks, its rules and matcher built (`LiveRequests.add`
-  makes it live)."""
+  """An arriving request that passed the checks, its rules built (`LiveRequests.add` makes it
+  live)."""
   request_id: Hashable
   prompt_ids: tuple[int, ...]
   params: SamplingParams
   seed: int
   max_tokens: int  # params.max_tokens, at most the room the prompt leaves in max_model_len
   rules: LogitRules | None
-  grammar: GrammarMatcher | None
 
 
 class LiveRequests:
@@ -55,8 +55,7 @@ class LiveRequests:
     self._live: dict[Hashable, tuple[RequestProgress, int]] = {}  # id -> (progress, seed)
     self.logprobs: dict[Hashable, lp.RequestLogprobs] = {}  # live requests that ask for them
     self._rules: dict[Hashable, LogitRules] = {}  # live requests with logit transforms
-    self.grammars: dict[Hashable, GrammarMatcher] = {}  # live requests with structured outputs
-    self._grammar_tokenizer = None  # llguidance's tokenizer, built for the first grammar
+    self.grammars: dict[Hashable, GrammarMatcher] = {}  # live requests whose grammar compiled
     self._hits: dict[Hashable, tuple[int, int]] = {}  # live id -> cached (device, host) tokens
     self._token_text = lp.TokenText(tokenizer)
 
@@ -74,11 +73,12 @@ class LiveRequests:
 
   def check(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams,
             seed: int) -> NewRequest:
-    """Checks an arriving request and builds its logit rules and grammar matcher.
+    """Checks an arriving request and builds its logit rules (its grammar is checked and
+    compiled by `jaxtier.engine.grammars`).
 
     Raises ValueError for an id that is live, an empty prompt, ids outside the vocabulary (in
-    the prompt, `logit_bias`, `allowed_token_ids` or the tokens of `bad_words`), a prompt that
-    leaves no room to generate within max_model_len, or a grammar llguidance cannot build.
+    the prompt, `logit_bias`, `allowed_token_ids` or the tokens of `bad_words`), or a prompt
+    that leaves no room to generate within max_model_len.
     """
     if request_id in self._live:
       raise ValueError(f"request_id={request_id!r} is already running: expected a new id")
@@ -86,9 +86,7 @@ class LiveRequests:
                                   f"request {request_id!r}'s prompt")
     room = self._max_model_len - len(prompt_ids)
     rules = self._logit_rules(params)
-    grammar = self._grammar(params)
-    return NewRequest(request_id, prompt_ids, params, seed, min(params.max_tokens, room), rules,
-                      grammar)
+    return NewRequest(request_id, prompt_ids, params, seed, min(params.max_tokens, room), rules)
 
   def _logit_rules(self, params: SamplingParams) -> LogitRules | None:
     """The request's logit transforms with the tokenizer applied, ids checked against the
@@ -105,14 +103,6 @@ class LiveRequests:
                        f"vocabulary [0, {self._vocab_size}): {bad[:5]}")
     return rules
 
-  def _grammar(self, params: SamplingParams) -> GrammarMatcher | None:
-    """A new matcher of the request's grammar; None without `structured_outputs`."""
-    if not params.constrained:
-      return None
-    if self._grammar_tokenizer is None:
-      self._grammar_tokenizer = grammar_tokenizer(self._tokenizer, self._vocab_size)
-    return GrammarMatcher(self._grammar_tokenizer, params.structured_outputs)
-
   def add(self, new: NewRequest) -> None:
     """Makes a checked request live (the scheduler has it now)."""
     progress = RequestProgress(new.prompt_ids, new.params, self._tokenizer, new.max_tokens)
@@ -122,19 +112,22 @@ class LiveRequests:
       self.logprobs[new.request_id] = wanted
     if new.rules is not None:
       self._rules[new.request_id] = new.rules
-    if new.grammar is not None:
-      self.grammars[new.request_id] = new.grammar
 
-  def finish(self, request_id: Hashable, reason: str, new: tuple[int, ...]) -> RequestUpdate:
+  def set_grammar(self, request_id: Hashable, matcher: GrammarMatcher) -> None:
+    """Gives a live request its compiled grammar (before it first samples)."""
+    self.grammars[request_id] = matcher
+
+  def finish(self, request_id: Hashable, reason: str, new: tuple[int, ...],
+             error: str | None = None) -> RequestUpdate:
     """Ends a live request with `reason`: drops its state and returns its last update (`new`:
-    its last tokens) with its completion."""
+    its last tokens) with its completion (`error`: why it ended early, for its client)."""
     progress, _ = self._live.pop(request_id)
     progress.finish_reason = reason
     wanted = self.logprobs.pop(request_id, None)
     self._rules.pop(request_id, None)
     self.grammars.pop(request_id, None)
     device, host = self._hits.pop(request_id, (0, 0))
-    cached = dict(num_cached_tokens=device + host, host_cached_tokens=host)
+    cached = dict(num_cached_tokens=device + host, host_cached_tokens=host, error=error)
     if wanted is None:
       return RequestUpdate(request_id, new, Completion(tuple(progress.generated), progress.text(),
                                                        reason, **cached))
@@ -195,9 +188,11 @@ class LiveRequests:
     progress, _ = self._live[request_id]
     grammar = self.grammars.get(request_id)
     if grammar is not None and not grammar.consume(token):
-      logging.warning("request %r: its grammar rejected token %d (%s); ending it", request_id,
-                      token, grammar.error or "no token was allowed")
-      return self.finish(request_id, "abort", ())
+      error = (f"structured_outputs.{progress.params.structured_outputs.field}: the grammar "
+               f"failed after {len(progress.generated)} tokens: "
+               f"{grammar.error or 'no token was allowed'}")
+      logging.warning("request %r: %s; ending it", request_id, error)
+      return self.finish(request_id, "abort", (), error=error)
     progress.append(token)
     if grammar is not None and grammar.stopped and progress.finish_reason is None:
       progress.finish_reason = "stop"  # the grammar is complete

@@ -107,13 +107,14 @@ def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, h_bth, targets_bt
 # Sampling is a program of its own: it compiles once per row count instead of once more inside
 # every (rows, tokens, width) variant of the model call; the logits stay on the device between.
 _sample = jax.jit(sample, static_argnames="portable")
-# Batches where a row has logit transforms (penalties, logit_bias, masks) sample with this one
-# instead, one program per (rows, history width, id-list widths); warm-up does not compile it: a
-# configuration's first such batch of each shape compiles it.
+# Batches where a row has logit transforms (penalties, logit_bias, masks, a grammar) sample with
+# this one instead, one program per (rows, history width, id-list widths, grammar words). Warm-up
+# compiles it at the widths of rows constrained by a grammar alone (`program_keys`); a batch
+# with other transforms compiles its widths on its first need.
 _sample_transformed = jax.jit(sample_transformed, static_argnames="portable")
 # So are the sampled tokens' log-probabilities, run only for calls where a request asks for them:
 # under the raw model, and under the distribution each token was drawn from (with logit
-# transforms, that one compiles on a call's first need, as the transformed sampler does).
+# transforms, at the transformed sampler's widths: warmed up and compiled on need as it is).
 _sample_logprobs = jax.jit(top_logprobs, static_argnames="k")
 _processed_logprobs = jax.jit(processed_logprobs)
 
@@ -262,20 +263,33 @@ def _prompt_fn(graphdef: nnx.GraphDef, state_def):
   return jax.jit(prompt, static_argnames="k")
 
 
-def program_keys(shapes, swap_sizes, logprob_k: int | None = None) -> list[tuple]:
+def program_keys(shapes, swap_sizes, logprob_k: int | None = None,
+                 grammar_vocab: int | None = None) -> list[tuple]:
   """The programs (`Runner.variants` keys) an engine of these shapes can run, each once, every
   program after those whose outputs it takes: for each (rows, tokens, width) in `shapes` its
   model call and sampling, `follow` for a decode call (`step_after`), and with `logprob_k` the
   sampled tokens' log-probabilities (raw at that top-k width, and processed) and a prefill
   call's prompt log-probabilities at that top-k width; then swaps in both directions of every
-  block count in `swap_sizes`."""
+  block count in `swap_sizes`.
+
+  With `grammar_vocab` (a grammar's vocabulary), also the transformed sampler for every row
+  count at the widths of rows constrained by a grammar alone (`LogitsArrays.grammar_widths`),
+  and with `logprob_k` its processed log-probabilities: what a batch of requests with
+  `structured_outputs` runs. Other transforms (penalties, logit_bias, allowed ids, bad words,
+  min_tokens) give other widths, some growing with the request, so those programs still
+  compile on a batch's first need."""
+  grammar_widths = None if grammar_vocab is None else LogitsArrays.grammar_widths(grammar_vocab)
   keys = []
   for b, t, m in shapes:
     keys += [("step", b, t, m), ("sample", b)]
+    if grammar_widths is not None:
+      keys.append(("sample_transformed", b) + grammar_widths)
     if t == 1:
       keys.append(("follow", b))
     if logprob_k is not None:
       keys += [("logprobs", b, logprob_k), ("processed_logprobs", b)]
+      if grammar_widths is not None:
+        keys.append(("processed_logprobs", b) + grammar_widths)
       if t > 1:
         keys.append(("prompt_logprobs", b, t, logprob_k))
   keys += [("swap", direction, x) for x, direction in itertools.product(swap_sizes, ("out", "in"))]
@@ -408,9 +422,11 @@ class Runner:
         _, b, k = key
         jitted, args, static = _sample_logprobs, (logits[b], sampled[b]), {"k": k}
       elif kind == "processed_logprobs":
-        b = key[1]
+        _, b, *widths = key
         sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
         jitted, args = _processed_logprobs, (logits[b], sampled[b], sampling)
+        if widths:
+          args += (LogitsArrays.neutral(b, *widths),)
       elif kind == "prompt_logprobs":
         _, b, t, k = key
         jitted, static = self._prompt, {"k": k}

@@ -38,7 +38,8 @@ from jaxtier.common.buckets import pow2_bucket
 from jaxtier.common.checks import is_int, is_number
 from jaxtier.kernels.cpu import library as cpu_kernels
 from jaxtier.sampling.logprobs import MAX_LOGPROBS
-from jaxtier.sampling.structured import StructuredOutputsError, StructuredOutputsParams
+from jaxtier.sampling.structured import (StructuredOutputsError, StructuredOutputsParams,
+                                         mask_words)
 
 BIAS_LIMIT = 100.0  # OpenAI's logit_bias range, [-100, 100]; larger biases are clamped to it
 PENALTY_LIMIT = 2.0  # frequency_penalty and presence_penalty are in [-2, 2]
@@ -293,6 +294,15 @@ class LogitsArrays:
     """(n, k, a, w): with the row count, the compiled variant of `sample_transformed`."""
     return (self.history_bn.shape[1], self.add_ids_bk.shape[1], self.allowed_ids_ba.shape[1],
             self.grammar_bw.shape[1])
+
+  @staticmethod
+  def grammar_widths(vocab_size: int) -> tuple[int, int, int, int]:
+    """The `widths` of a batch whose rows transform logits by a grammar alone (no penalties,
+    bias, allowed ids, bad words or min_tokens), as `from_rows` pads them: the smallest lists
+    and one bitmask of `mask_words(vocab_size)` words (`vocab_size`: the grammar's, see
+    `structured.grammar_tokenizer`). What the engine's warm-up compiles the transformed
+    sampler at."""
+    return (MIN_HISTORY, MIN_IDS, MIN_IDS, mask_words(vocab_size))
 
   @classmethod
   def neutral(cls, b: int, n: int, k: int, a: int, w: int) -> "LogitsArrays":

@@ -16,12 +16,13 @@ from jaxtier.scheduler.planning import schedule
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 from jaxtier.scheduler.request import Ended, Request, Seq
 from jaxtier.scheduler.scheduler_config import SchedulerConfig
-from jaxtier.scheduler.state import (Abort, Arrive, ComputeBatch, Plan, Rates, SchedulerState,
-                                     StepFinished, Stop, initial_state)
+from jaxtier.scheduler.state import (Abort, Arrive, ComputeBatch, Plan, Rates, Release,
+                                     SchedulerState, StepFinished, Stop, initial_state)
 from jaxtier.scheduler.transitions import apply_event, reset_prefix_cache, step
 
 __all__ = [
-    "Abort", "Arrive", "BlockPool", "ComputeBatch", "Ended", "Metrics", "Plan", "Rates", "Request",
+    "Abort", "Arrive", "BlockPool", "ComputeBatch", "Ended", "Metrics", "Plan", "Rates", "Release",
+    "Request",
     "SchedulerConfig", "SchedulerState", "Seq", "StepFinished", "Stop", "VICTIM_POLICIES",
     "apply_event",
     "blocks_for", "initial_state", "metrics", "reset_prefix_cache", "schedule", "step",

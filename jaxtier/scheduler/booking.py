@@ -113,9 +113,11 @@ def book(state: SchedulerState, decision: Decision) -> tuple[SchedulerState, Pla
                     len(copies_out), len(copies_in), host_full,
                     (looked_up, len(writeback), len(evicted), host_evictions))
   swapped = _merge(p.swapped[len(swap_in.seqs):], swapped_out)
+  started = {seq.request_id for seq in admit.seqs}  # not a prefix of the queue: held ones stay
   next_state = SchedulerState(
-      config, device, host, waiting=_merge(state.waiting[len(admit.seqs):], dropped),
-      running=running, swapped=swapped, in_flight=plan,
+      config, device, host,
+      waiting=_merge(tuple(s for s in state.waiting if s.request_id not in started), dropped),
+      held=state.held, running=running, swapped=swapped, in_flight=plan,
       next_order=state.next_order, counters=counters, device_cache=device_cache,
       host_cache=host_cache, rates=state.rates,
       swap_wait_steps=state.swap_wait_steps + 1 if swapped and not swap_in.seqs else 0)

@@ -12,7 +12,8 @@ One step is decided in four phases over block counts, then booked in one allocat
      only a swap-in that blocks a request (`policies.swap_in_blocks`) may pass the share.
   4. Admission: only when nothing is left swapped, waiting requests start in queue order while their
      first chunk fits above the watermark (or fits at all, when nothing runs). The first that does not
-     fit stops admission, so a long request is not starved by shorter ones behind it.
+     fit stops admission, so a long request is not starved by shorter ones behind it. Held requests
+     (`SchedulerState.held`: their grammar is compiling) are passed over, keeping their place.
 
 With prefix caching, unreferenced cached device blocks count as free (booking evicts them when the
 pool runs short), and an admitted request starts after its longest cached prefix: device hits are
@@ -205,6 +206,8 @@ def _admit(config: SchedulerConfig, state: SchedulerState, num_running: int, fre
   for seq in state.waiting:
     if num_running + len(seqs) >= config.max_num_seqs or budget == 0:
       break
+    if seq.request.request_id in state.held:
+      continue
     on_device = on_host = skipped = 0
     shared: tuple[int, ...] = ()
     if seq.hashes and not seq.request.skip_prefix_cache:

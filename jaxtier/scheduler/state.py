@@ -31,8 +31,10 @@ def _is_reason(reason) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Arrive:
-  """A client submitted `request`."""
+  """A client submitted `request`. `held`: it takes its place in the queue but is not admitted
+  until a `Release` (the engine is still compiling its grammar); the requests behind it are."""
   request: Request
+  held: bool = False
 
   def __post_init__(self):
     if not isinstance(self.request, Request):
@@ -53,6 +55,13 @@ class StepFinished:
     for entry in self.finished:
       if not (isinstance(entry, tuple) and len(entry) == 2 and _is_reason(entry[1])):
         raise ValueError(f"finished entry {entry!r}: expected (request_id, non-empty reason)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+  """A request that arrived held may be admitted now; releasing one that is not held, or no
+  longer live, does nothing."""
+  request_id: RequestId
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +103,7 @@ class Rates:
       raise ValueError(f"swap_latency_s={self.swap_latency_s!r}: expected a number >= 0")
 
 
-Event = Arrive | StepFinished | Abort | Stop | Rates
+Event = Arrive | Release | StepFinished | Abort | Stop | Rates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +177,7 @@ class SchedulerState:
 
   Attributes:
     waiting: requests without KV, by (priority, arrival); new and recompute-preempted ones.
+    held: the waiting requests that may not be admitted yet (`Arrive.held`), by id.
     running: requests whose KV is on the device, in the order they started running.
     swapped: requests whose KV is on the host, by (priority, arrival).
     ended, freed_device, freed_host: what happened since the last plan, reported in the next one.
@@ -182,6 +192,7 @@ class SchedulerState:
   device: allocator.BlockPool
   host: allocator.BlockPool
   waiting: tuple[Seq, ...] = ()
+  held: frozenset = frozenset()
   running: tuple[Seq, ...] = ()
   swapped: tuple[Seq, ...] = ()
   ended: tuple[Ended, ...] = ()

@@ -22,8 +22,8 @@ from jaxtier.scheduler import prefix
 from jaxtier.scheduler.planning import schedule
 from jaxtier.scheduler.request import (ABORT_CLIENT, ABORT_TOO_LARGE, ABORTED, FINISH_LENGTH,
                                        FINISHED, Ended, Request, Seq)
-from jaxtier.scheduler.state import (Abort, Arrive, Event, Plan, Rates, SchedulerState, StepFinished,
-                                     Stop, find, with_ended)
+from jaxtier.scheduler.state import (Abort, Arrive, Event, Plan, Rates, Release, SchedulerState,
+                                     StepFinished, Stop, find, with_ended)
 
 
 def step(state: SchedulerState, events: Iterable[Event] = ()) -> tuple[SchedulerState, Plan]:
@@ -36,7 +36,12 @@ def step(state: SchedulerState, events: Iterable[Event] = ()) -> tuple[Scheduler
 def apply_event(state: SchedulerState, event: Event) -> SchedulerState:
   """Returns the state after one event; its effects are reported in the next plan."""
   if isinstance(event, Arrive):
-    return _arrive(state, event.request)
+    state = _arrive(state, event.request)
+    if event.held and find(state, event.request.request_id) is not None:
+      state = dataclasses.replace(state, held=state.held | {event.request.request_id})
+    return state
+  if isinstance(event, Release):
+    return dataclasses.replace(state, held=state.held - {event.request_id})
   if isinstance(event, StepFinished):
     return _step_finished(state, event)
   if isinstance(event, Abort):
@@ -45,7 +50,8 @@ def apply_event(state: SchedulerState, event: Event) -> SchedulerState:
     return _end(state, event.request_id, Ended(event.request_id, FINISHED, event.reason))
   if isinstance(event, Rates):
     return dataclasses.replace(state, rates=event)
-  raise ValueError(f"event={event!r}: expected an Arrive, StepFinished, Abort, Stop or Rates")
+  raise ValueError(f"event={event!r}: expected an Arrive, Release, StepFinished, Abort, Stop or "
+                   "Rates")
 
 
 def _arrive(state: SchedulerState, request: Request) -> SchedulerState:
@@ -139,7 +145,7 @@ def _end(state: SchedulerState, request_id, ended: Ended) -> SchedulerState:
     return state
   place, seq = found
   remaining = tuple(s for s in getattr(state, place) if s.request_id != request_id)
-  state = dataclasses.replace(state, **{place: remaining})
+  state = dataclasses.replace(state, **{place: remaining}, held=state.held - {request_id})
   if place == "running":
     cache, private = prefix.release(state.device_cache, seq.blocks)
     device, _ = allocator.update(state.device, release=private)

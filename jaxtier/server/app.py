@@ -4,7 +4,10 @@ Handlers validate a request, turn it into engine requests (one per prompt and ch
 engine's updates back into responses (`serving`). Every error is OpenAI-shaped JSON,
 `{"error": {"message", "type", "param", "code"}}`: 400 for bad input, 404 for an unknown model or
 route, 429 (with Retry-After) when the request queue is full, 503 while shutting down, 500 only
-when a step fails inside the engine (the engine keeps serving). `/health` answers 503 until the
+when a step fails inside the engine (the engine keeps serving). A structured-output constraint is
+checked against the engine's limits in a worker thread before it is queued (400 naming the limit
+and the field); one whose grammar then fails to compile or run is a 400 too (an `error` event in
+a stream). `/health` answers 503 until the
 engine's warm-up has compiled every program, then 200; after a failed warm-up it stays 503 with the
 reason (`{"status": "warm-up failed", "error": ...}`) while the server still answers requests,
 compiling programs when first needed.
@@ -24,7 +27,8 @@ from starlette.exceptions import HTTPException
 
 from jaxtier.server import limits
 from jaxtier.server import serving, tool_calls as tools
-from jaxtier.server.async_engine import AsyncEngine, EngineError, QueueFull
+from jaxtier.sampling.structured import StructuredOutputsError
+from jaxtier.server.async_engine import AsyncEngine, EngineError, QueueFull, RequestRejected
 from jaxtier.server.prometheus import ServerMetrics
 from jaxtier.server.protocol import (ChatCompletionRequest, CompletionRequest, body_problem,
                                      error_messages)
@@ -145,6 +149,13 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
                       else 1 if scored else max_tokens)
     for p in params:  # token ids in logit_bias / allowed_token_ids, before the engine sees them
       _checked(p.check_vocab, llm.config.vocab_size)
+    constraint = params[0].structured_outputs  # one object for all choices
+    if constraint is not None:  # the engine's limits, checked off the event loop
+      try:
+        await asyncio.to_thread(engine.engine.grammars.check, constraint)
+      except StructuredOutputsError as e:
+        field, message = body.located(e.field, str(e))
+        raise OpenAIError(400, message, param=field) from None
     echoes = None
     if echo:
       texts = [p if isinstance(p, str) else llm.tokenizer.decode(ids)
@@ -173,10 +184,18 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
                                media_type="text/event-stream")
     try:
       completions = await _unless_disconnected(request, serving.collect(streams))
+    except RequestRejected as e:
+      raise OpenAIError(400, str(e)) from None
     except EngineError as e:
       raise OpenAIError(500, str(e), "server_error") from None
     if completions is None:
       return fastapi.Response(status_code=CLIENT_CLOSED)
+    failed = next((c.error for c in completions if c.error is not None), None)
+    if failed is not None:  # a grammar failed to compile or to run: the constraint is at fault
+      field, message = serving.error_field(failed)
+      if field is not None:
+        field, message = body.located(field, message)
+      raise OpenAIError(400, message, param=field)
     return serving.response_body(choices, completions, llm.tokenizer)
 
   @app.get("/health")

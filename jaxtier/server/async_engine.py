@@ -35,6 +35,10 @@ class EngineError(RuntimeError):
   """The step a request ran in failed, or the engine is shutting down."""
 
 
+class RequestRejected(EngineError):
+  """The engine refused the request (`Engine.add_request` raised ValueError): bad input."""
+
+
 class QueueFull(EngineError):
   """More requests are queued than `max_queued_requests`: retry later."""
 
@@ -306,7 +310,7 @@ class AsyncEngine:
       try:
         self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.seed)
       except ValueError as e:  # the HTTP layer checks requests first; this is a backstop
-        failed.append((entry, EngineError(f"request rejected: {e}")))
+        failed.append((entry, RequestRejected(f"request rejected: {e}")))
         continue
       self._live[r.request_id] = entry
     return failed

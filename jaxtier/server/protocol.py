@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxtier.sampling.logprobs import MAX_LOGPROBS
 from jaxtier.sampling.samplers import SamplingParamError, SamplingParams
-from jaxtier.sampling.structured import closed_objects
+from jaxtier.sampling.structured import StructuredOutputsError, closed_objects
 from jaxtier.server import tool_calls as tools_lib
 
 TokenIds = list[int]
@@ -212,12 +212,17 @@ class _SamplingRequest(BaseModel):
     try:
       self.sampling_params(max(1, self.min_tokens) if max_tokens is None else max_tokens)
     except SamplingParamError as e:
-      field, message = self.request_field(e.field), str(e)
-      if e.field == "structured_outputs" and self._format_constraint() is not None:
-        field = "response_format"
-        message = message.replace("structured_outputs.json_object", "response_format").replace(
-            "structured_outputs.json", "response_format.json_schema.schema")
-      raise field_error(field, message) from None
+      raise field_error(*self.located(e.field, str(e))) from None
+
+  def located(self, field: str, message: str) -> tuple[str, str]:
+    """(the request field, the message) of an error in `SamplingParams` field `field` (or a
+    part of it, "structured_outputs.choice"): a constraint from `response_format` or the tools
+    is named as the client sent it."""
+    if field.split(".")[0] == "structured_outputs" and self._format_constraint() is not None:
+      return "response_format", message.replace(
+          "structured_outputs.json_object", "response_format").replace(
+              "structured_outputs.json", "response_format.json_schema.schema")
+    return self.request_field(field), message
 
   def request_field(self, field: str) -> str:
     """The request field that holds `SamplingParams` field `field`."""
@@ -235,6 +240,8 @@ class _SamplingRequest(BaseModel):
     logprobs, prompt_logprobs = self.logprob_counts()
     bias = None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
     constraint = self.constraint()
+    if constraint is not None:  # one object for every choice: the engine checks it once
+      constraint = SamplingParams(structured_outputs=constraint).structured_outputs
     return [SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                            top_k=-1 if self.top_k is None else self.top_k,
                            seed=None if self.seed is None else (self.seed + j) % 2**32,
@@ -418,8 +425,9 @@ class ChatCompletionRequest(_SamplingRequest):
                         "and so does response_format or structured_outputs; send one of them")
     for i, tool in enumerate(self.tools or ()):
       try:
-        SamplingParams(structured_outputs={"json": tools_lib.parameters(self.tool_dicts()[i])})
-      except SamplingParamError as e:
+        SamplingParams(structured_outputs={"json": tools_lib.parameters(self.tool_dicts()[i])}
+                       ).structured_outputs.llguidance_grammar()
+      except (SamplingParamError, StructuredOutputsError) as e:
         raise field_error("tools", f"tools {i} ({tool.function.name}): parameters is not a "
                           f"usable JSON schema: {e}") from None
 
@@ -448,7 +456,7 @@ class ChatCompletionRequest(_SamplingRequest):
     return self.tool_constraint() or super().constraint()
 
   def request_field(self, field: str) -> str:
-    if field == "structured_outputs" and self.tool_constraint() is not None:
+    if field.split(".")[0] == "structured_outputs" and self.tool_constraint() is not None:
       return "tools"
     if field == "max_tokens" and self.max_completion_tokens is not None:
       return "max_completion_tokens"

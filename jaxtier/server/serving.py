@@ -10,10 +10,11 @@ from typing import Any, AsyncIterator
 from jaxtier.engine.engine import RequestUpdate
 from jaxtier.engine.padded import Completion
 from jaxtier.sampling.logprobs import LogprobDict
-from jaxtier.server.async_engine import EngineError
+from jaxtier.server.async_engine import EngineError, RequestRejected
 from jaxtier.server.openai_logprobs import (TokenLogprobs, TokenTracker, chat_logprobs,
                                             completion_logprobs, tokens_of)
 from jaxtier.server.stream_text import IncrementalDetokenizer
+from jaxtier.server.tool_calls import finish_reason as tool_finish_reason
 from jaxtier.text.tokenizer import Tokenizer
 
 DONE = "data: [DONE]\n\n"
@@ -60,6 +61,12 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 def sse(payload: dict[str, Any]) -> str:
   return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def error_field(error: str) -> tuple[str | None, str]:
+  """(the request field a completion's `error` names, or None; the error)."""
+  first = error.split(" ", 1)[0].rstrip(":")
+  return (first if first.startswith("structured_outputs") else None), error
 
 
 async def merge(streams: list[AsyncIterator[RequestUpdate]]
@@ -151,7 +158,7 @@ def response_body(choices: Choices, completions: list[Completion], tokenizer: To
       calls = None if choices.tool_calls is None else choices.tool_calls(text)
       if calls is not None:
         message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
-        finish_reason = "tool_calls"
+        finish_reason = tool_finish_reason(finish_reason)
       items.append({"index": i, "message": message,
                     "logprobs": _logprobs(choices, tokens), "finish_reason": finish_reason})
     else:
@@ -235,8 +242,8 @@ async def events(choices: Choices, tokenizer: Tokenizer, include_usage: bool
   delta is sent as an arguments fragment, as OpenAI streams calls; finish_reason "tool_calls"
   (or "length" when cut short). With other tools (`Choices.tool_calls`) a choice's text is held
   back until it ends, then sent in one chunk: its tool calls (each whole, with its `index`, id,
-  name and arguments) and the content before them, finish_reason "tool_calls"; or, with no call,
-  the text as content.
+  name and arguments) and the content before them, finish_reason "tool_calls" ("length" when cut
+  short: the calls completed before the cut); or, with no call, the text as content.
   """
   streamed = [_StreamedChoice(choices, i, tokenizer) for i in range(len(choices.streams))]
   if choices.chat:
@@ -278,6 +285,9 @@ async def events(choices: Choices, tokenizer: Tokenizer, include_usage: bool
           yield sse(_chunk(choices, index, text, None, tokens))
       else:
         finished[index] = update.completion
+        if update.completion.error is not None:  # its grammar failed: say why, then end it
+          param, error = error_field(update.completion.error)
+          yield sse(error_body(error, "invalid_request_error", param))
         text, tokens = streamed[index].finish(update)
         reason = update.completion.finish_reason if choices.generated else "length"
         calls = None
@@ -287,10 +297,12 @@ async def events(choices: Choices, tokenizer: Tokenizer, include_usage: bool
           tokens = None if tokens is None else all_tokens + tokens
           calls = choices.tool_calls(text)
         if calls is not None:
-          yield sse(_chunk(choices, index, calls[0] or "", "tool_calls", tokens,
+          yield sse(_chunk(choices, index, calls[0] or "", tool_finish_reason(reason), tokens,
                            tool_calls=calls[1]))
         else:
           yield sse(_chunk(choices, index, text, reason, tokens))
+  except RequestRejected as e:
+    yield sse(error_body(str(e), "invalid_request_error"))
   except EngineError as e:
     yield sse(error_body(str(e), "server_error"))
   else:

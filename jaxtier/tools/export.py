@@ -119,7 +119,7 @@ def representative_programs(engine_config, vocab_size: int) -> dict[str, tuple]:
   """{name: `Runner` key} of the programs exported (see the module docstring), from the keys the
   engine's warm-up compiles (`warmup_programs`), and the transformed sampler for a vocabulary of
   `vocab_size`."""
-  keys = warmup_programs(engine_config)
+  keys = warmup_programs(engine_config, vocab_size)
   steps = [k for k in keys if k[0] == "step"]
   decode = max((k for k in steps if k[2] == 1), key=lambda k: k[1])
   prefill = max((k for k in steps if k[2] > 1), key=lambda k: (k[1] * k[2], k[2]))
