@@ -196,6 +196,23 @@ def test_the_server_refuses_constraints_past_a_limit_with_a_400_naming_it(app, c
   assert seconds < 1.0
 
 
+def test_a_body_nested_past_what_json_reads_is_a_400_naming_the_depth_limit(app):
+  schema = '{"properties": ' * 3000 + "{}" + "}" * 3000
+  body = '{"prompt": "a", "structured_outputs": {"json": ' + schema + "}}"
+
+  async def run():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+      return await http.post("/v1/completions", content=body,
+                             headers={"content-type": "application/json"})
+
+  response = asyncio.run(run())
+  assert response.status_code == 400
+  error = response.json()["error"]
+  assert "grammar_max_depth=100" in error["message"]
+  assert error["param"] == "structured_outputs.json"
+
+
 def test_a_big_choice_does_not_stall_a_plain_stream(app):
   plain = {"prompt": "a b c", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
            "stream": True}

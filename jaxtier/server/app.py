@@ -119,10 +119,17 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
   @app.exception_handler(HTTPException)
   async def _http_error(request: fastapi.Request, exc: HTTPException) -> JSONResponse:
     detail = str(exc.detail)
+    param = None
     if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
       detail = (f"the request body is not valid JSON: it is not valid UTF-8 "
                 f"({exc.__cause__.reason} at byte {exc.__cause__.start})")
-    body = serving.error_body(detail, "invalid_request_error", code=str(exc.status_code))
+    elif isinstance(exc.__cause__, RecursionError):  # nested past what Python's JSON reads
+      depth = engine.engine.grammars.limits.grammar_max_depth
+      param = "structured_outputs.json"
+      detail = ("the request body nests its JSON too deeply to be read; a JSON schema in "
+                f"structured_outputs.json or response_format may nest at most "
+                f"grammar_max_depth={depth} levels")
+    body = serving.error_body(detail, "invalid_request_error", param, code=str(exc.status_code))
     return JSONResponse(body, status_code=exc.status_code)
 
   def check_model(model: str | None) -> None:
