@@ -264,7 +264,9 @@ def test_penalties_survive_preemption(tiny, mode):
   assert_all_free(engine)
 
 
-def test_planning_ahead_skips_transformed_rows_and_keeps_their_tokens(tiny):
+def test_planning_ahead_keeps_transformed_rows_and_their_tokens(tiny):
+  """Transformed rows plan ahead too: their model call is dispatched ahead and their sampling
+  waits for the transforms of the tokens just read (`step_inputs.late_transforms`)."""
   model, tokenizer = tiny
   prompts = prompts_of((9, 14, 5, 21), seed=7)
   seeds = [3, 4, 5, 6]
@@ -277,8 +279,7 @@ def test_planning_ahead_skips_transformed_rows_and_keeps_their_tokens(tiny):
   ahead, stats = drive(True, ENGINE_PARAMS)
   plain, plain_stats = drive(False, ENGINE_PARAMS)
   assert ahead == plain and plain_stats["steps_planned_ahead"] == 0
-  _, only_plain = drive(True, [ENGINE_PARAMS[1]] * len(prompts))
-  assert only_plain["steps_planned_ahead"] > stats["steps_planned_ahead"]
+  assert stats["steps_planned_ahead"] > 0
 
 
 def test_ids_outside_the_vocabulary_are_refused_at_add_request(tiny):

@@ -179,6 +179,26 @@ def test_free_requests_get_the_same_tokens_beside_constrained_ones(tiny):
   assert mixed[3].text in CHOICES
 
 
+def test_constrained_rows_plan_ahead_with_the_same_tokens(tiny):
+  """With async_scheduling a constrained batch's model call is dispatched before its tokens are
+  read, its masks computed beside it: the tokens are those of stepping without it."""
+  prompts = prompts_of([5, 9, 3, 12])
+  params = [sampled({"json": SCHEMA}), sampled({"regex": REGEX}),
+            SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True),
+            sampled({"choice": list(CHOICES)})]
+  outs, planned = [], []
+  for ahead in (True, False):
+    e = engine(tiny, async_scheduling=ahead)
+    out = run(e, prompts, params, seeds=[1, 2, 3, 4], arrive_every=0)
+    outs.append([out[i].token_ids for i in range(4)])
+    planned.append(e.stats()["steps_planned_ahead"])
+    check_schema(out[0].text)
+    assert re.fullmatch(REGEX, out[1].text) and out[3].text in CHOICES
+    assert_all_free(e)
+  assert outs[0] == outs[1]
+  assert planned[0] > 10 and planned[1] == 0
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_constrained_outputs_stay_valid_under_preemption(tiny, mode):
   # 4 requests of up to ~80 tokens each in 40 blocks of 4: some are preempted while generating

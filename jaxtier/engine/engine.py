@@ -23,9 +23,13 @@ tokens (`Runner.step_after`). The device runs the two calls back to back while t
 step's tokens, runs the stop checks and returns; the next `step()` call starts with the successor
 in flight. A request that stopped on this step's token is ended with a `scheduler.Stop` event (its
 blocks freed at once) and its row of the successor is dropped. The tokens are the same as without
-it; only steps that are all decode (no prefill, swap, preemption, log-probabilities) plan ahead,
-and only when no row of the call has logit transforms (penalties, `logit_bias`, masks: their
-next step needs the token not yet read; `SamplingParams.transforms_logits`) or a grammar.
+it; only steps that are all decode (no prefill, swap, preemption, log-probabilities) plan ahead.
+Where a row has logit transforms (penalties, `logit_bias`, masks:
+`SamplingParams.transforms_logits`) or a grammar, which need the token not yet read, only the
+successor's model call is dispatched ahead: the host reads this step's tokens, the matchers
+consume them, and the next `step()` computes the rows' transforms and grammar masks while the
+device runs that model call, then dispatches its sampling (`step_inputs.late_transforms`): the
+masks are computed beside the device step instead of between steps.
 
 Structured outputs (`SamplingParams.structured_outputs`): a constrained request's constraint is
 checked against the engine's `GrammarLimits` when it arrives (a ValueError naming the limit and
@@ -209,7 +213,8 @@ class Engine:
     self._totals = Totals()
     self._started = time.perf_counter()
     self._trace = Trace(config.trace_path) if config.trace_path else None
-    # A plan dispatched before its predecessor's tokens were read: (plan, calls, dispatched).
+    # A plan dispatched before its predecessor's tokens were read: (plan, calls, dispatched,
+    # its model call's logits when its sampling waits for its rows' transforms, else None).
     self._ahead: tuple | None = None
     self._held: list[RequestUpdate] = []  # updates of a plan finished outside `step()`
     self.weights_version = 0  # how many times `update_weights` replaced the parameters
@@ -360,8 +365,20 @@ class Engine:
       self._state, plan = scheduler.schedule(self._state)
       updates, calls, dispatched = self._dispatch(plan)
       return plan, updates, calls, dispatched
-    (plan, calls, dispatched), self._ahead = self._ahead, None
-    return plan, [], calls, dispatched
+    (plan, calls, dispatched, logits_bv), self._ahead = self._ahead, None
+    return plan, [], calls, self._sample_late(dispatched, logits_bv)
+
+  def _sample_late(self, dispatched, logits_bv):
+    """`dispatched` with its sampling dispatched, where it waited for its rows' transforms (see
+    the module docstring): computed now, the rows' last tokens read and consumed."""
+    if logits_bv is None:
+      return dispatched
+    ((arrays, _, extra, progresses),) = dispatched
+    live = [keep and self._requests.is_current(request_id, progresses[i])
+            for i, (request_id, keep) in enumerate(zip(arrays.request_ids, arrays.samples))]
+    arrays = dataclasses.replace(arrays, logits=batching.late_transforms(
+        arrays, live, self._requests.token_ids, self._requests.sampling))
+    return [(arrays, self.runner.sample(logits_bv, arrays), extra, progresses)]
 
   def _report_stops(self, finished: list[tuple[Hashable, str]], ahead) -> None:
     """Tells the scheduler the step ended and which requests stopped; with a plan dispatched
@@ -431,15 +448,16 @@ class Engine:
   def _plan_ahead(self, plan: scheduler.Plan, dispatched):
     """With `plan` (one decode call) dispatched and its tokens not yet read: plans the next step
     as if no request stopped and, if that is a pure decode call of the same rows (their bucket
-    too), dispatches it with its input tokens taken from this call's on the device. Returns
-    (next plan, its calls, its dispatched calls), the scheduler state then holding the next plan
-    in flight; else None, nothing changed."""
+    too), dispatches it with its input tokens taken from this call's on the device (its model
+    call only, where a row's transforms need this call's tokens). Returns (next plan, its calls,
+    its dispatched calls, its logits when its sampling waits, else None), the scheduler state
+    then holding the next plan in flight; else None, nothing changed."""
     if (not self.config.async_scheduling or self._requests.logprobs or len(dispatched) != 1
         or len(plan.prefill) or not len(plan.decode)):
       return None
     arrays, tokens_b, _, _ = dispatched[0]
-    if any(self._requests.needs_last_token(request_id) for request_id in arrays.request_ids):
-      return None  # their transforms and masks need the token this call samples, on the host
+    # Their transforms and masks need the token this call samples: sampled in the next step().
+    late = any(self._requests.needs_last_token(request_id) for request_id in arrays.request_ids)
     state, following = scheduler.schedule(
         scheduler.apply_event(self._state, scheduler.StepFinished(())))
     rows = {request_id: i for i, request_id in enumerate(arrays.request_ids)}
@@ -451,8 +469,9 @@ class Engine:
         or row_bucket(len(decode)) != arrays.tokens_bt.shape[0]):
       return None
     def sampling(request_id):  # one more token generated by then: the one this call samples
-      info = self._requests.sampling(request_id)
-      return dataclasses.replace(info, num_generated=info.num_generated + 1)
+      info = self._requests.sampling(request_id)  # (its transforms: when it samples)
+      return dataclasses.replace(info, num_generated=info.num_generated + 1, rules=None,
+                                 grammar=None)
 
     # Each row's last token is the one this call samples for it: a placeholder on the host.
     next_arrays = batching.build(decode,
@@ -460,10 +479,11 @@ class Engine:
                                  sampling, decode=True, width=self.table_width)
     source = np.full(next_arrays.tokens_bt.shape[0], -1, np.int32)
     source[:len(decode)] = [rows[request_id] for request_id in decode.request_ids]
-    next_tokens, self.cache = self.runner.step_after(self.cache, next_arrays, tokens_b, source)
+    out, self.cache = self.runner.step_after(self.cache, next_arrays, tokens_b, source,
+                                             sample=not late)
     self._state = state
-    return following, [next_arrays], [(next_arrays, next_tokens, None,
-                                       self._progress_of(next_arrays))]
+    return following, [next_arrays], [(next_arrays, None if late else out, None,
+                                       self._progress_of(next_arrays))], out if late else None
 
   def _settle(self) -> None:
     """Reads the plan dispatched ahead, if any, and reports it (its updates are returned by
@@ -471,9 +491,9 @@ class Engine:
     if self._ahead is None:
       return
     start = time.perf_counter()
-    (plan, calls, dispatched), self._ahead = self._ahead, None
+    (plan, calls, dispatched, logits_bv), self._ahead = self._ahead, None
     try:
-      finished, updates = self._collect(dispatched)
+      finished, updates = self._collect(self._sample_late(dispatched, logits_bv))
       self._state = scheduler.apply_event(self._state, scheduler.StepFinished(tuple(finished)))
     except Exception:
       self._abandon()

@@ -449,12 +449,18 @@ class Runner:
   def step(self, cache: PagedKVCache, arrays: StepArrays) -> tuple[jax.Array, PagedKVCache]:
     """Dispatches one model call and its sampling; returns the sampled tokens [b] (not yet read)
     and the cache."""
+    logits_bv, cache = self.forward(cache, arrays)
+    return self.sample(logits_bv, arrays), cache
+
+  def forward(self, cache: PagedKVCache, arrays: StepArrays) -> tuple[jax.Array, PagedKVCache]:
+    """Dispatches one model call without its sampling; returns the last logits [b, v] (on the
+    device) and the cache."""
     args = self.forward_args(cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm,
                              arrays.last_b)
     logits_bv, _, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
-    return self._sample(logits_bv, arrays), cache
+    return logits_bv, cache
 
-  def _sample(self, logits_bv: jax.Array, arrays: StepArrays) -> jax.Array:
+  def sample(self, logits_bv: jax.Array, arrays: StepArrays) -> jax.Array:
     """Dispatches the sampling of a call's logits [b, v]: the plain sampler, or the one with
     logit transforms when a row has them."""
     if arrays.logits is None:
@@ -466,13 +472,16 @@ class Runner:
     return self._program(key, _sample_transformed, args, portable=self.portable)(*args)
 
   def step_after(self, cache: PagedKVCache, arrays: StepArrays, previous_b: jax.Array,
-                 rows_b: np.ndarray) -> tuple[jax.Array, PagedKVCache]:
+                 rows_b: np.ndarray, sample: bool = True) -> tuple[jax.Array, PagedKVCache]:
     """`step` for a decode call dispatched before the previous call's sampled tokens
     `previous_b` are read: its row i's input token is previous_b[rows_b[i]] (see `_follow`),
-    taken on the device. The previous call's row count must be this call's."""
+    taken on the device. The previous call's row count must be this call's. Without `sample`,
+    only the model call (`forward`): returns its logits, to sample once the host has the
+    rows' transforms (`sample`)."""
     follow_args = (previous_b, arrays.tokens_bt, rows_b)
     tokens_bt = self._program(("follow", arrays.shape[0]), _follow, follow_args)(*follow_args)
-    return self.step(cache, dataclasses.replace(arrays, tokens_bt=tokens_bt))
+    arrays = dataclasses.replace(arrays, tokens_bt=tokens_bt)
+    return self.step(cache, arrays) if sample else self.forward(cache, arrays)
 
   def step_logprobs(self, cache: PagedKVCache, arrays: StepArrays, sample_k: int | None,
                     prompt_targets_bt: np.ndarray | None, prompt_k: int = 1
@@ -490,7 +499,7 @@ class Runner:
       prompt_args = (self._leaves, h_bth, prompt_targets_bt)
       key = ("prompt_logprobs",) + prompt_targets_bt.shape + (prompt_k,)
       prompt_top = self._program(key, self._prompt, prompt_args, k=prompt_k)(*prompt_args)
-    tokens_b = self._sample(logits_bv, arrays)
+    tokens_b = self.sample(logits_bv, arrays)
     sampled_top = processed_b = None
     if sample_k is not None:
       lp_args = (logits_bv, tokens_b)

@@ -227,10 +227,30 @@ def build(batch: ComputeBatch, token_ids: Callable[[Hashable], Sequence[int]],
     last[i] = end - start - 1
     info = sampling(rid)
     params[i], seeds[i], steps[i] = info.params, info.seed, info.num_generated
-    if (info.rules is not None or info.grammar is not None) and batch.samples[i]:
-      # the row's tokens so far: ids[:end]; the grammar's mask only where the row samples
-      transforms[i] = (info.rules, ids[:end], info.num_generated,
-                       None if info.grammar is None else info.grammar.mask())
+    if batch.samples[i]:  # the row's tokens so far: ids[:end]
+      transforms[i] = row_transforms(info, ids[:end])
   return StepArrays(tuple(batch.request_ids), tuple(batch.samples), tokens, pos, tables, last,
                     SamplingArrays.from_params(params, seeds, steps),
                     LogitsArrays.from_rows(transforms) if any(transforms) else None)
+
+
+def row_transforms(info: SamplingInfo, ids: Sequence[int]) -> tuple | None:
+  """A sampling row's logit transforms as `LogitsArrays.from_rows` takes them: (its rules, its
+  tokens so far `ids`, how many of them are output, its grammar's mask now), or None without."""
+  if info.rules is None and info.grammar is None:
+    return None
+  return (info.rules, ids, info.num_generated,
+          None if info.grammar is None else info.grammar.mask())
+
+
+def late_transforms(arrays: StepArrays, rows: Sequence[bool],
+                    token_ids: Callable[[Hashable], Sequence[int]],
+                    sampling: Callable[[Hashable], SamplingInfo]) -> LogitsArrays | None:
+  """The logit transforms of a call built before its rows' last tokens were known (its model call
+  dispatched ahead, `Engine._plan_ahead`), computed now that they are: for each row i where
+  `rows[i]` (its request is live and samples), from its tokens and grammar state as they are now."""
+  out: list = [None] * arrays.tokens_bt.shape[0]
+  for i, request_id in enumerate(arrays.request_ids):
+    if rows[i]:
+      out[i] = row_transforms(sampling(request_id), token_ids(request_id))
+  return LogitsArrays.from_rows(out) if any(out) else None
