@@ -17,6 +17,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxtier.sampling.samplers import SamplingParamError, SamplingParams
+from jaxtier.sampling.structured import StructuredOutputsError
 from jaxtier.server.protocol import ChatMessage, ResponseFormat, error_messages
 
 _JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",
@@ -80,8 +81,10 @@ class BatchRecord(BaseModel):
     if self.structured_outputs is not None and self.response_format is not None:
       raise ValueError("expected at most one of 'structured_outputs' or 'response_format'")
     try:
-      SamplingParams(structured_outputs=self.constraint())
-    except SamplingParamError as e:
+      constraint = SamplingParams(structured_outputs=self.constraint()).structured_outputs
+      if constraint is not None:  # checked now (the default limits), so the record is refused
+        constraint.llguidance_grammar()
+    except (SamplingParamError, StructuredOutputsError) as e:
       raise ValueError(str(e)) from None
     return self
 
