@@ -6,12 +6,16 @@ times), and against requests under a regex that cannot end before max_tokens (ev
 all its tokens, as the free ones do with ignore_eos: the per-token cost of the constraint), and
 against a batch mixing the two (odd rows constrained by that regex, even rows free), the host
 time spent computing grammar masks per constrained token and per step, and llguidance's
-tokenizer build time. Each pass
-starts with an empty prefix cache; the first pass of each kind compiles and is not timed.
+tokenizer build time; and the regex batch again with planning ahead switched off
+("regex_full_not_ahead": what computing masks beside the device step buys). Each pass starts
+with an empty prefix cache; the first pass of each kind compiles and is not timed; the timed
+passes run in `--repeats` rounds of every kind and each kind reports its median pass (and every
+pass's tokens/s).
 
   python scripts/bench_structured.py --batches=1,8 --new_tokens=48
 """
 
+import dataclasses
 import json
 import time
 
@@ -25,6 +29,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "registry name or model directory")
 flags.DEFINE_list("batches", ["1", "8"], "batch sizes")
 flags.DEFINE_integer("new_tokens", 48, "max_tokens per request")
+flags.DEFINE_integer("repeats", 3, "timed passes of each kind, in rounds; the median is reported")
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},
@@ -61,6 +66,42 @@ def _run(llm, conversations, params) -> tuple[float, int, list]:
   return seconds, tokens, outs
 
 
+def _measure(llm, timer, conversations, params, ahead: bool) -> dict:
+  """One timed pass: tokens/s, steps, steps planned ahead and grammar mask time. `ahead`: with
+  the engine's planning ahead (else switched off for this pass, to measure what it buys)."""
+  engine = llm.engine
+  config = engine.config
+  engine.config = dataclasses.replace(config, async_scheduling=ahead and config.async_scheduling)
+  before = engine.stats()
+  timer.calls, timer.seconds = 0, 0.0
+  try:
+    seconds, tokens, outs = _run(llm, conversations, params)
+  finally:
+    engine.config = config
+  after = engine.stats()
+  steps = after["steps"] - before["steps"]
+  out = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "steps": steps,
+         "ms_per_step": 1e3 * seconds / max(steps, 1),
+         "steps_planned_ahead": after["steps_planned_ahead"] - before["steps_planned_ahead"],
+         "mask_calls": timer.calls, "mask_ms_per_token": 1e3 * timer.seconds / max(timer.calls, 1),
+         "mask_ms_per_step": 1e3 * timer.seconds / max(steps, 1)}
+  if params[0].structured_outputs is not None and params[0].structured_outputs.json is not None:
+    valid = 0
+    for o in outs:
+      try:
+        json.loads(o.outputs[0].text)
+        valid += 1
+      except json.JSONDecodeError:
+        pass  # cut by max_tokens
+    out.update(parsed=valid, finished=sum(o.outputs[0].finish_reason == "stop" for o in outs))
+  return out
+
+
+def median_run(runs: list[dict]) -> dict:
+  """The run of median tokens/s."""
+  return dict(sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2])
+
+
 def main(argv):
   del argv
   timer = _Timed()
@@ -82,32 +123,24 @@ def main(argv):
     # the free requests that share its steps
     mixed = [full[i] if i % 2 else free[i] for i in range(b)]
     row = {"batch": b}
-    for name, params in (("free", free), ("json_schema", constrained), ("regex_full", full),
-                         ("mixed", mixed)):
+    kinds = (("free", free), ("json_schema", constrained), ("regex_full", full),
+             ("regex_full_not_ahead", full), ("mixed", mixed))
+    for name, params in kinds:
       _run(llm, conversations, params)  # compiles
-      steps_before = llm.engine.stats()["steps"]
-      timer.calls, timer.seconds = 0, 0.0
-      seconds, tokens, outs = _run(llm, conversations, params)
-      steps = llm.engine.stats()["steps"] - steps_before
-      row[name] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                   "steps": steps, "ms_per_step": 1e3 * seconds / max(steps, 1)}
+    runs = {name: [] for name, _ in kinds}
+    for _ in range(FLAGS.repeats):  # rounds of every kind, so drifts of the machine hit all
+      for name, params in kinds:
+        runs[name].append(_measure(llm, timer, conversations, params,
+                                   ahead=name != "regex_full_not_ahead"))
+    for name, _ in kinds:
+      row[name] = median_run(runs[name])
+      row[name]["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs[name]]
       if name == "mixed":
         row[name]["constrained_rows"] = b // 2
-      if name != "free":
-        row[name].update(mask_calls=timer.calls,
-                         mask_ms_per_token=1e3 * timer.seconds / max(timer.calls, 1),
-                         mask_ms_per_step=1e3 * timer.seconds / max(steps, 1))
-      if name == "json_schema":
-        valid = 0
-        for o in outs:
-          try:
-            json.loads(o.outputs[0].text)
-            valid += 1
-          except json.JSONDecodeError:
-            pass  # cut by max_tokens
-        row[name].update(parsed=valid,
-                         finished=sum(o.outputs[0].finish_reason == "stop" for o in outs))
-    for name in ("regex_full", "mixed"):
+      if name == "free":
+        for key in ("mask_calls", "mask_ms_per_token", "mask_ms_per_step"):
+          del row[name][key]
+    for name in ("regex_full", "regex_full_not_ahead", "mixed"):
       row[f"{name}_tokens_per_s_ratio"] = row[name]["tokens_per_s"] / row["free"]["tokens_per_s"]
     results["batches"].append(row)
   print(json.dumps(results))
