@@ -11,13 +11,14 @@ so a restart is fast), its progress logged; /health answers 503 until then, 200 
 that fails leaves /health at 503 with the reason, while requests are still served). The server
 logs at INFO unless --verbosity is given. SIGTERM (or Ctrl-C) stops
 accepting requests, lets running ones finish for up to --shutdown_timeout_s, ends the rest with
-finish_reason "abort" and exits 0; a second signal exits at once. Flag values are checked before
-the model is loaded.
+finish_reason "abort" and exits 0; a second signal exits at once. Flag values are checked, and
+the port taken, before the model is loaded: a port already in use ends the process at once.
 """
 
 import importlib.util
 import json
 import os
+import socket
 import sys
 import threading
 
@@ -81,6 +82,22 @@ def _draining_server(config, engine, timeout_s: float):
   return DrainingServer()
 
 
+def _listen(host: str, port: int) -> socket.socket:
+  """A socket bound to host:port for uvicorn (it listens on it), taken before the model loads so
+  that a port already in use ends the process in seconds, not after the load and warm-up."""
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  sock = socket.socket(family, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
+  try:
+    sock.bind((host, port))
+  except OSError as e:
+    sock.close()
+    raise app.UsageError(f"--port={port}: cannot listen on {host}:{port}: {e.strerror} (is "
+                         "another server running there?)") from None
+  sock.set_inheritable(True)
+  return sock
+
+
 def _report_ready(engine) -> None:
   engine.wait_ready()
   report = engine.warmup_report
@@ -113,6 +130,7 @@ def main(argv):
   engine_flags.prepare()
   if not FLAGS["verbosity"].present:  # the warm-up's progress and failures, a failed step
     logging.set_verbosity(logging.INFO)
+  sock = _listen(FLAGS.host, FLAGS.port)
   # Imported here so that a bad flag is reported without waiting for JAX to import.
   import uvicorn
 
@@ -130,7 +148,7 @@ def main(argv):
                                        max_request_bytes=FLAGS.max_request_bytes,
                                        api_key=_api_key(FLAGS.api_key)),
                             host=FLAGS.host, port=FLAGS.port)
-    _draining_server(config, engine, FLAGS.shutdown_timeout_s).run()
+    _draining_server(config, engine, FLAGS.shutdown_timeout_s).run(sockets=[sock])
   finally:
     engine.close()
 

@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -607,6 +608,18 @@ def test_serve_rejects_bad_flags_before_loading(flag, message):
   proc = subprocess.run([sys.executable, SERVE, "--model=/nonexistent", flag],
                         capture_output=True, text=True, timeout=60)
   assert proc.returncode != 0 and message in proc.stderr
+
+
+def test_serve_on_a_port_in_use_exits_at_once_naming_it():
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, SERVE, f"--model={fixture_path('tiny_llama')}",
+                           f"--port={port}"], capture_output=True, text=True, timeout=60)
+  assert proc.returncode != 0 and f"--port={port}: cannot listen on 127.0.0.1:{port}" in proc.stderr
+  assert time.monotonic() - start < 5
 
 
 def test_sigterm_drains_and_exits_0(tmp_path):
