@@ -58,3 +58,15 @@ def warm_engine(llm):
     yield engine
   finally:
     engine.close()
+
+
+@contextlib.contextmanager
+def cold_app(llm, model_name: str):
+  """The HTTP app over an `AsyncEngine` of `llm` that compiles programs when first needed (no
+  warm-up); the engine is closed on exit."""
+  from jaxtier.server import AsyncEngine, create_app  # pylint: disable=g-import-not-at-top
+  engine = AsyncEngine(llm, warmup=False)
+  try:
+    yield create_app(engine, model_name)
+  finally:
+    engine.close()

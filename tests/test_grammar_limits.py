@@ -19,8 +19,7 @@ from jaxtier import scheduler
 from jaxtier.common.grammar_limits import GrammarLimits
 from jaxtier.sampling import SamplingParams
 from jaxtier.sampling.structured import StructuredOutputsParams, checked_grammar
-from jaxtier.server.app import create_app
-from jaxtier.server.async_engine import AsyncEngine
+from server_support import cold_app
 from test_engine import assert_all_free, engine_of, prompts_of, tiny  # noqa: F401
 
 CHOICES = ("alpha", "beta", "gamma delta")
@@ -157,11 +156,8 @@ def test_a_grammar_over_its_compile_budget_ends_its_request_with_the_reason(tiny
 def app():
   llm = jaxtier.LLM(fixture_path("tiny_llama_chat"), max_model_len=128, max_num_seqs=4,
                     layer_execution="scan")
-  engine = AsyncEngine(llm, warmup=False)
-  try:
-    yield create_app(engine, "tiny")
-  finally:
-    engine.close()
+  with cold_app(llm, "tiny") as app:
+    yield app
 
 
 def post(app, bodies: list[dict], path: str = "/v1/completions") -> list[tuple[float, int, dict]]:

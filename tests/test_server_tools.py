@@ -8,9 +8,9 @@ from fastapi.testclient import TestClient
 
 import jaxtier
 from conftest import fixture_path
-from jaxtier.server import AsyncEngine, create_app
 from jaxtier.server import tool_calls as tools
 from jaxtier.text.tokenizer import load_tokenizer_dir
+from server_support import cold_app
 
 MODEL = "tiny"
 # A template that renders tools (compactly: the fixture's tokenizer spends a token per character).
@@ -33,11 +33,8 @@ CHAT = [{"role": "user", "content": "weather?"}]
 def client():
   llm = jaxtier.LLM(fixture_path("tiny_llama"), max_model_len=128, max_num_seqs=4,
                     layer_execution="scan", chat_template=TEMPLATE)
-  engine = AsyncEngine(llm, warmup=False)
-  try:
-    yield TestClient(create_app(engine, MODEL))
-  finally:
-    engine.close()
+  with cold_app(llm, MODEL) as app:
+    yield TestClient(app)
 
 
 def check_weather(arguments: str) -> None:

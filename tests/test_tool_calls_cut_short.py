@@ -8,8 +8,8 @@ from fastapi.testclient import TestClient
 
 import jaxtier
 from conftest import fixture_path
-from jaxtier.server import AsyncEngine, create_app
 from jaxtier.server import tool_calls as tools
+from server_support import cold_app
 
 MODEL = "tiny"
 # A template that renders tools (compactly: the fixture's tokenizer spends a token per character).
@@ -124,11 +124,8 @@ def test_the_finish_reason_of_a_reply_with_calls():
 def client():
   llm = jaxtier.LLM(fixture_path("tiny_llama"), max_model_len=256, max_num_seqs=4,
                     layer_execution="scan", chat_template=TEMPLATE)
-  engine = AsyncEngine(llm, warmup=False)
-  try:
-    yield TestClient(create_app(engine, MODEL))
-  finally:
-    engine.close()
+  with cold_app(llm, MODEL) as app:
+    yield TestClient(app)
 
 
 def chat(client, **fields) -> dict:

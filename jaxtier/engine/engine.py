@@ -41,8 +41,9 @@ keep stepping. A grammar that fails to compile, or takes longer than
 that samples for it computes the grammar's token bitmask (it enters the sampling program as an
 array, `LogitsArrays.grammar_bw`); reading the token, the matcher consumes it. The request stops
 with "stop" when the grammar is complete, and with "abort" (the reason in `Completion.error`) if
-the grammar rejects the token (it never should: the mask allowed it) or allows none. Only sampled tokens reach the matcher, once each: a recomputed
-request's prefill of its generated tokens and prefix-cache hits do not touch it.
+the grammar rejects the token (it never should: the mask allowed it) or allows none. Only
+sampled tokens reach the matcher, once each: a recomputed request's prefill of its generated
+tokens and prefix-cache hits do not touch it.
 
 Arrivals and aborts are applied to the scheduler state when they happen: an aborted request's
 blocks are free before `abort` returns. A request's sampling key is its seed folded with the number
@@ -242,7 +243,6 @@ class Engine:
                                         scheduler.Arrive(request, held=params.constrained))
     self._requests.add(new)
     if params.constrained:
-      self.grammars.cancel(request_id)  # an earlier request's, under the same id
       self.grammars.submit(request_id, params.structured_outputs)
     self._totals.prompt_tokens += len(new.prompt_ids)
 

@@ -21,8 +21,9 @@ from collections.abc import Hashable
 
 import llguidance
 
-from jaxtier.sampling.structured import (GrammarLimits, GrammarMatcher, StructuredOutputsParams,
-                                         checked_grammar, grammar_tokenizer)
+from jaxtier.common.grammar_limits import GrammarLimits
+from jaxtier.sampling.structured import (GrammarMatcher, StructuredOutputsParams, checked_grammar,
+                                         grammar_tokenizer)
 from jaxtier.text.tokenizer import Tokenizer
 
 WORKERS = 2  # compiles at once: llguidance builds on one core each
@@ -55,7 +56,8 @@ class GrammarCompiles:
     checked_grammar(constraint, self.limits)
 
   def submit(self, request_id: Hashable, constraint: StructuredOutputsParams) -> None:
-    """Starts building the matcher of a checked constraint."""
+    """Starts building the matcher of a checked constraint (an earlier compile under the same
+    id, whose request ended, is forgotten: its result is never handed back)."""
     if self._pool is None:
       self._pool = concurrent.futures.ThreadPoolExecutor(WORKERS, "jaxtier-grammar")
     future = self._pool.submit(self._build, constraint)

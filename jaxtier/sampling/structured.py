@@ -147,25 +147,26 @@ class StructuredOutputsParams:
     default `GrammarLimits()`). Raises StructuredOutputsError if it is invalid or too large."""
     return checked_grammar(self, limits or GrammarLimits())
 
-  def _convert(self) -> str:
-    """The constraint as an llguidance grammar, not yet validated."""
-    name = self.field
-    try:
-      if name == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            self.json, defaults={"whitespace_flexible": False})
-      if name == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            {"type": "object"}, defaults={"whitespace_flexible": False})
-      if name == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(self.regex)
-      if name == "choice":  # one lexeme: see the module docstring
-        return llguidance.LLMatcher.grammar_from_lark(
-            "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in self.choice))
-      return llguidance.LLMatcher.grammar_from_lark(self.grammar)
-    except (ValueError, TypeError, RecursionError) as e:
-      raise StructuredOutputsError(f"structured_outputs.{name}",
-                                   f"structured_outputs.{name} is invalid: {e}") from None
+
+def _grammar_of(params: StructuredOutputsParams) -> str:
+  """The constraint as an llguidance grammar, not yet validated."""
+  name = params.field
+  try:
+    if name == "json":
+      return llguidance.LLMatcher.grammar_from_json_schema(
+          params.json, defaults={"whitespace_flexible": False})
+    if name == "json_object":
+      return llguidance.LLMatcher.grammar_from_json_schema(
+          {"type": "object"}, defaults={"whitespace_flexible": False})
+    if name == "regex":
+      return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if name == "choice":  # one lexeme: see the module docstring
+      return llguidance.LLMatcher.grammar_from_lark(
+          "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in params.choice))
+    return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+  except (ValueError, TypeError, RecursionError) as e:
+    raise StructuredOutputsError(f"structured_outputs.{name}",
+                                 f"structured_outputs.{name} is invalid: {e}") from None
 
 
 def _size(params: StructuredOutputsParams) -> int:
@@ -232,7 +233,7 @@ def checked_grammar(params: StructuredOutputsParams, limits: GrammarLimits) -> s
   if memo is not None and memo[0] == limits:
     return memo[1]
   check_limits(params, limits)
-  grammar = params._convert()  # pylint: disable=protected-access
+  grammar = _grammar_of(params)
   name = params.field
   try:
     error = llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits(limits))
