@@ -154,7 +154,7 @@ def test_a_grammar_over_its_compile_budget_ends_its_request_with_the_reason(tiny
 
 @pytest.fixture(scope="module")
 def app():
-  llm = jaxtier.LLM(fixture_path("tiny_llama_chat"), max_model_len=128, max_num_seqs=4,
+  llm = jaxtier.LLM(fixture_path("tiny_llama_chat"), max_model_len=256, max_num_seqs=4,
                     layer_execution="scan")
   with cold_app(llm, "tiny") as app:
     yield app
@@ -210,7 +210,9 @@ def test_a_body_nested_past_what_json_reads_is_a_400_naming_the_depth_limit(app)
 
 
 def test_a_big_choice_does_not_stall_a_plain_stream(app):
-  plain = {"prompt": "a b c", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+  # Long enough that the big request's fixed costs (reading a 500 kB body on the event loop) are
+  # not most of the plain one's time on a loaded machine.
+  plain = {"prompt": "a b c", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
            "stream": True}
   big = {"prompt": "d e", "max_tokens": 30, "structured_outputs": {"choice": words(50_000)}}
   post(app, [plain, {**big, "structured_outputs": {"choice": list(CHOICES)}}])  # compiles
