@@ -15,7 +15,7 @@ from jaxtier import checkpoint, offload
 from jaxtier.checkpoint import placed
 from jaxtier.checkpoint.params import ArraySource, check_params, flat_params
 from jaxtier.common.checks import check_prompt_ids
-from jaxtier.engine import build, doctor, link, pinned_cap, sizing
+from jaxtier.engine import build, doctor, link, pinned_cap, sizing, startup
 from jaxtier.engine.args import EngineArgs
 from jaxtier.engine.engine import Engine
 from jaxtier.engine.padded import Completion, StepUpdate, generate_batch
@@ -201,6 +201,8 @@ class LLM:
   def __init__(self, model: "str | Transformer", tokenizer: Tokenizer | None = None,
                **engine_args):
     # parse -> plan -> load -> build
+    started = time.perf_counter()
+    startup.default_compilation_cache()  # programs kept on disk: a second start compiles none
     in_memory = not isinstance(model, str)
     name = f"{getattr(getattr(model, 'config', None), 'architecture', 'model')} (in memory)"
     self.args = args = EngineArgs(model=name if in_memory else model, **engine_args)
@@ -213,14 +215,19 @@ class LLM:
     # loads from its float32 Orbax copy.
     opened = (build.open_model(model, tokenizer, args, machine) if in_memory
               else build.open_checkpoint(model, args, machine))
+    opened_at = time.perf_counter()
     try:
       self.plan = build.plan_checkpoint(args.model, opened, args, machine, mesh=self.mesh)
     except BaseException:
       opened.close()
       raise
+    planned_at = time.perf_counter()
     self.machine, self.config, self.sizing = machine, self.plan.config, self.plan.sizing
     self.layout, self.engine_config = self.plan.layout, self.plan.engine_config
     self.loaded = checkpoint.load_opened(opened, self.sizing.dtype, self.layout)
+    # start-up phases: the checkpoint opened and its weights loaded; the plan sized
+    self.startup = {"load_seconds": opened_at - started + time.perf_counter() - planned_at,
+                    "size_seconds": planned_at - opened_at}
     self.model_name = args.model
     self.tokenizer = tokenizer or self.loaded.tokenizer
     if args.chat_template is not None:
@@ -277,9 +284,11 @@ class LLM:
     """The engine. Its KV pools are allocated on first use, so a process that only runs the
     padded reference driver (`run_batch`) holds no pools beside it."""
     if self._engine is None:
+      start = time.perf_counter()
       self._engine = Engine(nnx.merge(self.graphdef, self.state), self.tokenizer,
                             self.engine_config, tail=self._link_tail(),
                             grammar_limits=self.args.grammar_limits)
+      self._engine.startup.update(self.startup, engine_seconds=time.perf_counter() - start)
     return self._engine
 
   def _link_tail(self) -> link.Tail:

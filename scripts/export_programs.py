@@ -6,12 +6,12 @@ for `--platform` (default cuda; bfloat16, the portable kernels, scanned layers),
 machine. The
 model's state and KV cache are abstract, with the shardings and memory kinds loading would give
 them (the offloaded tail and the host KV pool in pinned host memory); only the checkpoint's
-config is read. For the prefill step, the decode step, sampling, `follow`, log-probabilities and
-both swaps (one representative shape each), the object holds `ok` / `error`, `cpu_custom_calls`
-(calls only a CPU runs), `host_compute_ops` (ops on host-memory values other than data
-movement), `h2d_bytes` / `d2h_bytes` (bytes one call moves to / from the device) and
-`pallas_kernels` (see `jaxtier.tools.export`). A program that fails to export is reported with
-ok=false; the script still exits 0 (1 with --strict).
+config is read. For the prefill step and the decode step (each with its sampling and
+log-probabilities), the transformed sampler and both swaps (one representative shape each), the
+object holds `ok` / `error`, `cpu_custom_calls` (calls only a CPU runs), `host_compute_ops`
+(ops on host-memory values other than data movement), `h2d_bytes` / `d2h_bytes` (bytes one call
+moves to / from the device) and `pallas_kernels` (see `jaxtier.tools.export`). A program that
+fails to export is reported with ok=false; the script still exits 0 (1 with --strict).
 
   python scripts/export_programs.py --platform=cuda --offload_tail_layers=10 --json=cuda.json
   python scripts/export_programs.py --platform=tpu --model=tests/fixtures/tiny_llama

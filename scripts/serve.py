@@ -6,10 +6,13 @@ stream=true), /v1/models, /health and Prometheus /metrics.
       -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
 
 One engine thread steps continuously: a request joins the running batch at the next step. At
-start-up every program the engine can run is compiled (kept in JAX's persistent compilation cache,
-so a restart is fast), its progress logged; /health answers 503 until then, 200 after (a warm-up
-that fails leaves /health at 503 with the reason, while requests are still served). The server
-logs at INFO unless --verbosity is given. SIGTERM (or Ctrl-C) stops
+start-up a warm-up thread compiles every program the engine can run (kept in JAX's persistent
+compilation cache, --compilation_cache_dir, so a restart compiles nothing), its progress logged,
+those of an ordinary request first: /health answers 503 until those exist, 200 after, while the
+rest compile (reported in /metrics). Requests are served from the start, each compiling the
+programs it needs ahead of the warm-up (a warm-up that fails before it is ready leaves /health at
+503 with the reason, while requests are still served). One line logs the start-up's phases
+(size, load, engine, compile, ready). The server logs at INFO unless --verbosity is given. SIGTERM (or Ctrl-C) stops
 accepting requests, lets running ones finish for up to --shutdown_timeout_s, ends the rest with
 finish_reason "abort" and exits 0; a second signal exits at once. Flag values are checked, and
 the port taken, before the model is loaded: a port already in use ends the process at once.
@@ -51,8 +54,9 @@ flags.DEFINE_integer("max_queued_requests", 1024, "most requests waiting for adm
                      "get 429 with a Retry-After header", lower_bound=1)
 flags.DEFINE_float("shutdown_timeout_s", 30.0, "on SIGTERM, how long running requests may still "
                    "run before they end with finish_reason 'abort'", lower_bound=0)
-flags.DEFINE_boolean("warmup", True, "compile every program before /health says ok (else the "
-                     "first request of each shape waits for its compile)")
+flags.DEFINE_boolean("warmup", True, "compile every program on a warm-up thread while serving, "
+                     "an ordinary request's first, /health ok once those exist (else /health is "
+                     "ok at once and the first request of each shape waits for its compile)")
 flags.adopt_module_key_flags(engine_flags)  # --help lists the engine flags (and --seed)
 
 def _draining_server(config, engine, timeout_s: float):
@@ -99,11 +103,10 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _report_ready(engine) -> None:
-  engine.wait_ready()
-  report = engine.warmup_report
-  if report is not None:
-    print(f"ready: {report['programs']} programs compiled or loaded in {report['seconds']:.1f} s",
-          file=sys.stderr, flush=True)
+  """Prints the start-up line once /health answers 200 (or why it never will)."""
+  from jaxtier.engine import startup  # pylint: disable=g-import-not-at-top
+  if engine.wait_ready():
+    print(startup.startup_line(engine.engine.startup_figures()), file=sys.stderr, flush=True)
   elif engine.warmup_error is not None:
     print(f"warm-up failed: {engine.warmup_error} (/health answers 503)", file=sys.stderr,
           flush=True)
@@ -127,10 +130,13 @@ def _require_server_extra() -> None:
 def main(argv):
   del argv
   _require_server_extra()
+  # The port first: taken in milliseconds, before JAX is imported (`prepare` turns on the
+  # compilation cache) and long before the model loads.
+  sock = None if FLAGS.dry_run else _listen(FLAGS.host, FLAGS.port)
   engine_flags.prepare()
+  engine_flags.check_model(FLAGS.model)  # an unreadable --model: one line, before JAX starts
   if not FLAGS["verbosity"].present:  # the warm-up's progress and failures, a failed step
     logging.set_verbosity(logging.INFO)
-  sock = _listen(FLAGS.host, FLAGS.port)
   # Imported here so that a bad flag is reported without waiting for JAX to import.
   import uvicorn
 

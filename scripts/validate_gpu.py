@@ -52,10 +52,19 @@ order (cheap ones first):
   true in its JSON), only so that the section executes.
 - `compile`: the programs the default server configuration (`configs/serve_default.py`, its model
   replaced by TinyLlama-1.1B's shape; smaller with `--allow_cpu`) compiles at warm-up
-  (`jaxtier.engine.engine.warmup_programs`), counted by kind, and the compile seconds of a
-  representative few (`jaxtier.tools.export.representative_programs`: the widest decode step, its
-  sampler, the largest prefill step, a swap-out), built from abstract state (no weight is read)
-  with JAX's persistent compilation cache off; the warm-up estimated as count x mean and by kind.
+  (`jaxtier.engine.engine.warmup_programs`), counted by kind (decode and prefill steps, each with
+  its sampling and log-probabilities in it; transformed samplers; swaps), and the compile seconds
+  of a representative few (`jaxtier.tools.export.representative_programs`: the widest decode
+  step, the transformed sampler at its rows, the largest prefill step, a swap-out), built from
+  abstract state (no weight is read) with JAX's persistent compilation cache off; the warm-up
+  estimated as count x mean and by kind.
+- `startup`: a server's start on the 1.1B-shaped model (random weights) with the default server
+  configuration, in two fresh processes on one empty persistent compilation cache: the first
+  (cold) builds `jaxtier.LLM` and compiles the warm-up's programs in order
+  (`warmup_programs`; an ordinary request's first, `ready_programs`) until its share of the
+  time box is spent; the second (warm) loads the same programs. Each reports the program count,
+  how many it compiled and how many came from the cache, the seconds to the ready programs and
+  to all it built, and the seconds since its process started.
 - `pinned_cap`: XLA's GPU client caps pinned host memory at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64
   GiB unset), read when the backend starts: a child process started with the variable above 64
   allocates pinned_host buffers of 1 GiB past 64 GiB in all, where the host's available memory
@@ -112,10 +121,11 @@ from absl import app, flags
 import benchlib
 
 SECTIONS = ["env", "swap", "link", "hf_tiny", "engine_tiny", "sampling", "quant", "experts",
-            "attention", "compile", "pinned_cap", "profile", "decode"]
+            "attention", "compile", "startup", "pinned_cap", "profile", "decode"]
 # Seconds each long section may take at most (cut to what is left of --budget_s): on an H200 the
 # whole run is meant to fit 8 minutes.
-TIME_BOX_S = {"swap": 30.0, "compile": 60.0, "pinned_cap": 75.0, "profile": 60.0, "decode": 200.0}
+TIME_BOX_S = {"swap": 30.0, "compile": 60.0, "startup": 150.0, "pinned_cap": 75.0,
+              "profile": 60.0, "decode": 200.0}
 
 _OUT = flags.DEFINE_string("out", "validate_gpu.json", "where the JSON goes")
 _ALLOW_CPU = flags.DEFINE_bool("allow_cpu", False, "run on a CPU (small shapes; a dry run)")
@@ -920,11 +930,25 @@ def _server_engine_args() -> dict:
   return out
 
 
-def _program_kind(key: tuple) -> str:
-  """Which measured program stands for a warm-up program in the estimate by kind."""
+def _program_label(key: tuple) -> str:
+  """A `Runner` program's kind as the compile section counts it: "decode" or "prefill" for a
+  model call ("step": its sampling and log-probabilities in it), else the key's kind
+  ("sample_transformed", "swap", and the on-demand "logprobs" and "processed_logprobs")."""
   if key[0] == "step":
     return "decode" if key[2] == 1 else "prefill"
-  return "swap_out" if key[0] == "swap" else "sample"
+  return key[0]
+
+
+def _program_kind(key: tuple) -> str:
+  """Which measured program stands for a warm-up program in the estimate by kind: a step by the
+  decode or the prefill step, a swap by the swap-out, a program on a call's logits (the
+  transformed sampler, a transformed call's log-probabilities) by the transformed sampler."""
+  label = _program_label(key)
+  if label == "swap":
+    return "swap_out"
+  if label in ("logprobs", "processed_logprobs"):
+    return "sample_transformed"
+  return label
 
 
 def section_compile(box: _Box) -> dict:
@@ -940,9 +964,10 @@ def section_compile(box: _Box) -> dict:
   keys = warmup_programs(engine.engine_config, engine.vocab_size)
   out = {"model": cfg, "engine_args": args,
          "engine_config": dataclasses.asdict(engine.engine_config), "programs": len(keys),
-         "programs_by_kind": dict(collections.Counter(k[0] for k in keys))}
+         "programs_by_kind": dict(collections.Counter(_program_label(k) for k in keys))}
   wanted = export.representative_programs(engine.engine_config, engine.vocab_size)
-  groups = (("decode", "sample"), ("prefill",), ("swap_out",))  # a sampler after its step
+  # the transformed sampler after the step whose logits it takes
+  groups = (("decode", "sample_transformed"), ("prefill",), ("swap_out",))
   seconds, keys_of, errors = {}, {}, {}
   cache_was = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)  # compile, do not read a cache
@@ -973,11 +998,87 @@ def section_compile(box: _Box) -> dict:
     mean = sum(measured.values()) / len(measured)
     out["seconds_per_program"] = mean
     out["warmup_estimate_seconds"] = mean * len(keys)
-    # each program at the seconds of the measured one of its kind: a step at the decode or the
-    # prefill step's, a swap at the swap-out's, the rest (sampling, follow, log-probabilities) at
-    # the sampler's; the mean where that one was not measured
+    # each program at the seconds of the measured one of its kind (`_program_kind`): a step at
+    # the decode or the prefill step's, a swap at the swap-out's, a transformed sampler at the
+    # measured one's; the mean where that one was not measured
     out["warmup_estimate_by_kind_seconds"] = sum(measured.get(_program_kind(k), mean)
                                                  for k in keys)
+  return out
+
+
+def startup_child(directory: str, engine_args: str, seconds: float, keys_most: int) -> None:
+  """(The `startup` section's child process.) Builds `jaxtier.LLM` on `directory` with
+  `engine_args` (JSON), then compiles the warm-up's programs in order, at most `keys_most`,
+  until `seconds` have passed since it began compiling; prints one JSON line of figures."""
+  import jaxtier
+  from jaxtier.engine import startup
+  from jaxtier.engine.engine import ready_programs, warmup_programs
+  began = time.perf_counter()
+  llm = jaxtier.LLM(directory, **json.loads(engine_args))
+  engine = llm.engine
+  built = time.perf_counter()
+  keys = warmup_programs(engine.config, engine.grammar_vocab)
+  ready = len(ready_programs(engine.config, engine.grammar_vocab))
+  out = {"programs": len(keys), "ready_programs": ready, "build_seconds": built - began}
+  runner, done = engine.runner, [0]
+
+  class _Spent(Exception):
+    pass
+
+  def progress(count, total, key):
+    del total, key
+    done[0] = count
+    if count == ready:
+      out["ready_seconds"] = time.perf_counter() - built
+      out["ready_process_seconds"] = startup.process_seconds()
+    if count >= ready and time.perf_counter() - built > seconds:
+      raise _Spent
+
+  try:  # in order, each program after the one whose logits it takes
+    engine.compile_programs(keys[:keys_most], progress)
+  except _Spent:
+    pass
+  done = done[0]
+  out.update(built_programs=done, compiled=runner.compiled_programs, cache_hits=runner.cache_hits,
+             compile_seconds=runner.compile_seconds, seconds=time.perf_counter() - built,
+             process_seconds=startup.process_seconds())
+  print(json.dumps(out), flush=True)
+
+
+def section_startup(box: _Box) -> dict:
+  """A cold start and a warm one of the 1.1B shape (see the module docstring)."""
+  directory, cfg, _ = _llama_dir(weights=True)
+  args = {**_server_engine_args(), "max_model_len": 2048}
+  out = {"model": cfg, "engine_args": args}
+  keys_most = None
+  with tempfile.TemporaryDirectory() as cache:
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    for label, share in (("cold", 0.65), ("warm", 1.0)):
+      # a dry run builds the ready programs and a few more: the section only has to run
+      seconds = 5.0 if _ALLOW_CPU.value else max(box.left() * share - 20, 1.0)
+      most = keys_most if keys_most is not None else 1 << 30
+      code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+              f"import validate_gpu; validate_gpu.startup_child({directory!r}, "
+              f"{json.dumps(args)!r}, {seconds}, {most})")
+      start = time.perf_counter()
+      try:
+        child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                               text=True, timeout=max(box.left(), 10.0))
+      except subprocess.TimeoutExpired:
+        out[label] = {"error": f"the child ran past the section's {box.seconds:.0f} s time box"}
+        break
+      lines = child.stdout.strip().splitlines()
+      if child.returncode != 0 or not lines:
+        out[label] = {"error": f"exited with {child.returncode}: {child.stderr.strip()[-1500:]}"}
+        break
+      out[label] = {**json.loads(lines[-1]), "wall_seconds": time.perf_counter() - start}
+      keys_most = out[label]["built_programs"]  # the warm start loads what the cold one built
+  cold, warm = out.get("cold", {}), out.get("warm", {})
+  if cold.get("compiled"):
+    out["cold_seconds_per_program"] = cold["compile_seconds"] / cold["compiled"]
+    out["cold_estimate_all_seconds"] = out["cold_seconds_per_program"] * cold["programs"]
+  if "compiled" in warm:
+    out["warm_compiled_nothing"] = warm["compiled"] == 0
   return out
 
 
@@ -1300,9 +1401,18 @@ def _headline(name: str, v: dict) -> tuple[str, str]:
   if name == "compile":
     each = ", ".join(f"{n} {_fmt(c['seconds'])} s" if "seconds" in c else f"{n} failed"
                      for n, c in v["compiled"].items())
-    return "ran", (f"{v['programs']} warm-up programs; {each}; warm-up ~"
+    kinds = ", ".join(f"{k} {n}" for k, n in v["programs_by_kind"].items())
+    return "ran", (f"{v['programs']} warm-up programs ({kinds}); {each}; warm-up ~"
                    f"{_fmt(v.get('warmup_estimate_seconds'))} s (count x mean), "
                    f"~{_fmt(v.get('warmup_estimate_by_kind_seconds'))} s by kind")
+  if name == "startup":
+    cold, warm = v.get("cold", {}), v.get("warm", {})
+    return passed(v.get("warm_compiled_nothing")), (
+        f"{cold.get('programs')} programs; cold: ready {_fmt(cold.get('ready_seconds'))} s, "
+        f"{cold.get('built_programs')} built in {_fmt(cold.get('seconds'))} s "
+        f"(~{_fmt(v.get('cold_estimate_all_seconds'))} s for all); warm: ready "
+        f"{_fmt(warm.get('ready_seconds'))} s, {warm.get('built_programs')} in "
+        f"{_fmt(warm.get('seconds'))} s, {warm.get('compiled')} compiled")
   if name == "pinned_cap":
     if "skipped" in v:
       return "skipped", v["skipped"]

@@ -24,6 +24,8 @@ from flax import nnx  # pylint: disable=wrong-import-position
 
 from jaxtier import offload  # pylint: disable=wrong-import-position
 import jaxtier  # pylint: disable=wrong-import-position
+from jaxtier.engine.step_inputs import GREEDY, StepArrays  # pylint: disable=wrong-import-position
+from jaxtier.sampling.samplers import SamplingArrays  # pylint: disable=wrong-import-position
 from jaxtier.tools import hlo  # pylint: disable=wrong-import-position
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.\n",
@@ -51,22 +53,27 @@ def _host_block(host) -> dict:
           "host_block_kind": sorted({b.k.sharding.memory_kind for b in stored})}
 
 
-def _collectives(llm: jaxtier.LLM) -> dict[str, int]:
-  """Collective ops in the compiled decode step (batch 2, one token) after partitioning."""
+def _decode_args(llm: jaxtier.LLM) -> tuple:
+  """The engine's decode step program (`Runner._step`, its sampling in it) and its arguments at
+  batch 2, one token, as `Runner._build_each` makes them."""
   engine, runner = llm.engine, llm.engine.runner
   tokens, last = np.zeros((2, 1), np.int32), np.zeros(2, np.int32)
-  args = runner.forward_args(engine.cache, tokens, tokens, np.zeros((2, 8), np.int32), last)
-  text = runner._forward.lower(*args).compile().as_text()  # pylint: disable=protected-access
+  sampling = SamplingArrays.from_params([GREEDY] * 2, [0] * 2, [0] * 2)
+  arrays = StepArrays((), (), tokens, tokens, np.zeros((2, 8), np.int32), last, sampling)
+  return runner._step, runner.step_args(engine.cache, arrays)  # pylint: disable=protected-access
+
+
+def _collectives(llm: jaxtier.LLM) -> dict[str, int]:
+  """Collective ops in the compiled decode step (batch 2, one token) after partitioning."""
+  step, args = _decode_args(llm)
+  text = step.lower(*args).compile().as_text()
   kinds = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
   return {k: len(re.findall(rf"= \S+ {k}(?:-start)?\(", text)) for k in kinds}
 
 
 def _exported_transfers(llm: jaxtier.LLM) -> dict[str, int]:
-  engine, runner = llm.engine, llm.engine.runner
-  tokens, last = np.zeros((2, 1), np.int32), np.zeros(2, np.int32)
-  args = runner.forward_args(engine.cache, tokens, tokens, np.zeros((2, 8), np.int32), last)
-  forward = runner._forward  # pylint: disable=protected-access
-  report = hlo.placement_report(hlo.exported_text(forward, *args, platform="cuda"))
+  step, args = _decode_args(llm)
+  report = hlo.placement_report(hlo.exported_text(step, *args, platform="cuda"))
   return {"per_call": report.to_device_bytes_per_call(),
           "per_device": report.to_device_bytes_per_device(),
           "host_compute": len(report.host_compute)}

@@ -1,11 +1,13 @@
 """Programs at every shape the buckets produce, against one-piece references.
 
-Past 8 rows a call's rows are multiples of a step, not powers of two (`buckets.row_bucket`: 24,
-40, 48, 56, ...), so no program may assume that rows x tokens is a power of two or divides one.
-Prompt log-probabilities (what echo scores over HTTP too) and sampling are run at bucket shapes and
-compared with log_softmax of the whole logits in numpy; every program the warm-up compiles for
-max_num_seqs 1..64 is built with `jax.eval_shape` (traced, not compiled); and a batch of 24 or 40
-prompts asking for prompt log-probabilities gets what each prompt gets alone.
+Past 16 rows a decode call's rows are not powers of two (`buckets.row_bucket`: 24, 48, 96, ...),
+so no program may assume that its rows are a power of two or divide one. Prompt log-probabilities
+(what echo scores over HTTP too), computed in the model call's program of a prefill call, and the
+sampler with the sampled tokens' log-probabilities, computed in every call's program, are run at
+bucket shapes and compared with log_softmax of the whole logits in numpy; every program the
+warm-up compiles for max_num_seqs 1..64 is built with `jax.eval_shape` (traced, not compiled); and
+a batch of 24 or 40 prompts asking for log-probabilities (prompt and sampled, decoded at 24 and 48
+rows) gets what each prompt gets alone.
 
 Shape legend: b rows, t tokens per row, n positions, h hidden size, v vocab.
 """
@@ -31,12 +33,13 @@ from jaxtier.engine.args import EngineArgs
 from jaxtier.engine.engine import warmup_programs
 from jaxtier.sampling import SamplingArrays, SamplingParams
 from jaxtier.sampling.logprobs import MAX_LOGPROBS
+from jaxtier.sampling.samplers import processed_logprobs, sample
 from jaxtier.server import AsyncEngine, create_app
 
 MAX_NUM_SEQS = 64  # the default: warm-up shapes are checked for every count up to it
 TOL = 1e-5
 ENGINE_ARGS = dict(max_model_len=64, max_num_seqs=40, layer_execution="scan")
-PREFILL_SHAPES = sorted({(b, t) for b, t, _ in batch.step_shapes(MAX_NUM_SEQS, 2048, 2048, 128)
+PREFILL_SHAPES = sorted({(b, t) for b, t, _ in batch.step_shapes(MAX_NUM_SEQS, 2048, 128)
                          if t > 1})
 _HYPOTHESIS = settings(
     max_examples=40 if os.environ.get("JAXTIER_HYPOTHESIS_PROFILE") == "ci" else 8,
@@ -108,17 +111,30 @@ def test_prompt_logprobs_at_bucket_shapes_equal_one_piece_log_softmax(tiny, shap
   check_top(top, ref_nv, targets_bt.reshape(-1), k)
 
 
+_sample = jax.jit(sample, static_argnames="portable")  # the sampler of every model call
+_processed = jax.jit(processed_logprobs)
+
+
 @_HYPOTHESIS
-@given(rows=st.integers(1, MAX_NUM_SEQS), seed=st.integers(0, 3))
-def test_sampling_and_its_logprobs_at_row_buckets_equal_numpy(rows, seed):
+@given(rows=st.integers(1, MAX_NUM_SEQS), seed=st.integers(0, 3), portable=st.booleans())
+def test_sampling_and_its_logprobs_at_row_buckets_equal_numpy(rows, seed, portable):
   b, v = row_bucket(rows), 300
   rng = np.random.default_rng(seed)
   logits_bv = rng.normal(size=(b, v)).astype(np.float32) * 4
   greedy = SamplingArrays.from_params([SamplingParams(temperature=0)] * b, [0] * b, [0] * b)
-  tokens_b = np.asarray(runner._sample(logits_bv, greedy))
+  tokens_b = np.asarray(_sample(logits_bv, greedy, portable=portable))
   np.testing.assert_array_equal(tokens_b, logits_bv.argmax(-1))
-  top = runner._sample_logprobs(logits_bv, tokens_b, k=MAX_LOGPROBS)
-  check_top(top, log_softmax(logits_bv), tokens_b, MAX_LOGPROBS)
+  top = runner._sample_logprobs(logits_bv, tokens_b, k=runner.LOGPROB_K)
+  check_top(top, log_softmax(logits_bv), tokens_b, runner.LOGPROB_K)
+  np.testing.assert_array_equal(_processed(logits_bv, tokens_b, greedy), 0)  # argmax alone
+  # Drawn at temperature 0.5 without a cut: the processed log-probability is that of the
+  # logits / 0.5.
+  warm = SamplingArrays.from_params([SamplingParams(temperature=0.5)] * b, [seed] * b,
+                                    list(range(b)))
+  drawn_b = np.asarray(_sample(logits_bv, warm, portable=portable))
+  assert ((0 <= drawn_b) & (drawn_b < v)).all()
+  np.testing.assert_allclose(_processed(logits_bv, drawn_b, warm),
+                             log_softmax(logits_bv / 0.5)[np.arange(b), drawn_b], atol=TOL)
 
 
 def test_every_warmup_program_of_max_num_seqs_1_to_64_builds(llm):
@@ -133,17 +149,27 @@ def test_every_warmup_program_of_max_num_seqs_1_to_64_builds(llm):
   keys = list(programs)
   traced = engine.runner.trace_programs(engine.cache, keys)
   assert list(traced) == keys
-  prompt = {key[1:3]: out for key, out in traced.items() if key[0] == "prompt_logprobs"}
-  assert {(24, 16), (40, 16), (56, 16)} <= set(prompt)
-  for (b, t), out in prompt.items():
-    assert out.token_lp.shape == (b, t) and out.top_ids_k.shape == (b, t, MAX_LOGPROBS)
+  steps = {key[1:3]: out for key, out in traced.items() if key[0] == "step"}
+  assert {24, 48} <= {b for b, t in steps if t == 1}  # decode rows that are no power of two
+  assert {shape for shape in steps if shape[1] > 1} == set(PREFILL_SHAPES)
+  v = engine.vocab_size
+  for (b, t), (out, cache) in steps.items():  # (StepOut, cache)
+    assert jax.tree.structure(cache) == jax.tree.structure(engine.cache)
+    assert out.tokens_b.shape == (b,) and out.logits_bv.shape == (b, v)
+    assert out.processed_b.shape == (b,) and out.sampled.token_lp.shape == (b,)
+    assert out.sampled.top_ids_k.shape == (b, MAX_LOGPROBS)
+    if t == 1:
+      assert out.prompt is None  # a decode call scores no prompt
+    else:
+      assert out.prompt.token_lp.shape == (b, t)
+      assert out.prompt.top_ids_k.shape == (b, t, MAX_LOGPROBS)
   for key, out in traced.items():
-    if key[0] == "sample":
+    if key[0] == "sample_transformed":
       assert out.shape == (key[1],)
 
 
 def prompts_of(count: int, seed: int) -> list[list[int]]:
-  """`count` prompts of 2-16 tokens: one prefill call of `row_bucket(count)` rows of 16."""
+  """`count` prompts of 2-16 tokens: one prefill row each, then `count` decode rows."""
   rng = np.random.default_rng(seed)
   return [rng.integers(3, 300, size=rng.integers(2, 17)).tolist() for _ in range(count)]
 
@@ -158,13 +184,19 @@ def assert_same_entries(batched, alone) -> None:
 
 
 @pytest.mark.parametrize("count", [24, 40])
-def test_a_batch_of_prompts_gets_the_prompt_logprobs_each_gets_alone(llm, count):
+def test_a_batch_of_prompts_gets_the_logprobs_each_gets_alone(llm, count):
   prompts = prompts_of(count, seed=count)
-  params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+  params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1,
+                          logprobs=1)
   batched = llm.generate(prompts, params)
-  assert (count, 16) in {v[1:3] for v in llm.engine.runner.variants() if v[0] == "step"}
+  ran = {v[1:3] for v in llm.engine.runner.variants() if v[0] == "step"}
+  assert (row_bucket(count), 1) in ran  # 24 or 48 decode rows
   for prompt, out in zip(prompts, batched):
-    assert_same_entries(out.prompt_logprobs, llm.generate(prompt, params)[0].prompt_logprobs)
+    alone = llm.generate(prompt, params)[0]
+    assert out.token_ids == alone.token_ids
+    assert_same_entries(out.prompt_logprobs, alone.prompt_logprobs)
+    assert_same_entries((None,) + tuple(out.outputs[0].logprobs),
+                        (None,) + tuple(alone.outputs[0].logprobs))
 
 
 def test_echo_scores_24_prompts_over_http(llm):

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 import jaxtier
 from conftest import fixture_path
 from jaxtier import checkpoint
-from jaxtier.common.buckets import pow2_buckets_up_to
 from jaxtier.engine import step_inputs as batch, link
 from jaxtier.engine.engine import Engine, EngineConfig
+from jaxtier.kvcache.swap import swap_sizes
 from jaxtier.engine.padded import generate_batch
 from jaxtier.sampling import SamplingParams
 from jaxtier.scheduler import Request
@@ -91,14 +91,13 @@ def reference(model, tokenizer, prompts, params, seeds=None) -> list[tuple[int, 
 
 def assert_variants_are_warmed(engine: Engine):
   """Every program the engine ran is one `Engine.warmup` compiles: the shapes `step_shapes`
-  lists for its configuration, their sampling, the decode calls' `follow` (planned ahead), and
-  swaps of a padded count within the pools."""
+  lists for its configuration (sampling folded in), and swaps of a listed count within the
+  pools."""
   c = engine.config
-  shapes = set(batch.step_shapes(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
-                                 engine.table_width))
-  swaps = pow2_buckets_up_to(min(c.num_device_blocks, c.num_host_blocks)) if c.num_host_blocks else []
-  warmed = ({("step",) + shape for shape in shapes} | {("sample", b) for b, _, _ in shapes}
-            | {("follow", b) for b, t, _ in shapes if t == 1}
+  shapes = set(batch.step_shapes(c.max_num_seqs, c.max_num_batched_tokens, engine.table_width))
+  most = min(c.num_device_blocks, c.num_host_blocks)
+  swaps = [x for x in swap_sizes() if x <= most] if c.num_host_blocks else []
+  warmed = ({("step",) + shape for shape in shapes}
             | {("swap", d, x) for d in ("out", "in") for x in swaps})
   assert set(engine.runner.variants()) <= warmed
 
@@ -136,8 +135,8 @@ def test_a_prefill_split_into_calls_equals_the_contiguous_reference(tiny, monkey
   model, tokenizer = tiny
   split, original = [], batch.prefill_calls
 
-  def prefill_calls(plan):
-    calls = original(plan, row_tokens=8)
+  def prefill_calls(plan, most_rows):  # 8-token rows: up to 16 of them in a call
+    calls = original(plan, 16, row_tokens=8)
     split.append(len(calls))
     return calls
 

@@ -179,8 +179,44 @@ def test_updates_carry_each_tokens_entry_and_the_prompt_entries_first(tiny):
   assert streamed == list(completion.logprobs) and len(streamed) == 5
   assert completion.prompt_logprobs == first.prompt_logprobs
   assert updates["plain"][-1].completion.logprobs is None
+  # Plain sampling: the log-probabilities come out of the model call's own program.
+  assert {v[0] for v in engine.runner.variants()} <= {"step", "swap"}
+
+
+def test_only_rows_with_logit_transforms_run_logprob_programs_of_their_own(tiny):
+  """With plain sampling the model call's program computes the log-probabilities (sampled and
+  prompt); a call with a logit-transformed row samples and scores that row in programs of its
+  own, compiled when first needed. Either way the values are the raw model's."""
+  model, tokenizer = tiny
+  engine = engine_of(model, tokenizer, **ENGINE)
+  prompts = prompts_of((9, 21), seed=6)
+  plain = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3,
+                         prompt_logprobs=2)
+  engine.add_request("plain", prompts[0], plain, 0)
+  while engine.has_unfinished():
+    engine.step()
   kinds = {v[0] for v in engine.runner.variants()}
-  assert {"logprobs", "prompt_logprobs"} <= kinds
+  assert kinds <= {"step", "swap"}
+  biased = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3,
+                          prompt_logprobs=2, logit_bias={prompts[1][0]: 5.0})
+  engine.add_request("biased", prompts[1], biased, 0)
+  updates = []
+  while engine.has_unfinished():
+    updates += engine.step()
+  kinds = {v[0] for v in engine.runner.variants()}
+  assert {"sample_transformed", "logprobs", "processed_logprobs"} <= kinds
+  assert "prompt_logprobs" not in kinds  # prompt log-probabilities stay in the model call
+  completion = updates[-1].completion
+  generated = list(completion.token_ids)
+  ref_tv = reference(model, prompts[1] + generated)
+  check_prompt_logprobs(completion.prompt_logprobs, prompts[1], ref_tv, 2, tokenizer)
+  assert len(completion.logprobs) == len(generated) == 5
+  bias_v = np.zeros(ref_tv.shape[1])
+  bias_v[prompts[1][0]] = 5.0
+  for g, (token, entry) in enumerate(zip(generated, completion.logprobs)):
+    ref_v = ref_tv[len(prompts[1]) + g - 1]
+    assert token == int(np.argmax(ref_v + bias_v))  # greedy under the bias
+    check_entry(entry, token, ref_v, 3, tokenizer)  # the raw model's values
 
 
 def test_no_logprob_programs_run_when_no_request_asks(tiny):
@@ -190,7 +226,7 @@ def test_no_logprob_programs_run_when_no_request_asks(tiny):
     engine.add_request(i, prompt, SamplingParams(max_tokens=4, temperature=0), 0)
   while engine.has_unfinished():
     assert all(u.new_logprobs is None and u.prompt_logprobs is None for u in engine.step())
-  assert {v[0] for v in engine.runner.variants()} <= {"step", "sample", "follow", "swap"}
+  assert {v[0] for v in engine.runner.variants()} <= {"step", "swap"}
 
 
 @pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])

@@ -110,21 +110,26 @@ LOWER_FOR_CUDA = """
 import sys
 import numpy as np
 import jaxtier
+from jaxtier.engine.step_inputs import GREEDY, StepArrays
 from jaxtier.kernels.cpu import library as cpu_kernels
+from jaxtier.sampling.samplers import SamplingArrays
 from jaxtier.tools import hlo
 llm = jaxtier.LLM(sys.argv[1], kernels="portable", max_num_seqs=2, offload_tail_layers=1)
 out = llm.generate([[5, 6, 7]], jaxtier.SamplingParams(max_tokens=4, temperature=0))
 engine, runner = llm.engine, llm.engine.runner
 tokens, last = np.zeros((2, 1), np.int32), np.zeros(2, np.int32)
-args = runner.forward_args(engine.cache, tokens, tokens, np.zeros((2, 8), np.int32), last)
-text = hlo.exported_text(runner._forward, *args, platform="cuda")
+sampling = SamplingArrays.from_params([GREEDY] * 2, [0] * 2, [0] * 2)
+arrays = StepArrays((), (), tokens, tokens, np.zeros((2, 8), np.int32), last, sampling)
+args = runner.step_args(engine.cache, arrays)
+text = hlo.exported_text(runner._step, *args, platform="cuda")
 print(len(out[0].token_ids), "jaxtier_" in text, cpu_kernels._load.cache_info().currsize)
 """
 
 
 def test_portable_never_builds_or_loads_the_cpu_kernels(tmp_path):
   """With no compiler on PATH and an empty cache, a portable engine loads, generates and lowers
-  its decode step for CUDA without ever trying to build or load the CPU kernels."""
+  its decode step (with its sampler) for CUDA without ever trying to build or load the CPU
+  kernels."""
   import os, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {k: v for k, v in os.environ.items() if k not in ("CXX", "CC")}

@@ -405,13 +405,13 @@ def test_no_compile_after_ready(engine, client):
 def test_health_is_503_until_warm():
   served = jaxtier.LLM(fixture_path("tiny_llama"), **ENGINE_ARGS)
   release = threading.Event()
-  warmup = served.engine.warmup
+  compile_programs = served.engine.compile_programs
 
-  def held_warmup(**kwargs):
+  def held_warmup(keys, progress=None):  # the warm-up thread's compiles, held
     assert release.wait(timeout=60)
-    return warmup(**kwargs)
+    return compile_programs(keys, progress)
 
-  served.engine.warmup = held_warmup
+  served.engine.compile_programs = held_warmup
   warming = AsyncEngine(served)
   try:
     warming_client = TestClient(create_app(warming, MODEL))
@@ -647,4 +647,4 @@ def test_sigterm_drains_and_exits_0(tmp_path):
   chunks = [json.loads(line[len("data: "):]) for line in [first] + rest[:-1]]
   assert rest[-1] == "data: [DONE]"
   assert chunks[-1]["choices"][0]["finish_reason"] in ("abort", "length")
-  assert "ready:" in proc.stderr.read()
+  assert "start-up: " in proc.stderr.read()  # the phases line, printed once ready

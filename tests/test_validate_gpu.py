@@ -9,7 +9,7 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 SECTIONS = ("env,swap,link,hf_tiny,engine_tiny,sampling,quant,experts,attention,compile,"
-            "pinned_cap,profile,decode")
+            "startup,pinned_cap,profile,decode")
 
 
 def test_validate_gpu_dry_run(tmp_path):
@@ -62,9 +62,17 @@ def test_validate_gpu_dry_run(tmp_path):
   compiled = sections["compile"]
   assert compiled["engine_args"]["max_num_seqs"] == 16  # configs/serve_default.py's
   assert compiled["programs"] == sum(compiled["programs_by_kind"].values()) > 10
-  assert set(compiled["compiled"]) == {"decode", "sample", "prefill", "swap_out"}
+  assert set(compiled["programs_by_kind"]) == {"decode", "prefill", "sample_transformed", "swap"}
+  assert set(compiled["compiled"]) == {"decode", "sample_transformed", "prefill", "swap_out"}
   assert all(c["seconds"] > 0 for c in compiled["compiled"].values())
   assert compiled["warmup_estimate_seconds"] > 0 and compiled["warmup_estimate_by_kind_seconds"] > 0
+  started = sections["startup"]
+  cold, warm = started["cold"], started["warm"]
+  assert cold["programs"] == warm["programs"] > cold["ready_programs"] > 0
+  assert cold["built_programs"] == warm["built_programs"] >= cold["ready_programs"]
+  assert cold["compiled"] >= cold["built_programs"] and cold["ready_seconds"] > 0
+  assert warm["compiled"] == 0 and warm["cache_hits"] >= warm["built_programs"]
+  assert started["warm_compiled_nothing"] and started["cold_estimate_all_seconds"] > 0
   pinned = sections["pinned_cap"]
   assert pinned["cap"] == "none" and pinned["ok"]
   assert pinned["allocated_bytes"] == pinned["requested_bytes"] > 0

@@ -23,6 +23,7 @@ changed during the run, or the files of an earlier run do not fit this one.
 import dataclasses
 import json
 import os
+import sys
 import time
 from typing import Any, NoReturn
 
@@ -32,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtier.batch import files as batch_output, reader as batch_input
+from jaxtier.engine import startup
 from jaxtier.llm import LLM
 from jaxtier.sampling import SamplingParams
 from jaxtier.server.records import BatchRecord, parse_record
@@ -374,6 +376,9 @@ def generate(llm: LLM | None, source: batch_input.JsonlSource, shard: grain.shar
       else:
         progress.finish(ordinal)
       save()
+      if not counts["requests"] and llm is not None:  # ready: the first record is out
+        figures = {**llm.engine.startup_figures(), "ready_seconds": startup.process_seconds()}
+        print(f"{desc}: {startup.startup_line(figures)}", file=sys.stderr, flush=True)
       counts["requests"] += 1
       counts["prompt_tokens"] += len(result.prompt_token_ids)
       counts["generated_tokens"] += len(result.token_ids)

@@ -11,22 +11,23 @@ def pow2_buckets_up_to(n: int) -> list[int]:
   return [1 << i for i in range(pow2_bucket(n).bit_length())]
 
 
-ROW_STEP = 8  # past this many rows, a model call's rows pad to multiples of a step
+ROW_STEP = 8  # past this many rows, a call's rows pad to a power of two or 1.5 times one
 
 
 def row_bucket(n: int) -> int:
-  """Rows of a model call: a power of two up to ROW_STEP, then a multiple of
-  max(ROW_STEP, pow2_bucket(n) / ROW_STEP).
+  """Rows of a model call: a power of two up to ROW_STEP, then the smallest of 16, 24, 32, 48,
+  64, 96, ... (powers of two and 1.5 times them) that holds n.
 
-  Every padded row costs its share of each weight matmul, so past ROW_STEP rows the padding stays
-  under ROW_STEP rows or 1/8 of the call (instead of up to half of it with powers of two), while
-  the number of buckets grows only by ROW_STEP per doubling."""
-  if n <= ROW_STEP:
+  Every padded row costs its share of each weight matmul, so past ROW_STEP rows the padding
+  stays under a third of the call (instead of up to half of it with powers of two), while the
+  buckets grow by two per doubling: 9 row counts up to 64."""
+  if n <= 2 * ROW_STEP:
     return pow2_bucket(n)
-  step = max(ROW_STEP, pow2_bucket(n) // ROW_STEP)
-  return -(-n // step) * step
+  p = pow2_bucket(n)
+  return p * 3 // 4 if n <= p * 3 // 4 else p
 
 
 def row_buckets_up_to(n: int) -> list[int]:
   """Every row bucket of a count in [1, n], ascending."""
   return sorted({row_bucket(i) for i in range(1, max(n, 1) + 1)})
+

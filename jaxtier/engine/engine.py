@@ -71,7 +71,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtier import scheduler
-from jaxtier.common.buckets import pow2_buckets_up_to, row_bucket
+from jaxtier.common.buckets import row_bucket
 from jaxtier.common.kv_bytes import kv_block_bytes
 from jaxtier.common.grammar_limits import GrammarLimits
 from jaxtier.engine import link
@@ -81,10 +81,11 @@ from jaxtier.engine.grammars import GrammarCompiles
 from jaxtier.engine.outputs import RequestUpdate
 from jaxtier.engine.request_state import LiveRequests
 from jaxtier.engine.runner import Runner, program_keys
+from jaxtier.engine.startup import Warmup
 from jaxtier.engine.stats import Totals, Trace, figures, trace_line
 from jaxtier.kvcache import (HostTier, PagedCacheConfig, PagedKVCache, device_pool_bytes,
                              host_pool_bytes)
-from jaxtier.kvcache.swap import MAX_SWAP_BLOCKS
+from jaxtier.kvcache.swap import MAX_SWAP_BLOCKS, swap_sizes
 from jaxtier.model import sharding
 from jaxtier.sampling.logprobs import MAX_LOGPROBS
 from jaxtier.sampling.samplers import SamplingParams
@@ -142,22 +143,42 @@ class EngineConfig:
 
 
 def warmup_programs(config: EngineConfig, vocab_size: int) -> list[tuple]:
-  """The programs (`Runner.variants` keys) `Engine.warmup` compiles for `config`: every one
-  such an engine can run. Its calls' shapes (`batch.step_shapes`), their sampling, the sampled
-  and prompt tokens' log-probabilities at MAX_LOGPROBS, and the swap programs of every
-  power-of-two block count up to the smaller pool or `swap.MAX_SWAP_BLOCKS`
-  (`runner.program_keys`); and at every row count, the transformed sampler and its processed
-  log-probabilities at the widths of rows constrained by a grammar alone, for a grammar over
-  `vocab_size` tokens (the larger of the model's logits and the tokenizer, as
-  `structured.grammar_tokenizer` sizes it), so a request with `structured_outputs` compiles
-  nothing either. Pure, so the list of a configuration can be checked without building its
-  engine (`Runner.trace_programs`)."""
+  """The programs (`Runner.variants` keys) `Engine.warmup` compiles for `config`, in order: every
+  one such an engine runs with plain sampling or a grammar. One program per call shape
+  (`step_inputs.step_shapes`: decode row buckets and prefill token buckets), each with its
+  sampling and log-probabilities folded in; the transformed sampler at every row count at the
+  widths of rows constrained by a grammar alone, for a grammar over `vocab_size` tokens (the
+  larger of the model's logits and the tokenizer, as `structured.grammar_tokenizer` sizes it);
+  and the swap programs (`swap.swap_sizes`, up to the smaller pool). Pure, so the list of a
+  configuration can be checked without building its engine (`Runner.trace_programs`).
+
+  The first programs are those an ordinary request runs (`ready_programs`): warm-up compiles
+  them first and a server is ready once it has them. A call with logit transforms other than
+  a grammar, or a transformed call's log-probabilities, compiles its programs on first need."""
   c = config
-  shapes = batching.step_shapes(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
-                                batching.table_width(c.max_model_len, c.block_size))
+  shapes = batching.step_shapes(c.max_num_seqs, c.max_num_batched_tokens,
+                                batching.table_width(c.max_model_len, c.block_size),
+                                c.max_model_len)
   most_swapped = min(c.num_device_blocks, c.num_host_blocks, MAX_SWAP_BLOCKS)
-  swap_sizes = pow2_buckets_up_to(most_swapped) if most_swapped else []
-  return program_keys(shapes, swap_sizes, MAX_LOGPROBS, vocab_size)
+  sizes = [x for x in swap_sizes() if x <= most_swapped]
+  keys = program_keys(sorted(shapes), sizes, vocab_size)
+  ready = [key for key in keys if _ready(key)]
+  return ready + [key for key in keys if not _ready(key)]
+
+
+READY_ROWS = 2  # an ordinary request: decode calls of up to this many rows, prefill calls of
+#   up to this many rows (2 x PREFILL_ROW_TOKENS tokens of prompt, a chat turn's), plain sampling
+
+
+def _ready(key: tuple) -> bool:
+  return key[0] == "step" and key[1] <= READY_ROWS
+
+
+def ready_programs(config: EngineConfig, vocab_size: int) -> list[tuple]:
+  """The leading programs of `warmup_programs` an ordinary request runs: the model calls of up
+  to `READY_ROWS` rows, decode and prefill, with plain sampling. A server answers /health once
+  it has them."""
+  return [key for key in warmup_programs(config, vocab_size) if _ready(key)]
 
 
 def cache_config(model_config, config: EngineConfig) -> PagedCacheConfig:
@@ -192,6 +213,9 @@ class Engine:
                                       config.kv_cache_dtype, config.block_size)
     mesh = sharding.mesh_of(nnx.state(model))  # None: parameters on one device, no mesh
     platform = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]).platform
+    self.platform = platform
+    self.warmups: list[Warmup] = []  # started by `start_warmup`
+    self.startup: dict = {}  # start-up figures (`jaxtier.engine.startup`), set by whoever builds it
     self.link_budget = link.LinkBudget.measured(platform, tail)
     scheduler_config = scheduler.SchedulerConfig(
         num_device_blocks=config.num_device_blocks, num_host_blocks=config.num_host_blocks,
@@ -203,6 +227,8 @@ class Engine:
         host_prefix_caching=config.host_prefix_caching, **self.link_budget.fields())
     self.vocab_size = c.vocab_size
     self.table_width = batching.table_width(config.max_model_len, config.block_size)
+    self.prefill_rows = batching.prefill_rows_most(config.max_num_seqs,
+                                                   config.max_num_batched_tokens)
     graphdef, state = nnx.split(model)
     self.mesh = sharding.mesh_of(state)
     self.cache = PagedKVCache.create(self.cache_config, mesh=self.mesh)
@@ -300,16 +326,50 @@ class Engine:
     return self._requests.grammars
 
   def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> dict:
-    """Compiles every program this engine's configuration can run (`warmup_programs`), so no
-    later step compiles; after each, calls progress(programs done, programs in all, its key).
+    """Compiles every program this engine's configuration can run (`warmup_programs`), now, so
+    no later step compiles; after each, calls progress(programs done, programs in all, its key).
 
-    Returns {"programs": count, "compile_seconds": time spent compiling now}; programs already
-    compiled in this process (or found in JAX's persistent compilation cache) cost little.
+    Returns {"programs": count, "compile_seconds": time spent compiling now, "compiled":
+    programs compiled, "cache_hits": programs loaded from JAX's persistent compilation cache};
+    programs already compiled in this process cost nothing.
     """
-    keys = warmup_programs(self.config, max(self.vocab_size, self.tokenizer.vocab_size))
-    before = self.runner.compile_seconds
-    self.runner.compile_programs(self.cache, keys, progress)
-    return {"programs": len(keys), "compile_seconds": self.runner.compile_seconds - before}
+    runner = self.runner
+    keys = warmup_programs(self.config, self.grammar_vocab)
+    before = runner.compile_seconds, runner.compiled_programs, runner.cache_hits
+    self.compile_programs(keys, progress)
+    return {"programs": len(keys), "compile_seconds": runner.compile_seconds - before[0],
+            "compiled": runner.compiled_programs - before[1],
+            "cache_hits": runner.cache_hits - before[2]}
+
+  def start_warmup(self, busy: Callable[[], bool] | None = None,
+                   progress: Callable[[int, int, tuple], None] | None = None,
+                   start: bool = True) -> Warmup:
+    """Starts compiling every program of `warmup_programs` on a thread while this engine keeps
+    stepping (`startup.Warmup`): its `ready` event is set once an ordinary request's programs
+    exist (`ready_programs`). `busy`: whether the engine is serving; on a CPU, the programs
+    past the ready ones wait while it is (a compile there takes the step's cores). Without
+    `start`, the caller starts it (`Warmup.start`), once it holds it."""
+    keys = warmup_programs(self.config, self.grammar_vocab)
+    ready = set(ready_programs(self.config, self.grammar_vocab))
+    count = max((i + 1 for i, key in enumerate(keys) if key in ready), default=0)
+    on_cpu = self.platform == "cpu"
+    warmup = Warmup(self, keys, count, busy if on_cpu else None, progress)
+    self.warmups.append(warmup)
+    return warmup.start() if start else warmup
+
+  def compile_programs(self, keys: Sequence[tuple],
+                       progress: Callable[[int, int, tuple], None] | None = None) -> None:
+    """Compiles `keys` (`Runner` program keys) without running them; after each, calls
+    progress(programs done, programs in all, its key). Safe on another thread while `step`
+    runs: the programs are built from the cache's shapes, not its arrays."""
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            self.cache)
+    self.runner.compile_programs(abstract, keys, progress)
+
+  @property
+  def grammar_vocab(self) -> int:
+    """The vocabulary a grammar of this engine spans (`structured.grammar_tokenizer`)."""
+    return max(self.vocab_size, self.tokenizer.vocab_size)
 
   # Stepping.
 
@@ -365,20 +425,21 @@ class Engine:
       self._state, plan = scheduler.schedule(self._state)
       updates, calls, dispatched = self._dispatch(plan)
       return plan, updates, calls, dispatched
-    (plan, calls, dispatched, logits_bv), self._ahead = self._ahead, None
-    return plan, [], calls, self._sample_late(dispatched, logits_bv)
+    (plan, calls, dispatched, late_out), self._ahead = self._ahead, None
+    return plan, [], calls, self._sample_late(dispatched, late_out)
 
-  def _sample_late(self, dispatched, logits_bv):
+  def _sample_late(self, dispatched, out):
     """`dispatched` with its sampling dispatched, where it waited for its rows' transforms (see
-    the module docstring): computed now, the rows' last tokens read and consumed."""
-    if logits_bv is None:
+    the module docstring): computed now, the rows' last tokens read and consumed. `out`: the
+    call's `StepOut`, or None where it sampled."""
+    if out is None:
       return dispatched
     ((arrays, _, extra, progresses),) = dispatched
     live = [keep and self._requests.is_current(request_id, progresses[i])
             for i, (request_id, keep) in enumerate(zip(arrays.request_ids, arrays.samples))]
     arrays = dataclasses.replace(arrays, logits=batching.late_transforms(
         arrays, live, self._requests.token_ids, self._requests.sampling))
-    return [(arrays, self.runner.sample(logits_bv, arrays), extra, progresses)]
+    return [(arrays, self.runner.sample(out, arrays), extra, progresses)]
 
   def _report_stops(self, finished: list[tuple[Hashable, str]], ahead) -> None:
     """Tells the scheduler the step ended and which requests stopped; with a plan dispatched
@@ -428,7 +489,7 @@ class Engine:
     if len(plan.prefill):
       calls += [batching.build(rows, self._requests.token_ids, self._requests.sampling,
                                decode=False, width=self.table_width)
-                for rows in batching.prefill_calls(plan.prefill)]
+                for rows in batching.prefill_calls(plan.prefill, self.prefill_rows)]
     if len(plan.decode):
       calls.append(batching.build(plan.decode, self._requests.token_ids, self._requests.sampling,
                                   decode=True, width=self.table_width))
@@ -491,9 +552,9 @@ class Engine:
     if self._ahead is None:
       return
     start = time.perf_counter()
-    (plan, calls, dispatched, logits_bv), self._ahead = self._ahead, None
+    (plan, calls, dispatched, late_out), self._ahead = self._ahead, None
     try:
-      finished, updates = self._collect(self._sample_late(dispatched, logits_bv))
+      finished, updates = self._collect(self._sample_late(dispatched, late_out))
       self._state = scheduler.apply_event(self._state, scheduler.StepFinished(tuple(finished)))
     except Exception:
       self._abandon()
@@ -578,6 +639,9 @@ class Engine:
                   self.scheduler_config.host_tier),
         "compiled_variants": self.runner.compiled_variants,
         "compile_seconds": self.runner.compile_seconds,
+        "compiled_programs": self.runner.compiled_programs,
+        "compile_cache_hits": self.runner.cache_hits,
+        "startup": self.startup_figures(),
         "block_size": self.config.block_size, "block_bytes": self.block_bytes,
         "kv_cache_dtype": self.config.kv_cache_dtype,
         "preemption_mode": self.config.preemption_mode,
@@ -589,7 +653,25 @@ class Engine:
         **self.link_budget.settings(self._state.config),
     }
 
+  def startup_figures(self) -> dict:
+    """The start-up's phases (`startup.startup_line`): what built the engine recorded in
+    `self.startup` (load, size and engine seconds), and the last warm-up's compile figures and
+    when it was ready (seconds since the process started)."""
+    out = dict(self.startup)
+    if self.warmups:
+      report = self.warmups[-1].report
+      out["compile"] = report
+      out["ready_seconds"] = report["ready_seconds"]
+    else:  # compiled on demand, as the steps needed them
+      runner = self.runner
+      out["compile"] = {"done": runner.compiled_variants, "compiled": runner.compiled_programs,
+                        "cache_hits": runner.cache_hits,
+                        "compile_seconds": runner.compile_seconds}
+    return out
+
   def close(self) -> None:
+    for warmup in self.warmups:
+      warmup.stop()
     self.grammars.close()
     if self._trace is not None:
       self._trace.close()

@@ -31,6 +31,10 @@ flags.DEFINE_bool("dry_run", False, "print the plan the engine flags resolve to 
                   "weight bytes on the device and in pinned host memory; memory_report()'s keys) "
                   "as one JSON line, the last on stdout, and exit without loading weights; with "
                   "--device_memory_gb and --host_memory_gb, for another machine")
+flags.DEFINE_string("compilation_cache_dir", "auto", "where compiled programs are kept between runs "
+                    "(JAX's persistent compilation cache): \"auto\" is $JAX_COMPILATION_CACHE_DIR "
+                    "where set, else xla/ in jaxtier's per-user cache folder; \"off\" keeps none, "
+                    "so every start compiles every program again")
 flags.DEFINE_enum("platform", None, list(PLATFORMS + tuple(PLATFORM_ALIASES)), "plan for this "
                   "platform (its dtype and kernels for every \"auto\") instead of this machine's: "
                   "with --dry_run, and in scripts/export_programs.py (default cuda there); give "
@@ -122,6 +126,19 @@ def prepare() -> None:
     print_plan_and_exit()
 
 
+def check_model(model: str) -> None:
+  """A usage error, at once (before JAX is imported), unless `model` is a registered model or a
+  readable file or directory."""
+  from jaxtier.checkpoint import registry  # pylint: disable=g-import-not-at-top  (no JAX)
+  if registry.find_manifest(model) is not None:
+    return
+  if not os.path.exists(model):
+    usage_error(f"--model={model}: neither a registered model ({registry.known_models()}) nor an "
+                "existing file or directory")
+  if not os.access(model, os.R_OK):
+    usage_error(f"--model={model}: cannot be read (permission denied)")
+
+
 def print_plan_and_exit() -> NoReturn:
   """--dry_run: the plan (`jaxtier.engine.build.plan`'s memory plan) as one JSON line, then exit 0;
   a plan the arguments cannot make (too little memory, a pool the host cannot pin) is a usage
@@ -136,16 +153,24 @@ def print_plan_and_exit() -> NoReturn:
   sys.exit(0)
 
 
-def enable_compilation_cache() -> None:
-  """Keeps compiled programs on disk (JAX's persistent compilation cache) in the model cache's
-  `xla/` folder, unless JAX_COMPILATION_CACHE_DIR chooses another: a rerun of a script skips the
-  compiles of every shape it ran before (seconds each on CPU)."""
-  if "JAX_COMPILATION_CACHE_DIR" in os.environ:
-    return
-  import jax  # pylint: disable=g-import-not-at-top  (JAX loads only once a script runs)
-  from jaxtier.checkpoint import registry  # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_compilation_cache_dir", os.path.join(registry.cache_dir(), "xla"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+def enable_compilation_cache() -> str | None:
+  """Keeps compiled programs on disk (JAX's persistent compilation cache) where
+  --compilation_cache_dir says (`startup.enable_compilation_cache`): a rerun of a script skips
+  the compiles of every program it ran before (seconds each). Returns the folder, None when off."""
+  from jaxtier.engine import startup  # pylint: disable=g-import-not-at-top  (JAX loads only now)
+  return startup.enable_compilation_cache(
+      compilation_cache_dir(FLAGS["compilation_cache_dir"].value))
+
+
+def compilation_cache_dir(value: str) -> str | None:
+  """The folder --compilation_cache_dir=`value` names: None for "off"; for "auto",
+  $JAX_COMPILATION_CACHE_DIR where set, else xla/ in jaxtier's per-user cache folder."""
+  if value in ("off", ""):
+    return None
+  if value != "auto":
+    return value
+  from jaxtier.common import cache_dirs  # pylint: disable=g-import-not-at-top
+  return os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dirs.cache_dir(), "xla")
 
 
 def llm_kwargs() -> dict[str, Any]:

@@ -17,6 +17,8 @@ link's rate and its fixed cost per swap (`SwapTimer.fit`).
 Shape legend: b rows, t tokens, h hidden size, v vocab, m table width, x blocks of a swap program.
 """
 
+import collections
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -39,7 +41,7 @@ from jaxtier.kvcache import PagedKVCache, PagedMetadata
 from jaxtier.kvcache import swap
 from jaxtier.kvcache.swap import (HostTier, gather_blocks, host_block_shardings,
                                   host_block_specs, part_slices, scatter_blocks)
-from jaxtier.sampling.logprobs import TopLogprobs, top_logprobs
+from jaxtier.sampling.logprobs import MAX_LOGPROBS, TopLogprobs, top_logprobs
 from jaxtier.sampling.samplers import (LogitsArrays, SamplingArrays, processed_logprobs, sample,
                                        sample_transformed)
 
@@ -74,14 +76,15 @@ def _forward(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, toke
   return model.logits(h_bh), h_bth, cache
 
 
+LOGPROB_K = MAX_LOGPROBS  # the top-k width of every call's log-probabilities (one program each)
 PROMPT_LOGITS_CHUNK = 256  # positions whose [positions, vocab] logits exist at once
 
 
 def prompt_chunks(positions: int, most: int = PROMPT_LOGITS_CHUNK) -> tuple[int, int]:
   """(chunks, positions per chunk) for the logits of `positions` positions, at most `most` at a
   time: the fewest chunks, as even as can be, so padding the positions to chunks x size adds
-  fewer than `chunks` positions. Row buckets are not powers of two (24 rows of 16 tokens are
-  384 positions), so a fixed chunk of `most` need not divide them."""
+  fewer than `chunks` positions. Positions need not be a multiple of `most` (a call of `t`
+  tokens per row, `b` rows: any count), so a fixed chunk of `most` need not divide them."""
   chunks = -(-positions // most)
   return chunks, -(-positions // chunks)
 
@@ -104,28 +107,64 @@ def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, h_bth, targets_bt
       (b, t) + a.shape[2:]), top)
 
 
-# Sampling is a program of its own: it compiles once per row count instead of once more inside
-# every (rows, tokens, width) variant of the model call; the logits stay on the device between.
-_sample = jax.jit(sample, static_argnames="portable")
-# Batches where a row has logit transforms (penalties, logit_bias, masks, a grammar) sample with
-# this one instead, one program per (rows, history width, id-list widths, grammar words). Warm-up
-# compiles it at the widths of rows constrained by a grammar alone (`program_keys`); a batch
-# with other transforms compiles its widths on its first need.
-_sample_transformed = jax.jit(sample_transformed, static_argnames="portable")
-# So are the sampled tokens' log-probabilities, run only for calls where a request asks for them:
-# under the raw model, and under the distribution each token was drawn from (with logit
-# transforms, at the transformed sampler's widths: warmed up and compiled on need as it is).
-_sample_logprobs = jax.jit(top_logprobs, static_argnames="k")
-_processed_logprobs = jax.jit(processed_logprobs)
-
-
-@jax.jit
 def _follow(tokens_b, tokens_bt, rows_b):
   """A decode call's input tokens [b, 1] when the call is dispatched before the previous call's
   tokens are read: row i takes the previous call's sampled token of row rows_b[i] (< 0: its own
-  token in tokens_bt, as for padding)."""
+  token in tokens_bt, as for padding and for a call that follows none)."""
   previous = tokens_b[jnp.clip(rows_b, 0, tokens_b.shape[0] - 1)][:, None]
   return jnp.where(rows_b[:, None] >= 0, previous, tokens_bt)
+
+
+def _if(predicate, compute: Callable[[], Any]):
+  """compute() where `predicate` holds at run time, else zeros of its shapes: both branches are
+  in the program, only the taken one runs (`lax.cond`), so a call that asks for nothing extra
+  costs nothing extra."""
+  zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(compute))
+  return jax.lax.cond(predicate, compute, zeros)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOut:
+  """What one model call leaves on the device; the host reads the parts it needs."""
+  tokens_b: jax.Array  # [b] int32, each row's token by the plain sampler
+  logits_bv: jax.Array  # [b, v] each row's last logits (for a sampler with logit transforms)
+  sampled: TopLogprobs  # [b] of tokens_b, top LOGPROB_K (zeros unless asked for)
+  processed_b: jax.Array  # [b] tokens_b's processed log-probabilities (zeros unless asked for)
+  prompt: TopLogprobs | None  # [b, t] of the targets, top LOGPROB_K (zeros unless asked for);
+  #   None in a decode call
+
+
+def _step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, tokens_bt, pos_bt,
+          tables_bm, last_b, sampling: SamplingArrays, previous_b, rows_b, want_sampled,
+          targets_bt, want_prompt, *, portable: bool) -> tuple[StepOut, PagedKVCache]:
+  """One model call and everything a call may need, in one program (see `StepOut`): a decode
+  call's input tokens from the previous call's (`_follow`), the model, the plain sampler, and
+  where `want_sampled` / `want_prompt` hold at run time the sampled tokens' log-probabilities
+  (raw and processed) and a prefill call's prompt log-probabilities of `targets_bt`."""
+  if tokens_bt.shape[1] == 1:
+    tokens_bt = _follow(previous_b, tokens_bt, rows_b)
+  logits_bv, h_bth, cache = _forward(graphdef, state, cache, tokens_bt, pos_bt, tables_bm, last_b)
+  tokens_b = sample(logits_bv, sampling, portable)
+  sampled, processed_b = _if(want_sampled, lambda: (
+      top_logprobs(logits_bv, tokens_b, LOGPROB_K),
+      processed_logprobs(logits_bv, tokens_b, sampling)))
+  prompt = None
+  if tokens_bt.shape[1] > 1:
+    prompt = _if(want_prompt, lambda: _prompt_logprobs(graphdef, state, h_bth, targets_bt,
+                                                       LOGPROB_K))
+  return StepOut(tokens_b, logits_bv, sampled, processed_b, prompt), cache
+
+
+# Batches where a row has logit transforms (penalties, logit_bias, masks, a grammar) sample from
+# the call's logits with this program, one per (rows, history width, id-list widths, grammar
+# words). Warm-up compiles it at the widths of rows constrained by a grammar alone
+# (`program_keys`); a batch with other transforms compiles its widths on its first need.
+_sample_transformed = jax.jit(sample_transformed, static_argnames="portable")
+# And so are such a call's log-probabilities, when a request asks for them: of the token drawn
+# under the raw model, and under the transformed distribution it was drawn from.
+_sample_logprobs = jax.jit(top_logprobs, static_argnames="k")
+_processed_logprobs = jax.jit(processed_logprobs)
 
 
 def _gather_marked(cache, device_ids_x, places):
@@ -220,6 +259,45 @@ def _wait_for_swaps(swaps: queue.Queue, timer_ref) -> None:
 
 
 _PROGRAMS: dict[tuple, Any] = {}  # compiled programs of this process, by layout id and shape
+_COMPILING: dict[tuple, threading.Event] = {}  # programs a thread is compiling, set when done
+_PROGRAMS_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=64)
+def _NO_FOLLOW(b: int) -> tuple[np.ndarray, np.ndarray]:  # pylint: disable=invalid-name
+  """`_follow`'s arguments of a call that follows none: every row keeps its own token."""
+  return np.zeros(b, np.int32), np.full(b, -1, np.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_bt(b: int, t: int) -> np.ndarray:
+  return np.zeros((b, t), np.int32)
+
+
+_EVENTS = threading.local()
+
+
+def _count_event(event: str, **_) -> None:
+  counts = getattr(_EVENTS, "counts", None)
+  if counts is not None:
+    counts[event] += 1
+
+
+jax.monitoring.register_event_listener(_count_event)
+
+
+@contextlib.contextmanager
+def compile_events():
+  """Counts the JAX monitoring events this thread records inside the block (such as
+  "/jax/compilation_cache/cache_hits"), in the Counter it yields."""
+  outer = getattr(_EVENTS, "counts", None)
+  _EVENTS.counts = collections.Counter()
+  try:
+    yield _EVENTS.counts
+  finally:
+    if outer is not None:
+      outer.update(_EVENTS.counts)
+    _EVENTS.counts = outer
 _LAYOUT_IDS: dict[tuple, int] = {}  # (graphdef, state, cache) -> a small id, hashed once
 
 
@@ -239,8 +317,8 @@ def release_programs() -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _forward_fn(graphdef: nnx.GraphDef, state_def):
-  """`_forward` jitted with the graph and the state's tree structure closed over (hashed once,
+def _step_fn(graphdef: nnx.GraphDef, state_def, portable: bool):
+  """`_step` jitted with the graph and the state's tree structure closed over (hashed once,
   not on every call); it takes the state's leaves, a tuple of arrays, which a call flattens in
   C++ (flattening the `nnx.State` itself runs Python for every variable).
 
@@ -249,49 +327,30 @@ def _forward_fn(graphdef: nnx.GraphDef, state_def):
   in the program, and XLA:CPU's executor hands ops that are ready beside another to its thread
   pool, whose threads compete with the kernels' for the cores: the dispatch gets faster, the
   step as a whole slower."""
-  def forward(leaves, cache, tokens_bt, pos_bt, tables_bm, last_b):
-    return _forward(graphdef, jax.tree.unflatten(state_def, leaves), cache, tokens_bt, pos_bt,
-                    tables_bm, last_b)
-  return jax.jit(forward, donate_argnames="cache")
+  def step(leaves, cache, *args):
+    return _step(graphdef, jax.tree.unflatten(state_def, leaves), cache, *args,
+                 portable=portable)
+  return jax.jit(step, donate_argnames="cache")
 
 
-@functools.lru_cache(maxsize=16)
-def _prompt_fn(graphdef: nnx.GraphDef, state_def):
-  """`_prompt_logprobs` jitted the same way."""
-  def prompt(leaves, h_bth, targets_bt, k):
-    return _prompt_logprobs(graphdef, jax.tree.unflatten(state_def, leaves), h_bth, targets_bt, k)
-  return jax.jit(prompt, static_argnames="k")
-
-
-def program_keys(shapes, swap_sizes, logprob_k: int | None = None,
-                 grammar_vocab: int | None = None) -> list[tuple]:
-  """The programs (`Runner.variants` keys) an engine of these shapes can run, each once, every
+def program_keys(shapes, swap_sizes, grammar_vocab: int | None = None) -> list[tuple]:
+  """The programs (`Runner.variants` keys) an engine of these shapes runs, each once, every
   program after those whose outputs it takes: for each (rows, tokens, width) in `shapes` its
-  model call and sampling, `follow` for a decode call (`step_after`), and with `logprob_k` the
-  sampled tokens' log-probabilities (raw at that top-k width, and processed) and a prefill
-  call's prompt log-probabilities at that top-k width; then swaps in both directions of every
-  block count in `swap_sizes`.
+  model call (with its sampling and log-probabilities, `_step`); then swaps in both directions
+  of every block count in `swap_sizes`.
 
   With `grammar_vocab` (a grammar's vocabulary), also the transformed sampler for every row
-  count at the widths of rows constrained by a grammar alone (`LogitsArrays.grammar_widths`),
-  and with `logprob_k` its processed log-probabilities: what a batch of requests with
-  `structured_outputs` runs. Other transforms (penalties, logit_bias, allowed ids, bad words,
-  min_tokens) give other widths, some growing with the request, so those programs still
-  compile on a batch's first need."""
+  count at the widths of rows constrained by a grammar alone (`LogitsArrays.grammar_widths`):
+  what a batch of requests with `structured_outputs` runs. Other transforms (penalties,
+  logit_bias, allowed ids, bad words, min_tokens) give other widths, some growing with the
+  request, and a transformed call's log-probabilities are programs of their own: those compile
+  on a batch's first need."""
   grammar_widths = None if grammar_vocab is None else LogitsArrays.grammar_widths(grammar_vocab)
   keys = []
   for b, t, m in shapes:
-    keys += [("step", b, t, m), ("sample", b)]
+    keys.append(("step", b, t, m))
     if grammar_widths is not None:
       keys.append(("sample_transformed", b) + grammar_widths)
-    if t == 1:
-      keys.append(("follow", b))
-    if logprob_k is not None:
-      keys += [("logprobs", b, logprob_k), ("processed_logprobs", b)]
-      if grammar_widths is not None:
-        keys.append(("processed_logprobs", b) + grammar_widths)
-      if t > 1:
-        keys.append(("prompt_logprobs", b, t, logprob_k))
   keys += [("swap", direction, x) for x, direction in itertools.product(swap_sizes, ("out", "in"))]
   return list(dict.fromkeys(keys))
 
@@ -311,12 +370,13 @@ class Runner:
     self.portable = portable
     self._leaves = tuple(jax.tree.leaves(state))
     self._state_layout = _layout(state)
-    self._forward = _forward_fn(graphdef, jax.tree.structure(state))
-    self._prompt = _prompt_fn(graphdef, jax.tree.structure(state))
+    self._step = _step_fn(graphdef, jax.tree.structure(state), portable)
     layout = (graphdef, _layout(state), _layout(cache), portable)
     self._layout_id = _LAYOUT_IDS.setdefault(layout, len(_LAYOUT_IDS))
     self._used: set[tuple] = set()
-    self.compile_seconds = 0.0
+    self.compile_seconds = 0.0  # seconds this engine spent compiling (or loading from disk)
+    self.compiled_programs = 0  # programs it built that JAX's persistent cache did not hold
+    self.cache_hits = 0  # programs it loaded from that cache
     self.timer = SwapTimer()
 
   def check_state(self, state: nnx.State) -> None:
@@ -342,29 +402,63 @@ class Runner:
     return len(self._used)
 
   def variants(self) -> list[tuple]:
-    """The programs this engine ran: ("step", rows, tokens, width), ("sample", rows),
-    ("follow", rows) (`step_after`), ("swap", direction, x), ("sample_transformed", rows,
-    history, biased, allowed) (`LogitsArrays.widths`), and for log-probabilities
-    ("logprobs", rows, k), ("processed_logprobs", rows[, widths]) and ("prompt_logprobs", rows,
-    tokens, k)."""
+    """The programs this engine ran: ("step", rows, tokens, width) (`_step`), ("swap",
+    direction, x), ("sample_transformed", rows, history, biased, allowed, grammar words)
+    (`LogitsArrays.widths`), and for a transformed call's log-probabilities ("logprobs", rows,
+    k) and ("processed_logprobs", rows, widths...)."""
     return sorted(self._used, key=str)
+
+  def has_program(self, key: tuple) -> bool:
+    """Whether this process has the program of `key` compiled (or loaded) already."""
+    return (self._layout_id,) + key in _PROGRAMS
 
   def _program(self, key: tuple, jitted, args, **static):
     self._used.add(key)
     return self._compiled(key, jitted, args, **static)
 
   def _compiled(self, key: tuple, jitted, args, **static):
-    """The program for `key`, compiled now if this process has not compiled it yet."""
-    program = _PROGRAMS.get((self._layout_id,) + key)
-    if program is None:
+    """The program for `key`, compiled now if this process has not compiled it yet. Threads
+    may ask at once (a warm-up thread beside the engine's): one compiles, the others wait."""
+    full = (self._layout_id,) + key
+    while True:
+      with _PROGRAMS_LOCK:
+        program = _PROGRAMS.get(full)
+        if program is not None:
+          return program
+        pending = _COMPILING.get(full)
+        if pending is None:
+          pending = _COMPILING[full] = threading.Event()
+          break
+      pending.wait()
+    try:
       start = time.perf_counter()
-      program = _PROGRAMS[(self._layout_id,) + key] = jitted.lower(*args, **static).compile()
-      self.compile_seconds += time.perf_counter() - start
+      with compile_events() as events:
+        program = jitted.lower(*args, **static).compile()
+      with _PROGRAMS_LOCK:
+        _PROGRAMS[full] = program
+        self.compile_seconds += time.perf_counter() - start
+        hit = events["/jax/compilation_cache/cache_hits"] > 0
+        self.cache_hits += hit
+        self.compiled_programs += not hit
+    finally:
+      with _PROGRAMS_LOCK:
+        del _COMPILING[full]
+      pending.set()
     return program
 
-  def forward_args(self, cache: PagedKVCache, tokens_bt, pos_bt, tables_bm, last_b) -> tuple:
-    """The arguments of the jitted model call, in its order (the state goes as its leaves)."""
-    return (self._leaves, cache, tokens_bt, pos_bt, tables_bm, last_b)
+  def step_args(self, cache: PagedKVCache, arrays: StepArrays, previous_b=None, rows_b=None,
+                want_sampled: bool = False, targets_bt=None) -> tuple:
+    """The arguments of the jitted model call (`_step`), in its order (the state goes as its
+    leaves)."""
+    b, t = arrays.tokens_bt.shape
+    if previous_b is None:
+      previous_b, rows_b = _NO_FOLLOW(b)
+    want_prompt = targets_bt is not None
+    if targets_bt is None:
+      targets_bt = _zeros_bt(b, t)
+    return (self._leaves, cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm, arrays.last_b,
+            arrays.sampling, previous_b, rows_b, np.bool_(want_sampled), targets_bt,
+            np.bool_(want_prompt))
 
   def compile_programs(self, cache: PagedKVCache, keys: Sequence[tuple],
                        progress: Callable[[int, int, tuple], None] | None = None) -> None:
@@ -396,41 +490,29 @@ class Runner:
   def _build_each(self, cache: PagedKVCache, keys: Sequence[tuple], build) -> None:
     """Calls build(key, jitted, args, static) -> the program's output shapes, for each program
     of `keys` in order. Arguments are zeros of the program's shapes, or the output shapes of
-    the programs it follows: a call's logits and hidden states, the sampled tokens."""
-    logits, hidden, sampled = {}, {}, {}  # by rows; hidden by (rows, tokens)
+    the programs it follows: a call's logits and sampled tokens (by rows)."""
+    outs = {}  # the StepOut of a call, by rows
     for key in keys:
       kind, static = key[0], {}
       if kind == "step":
         _, b, t, m = key
         tokens, last = np.zeros((b, t), np.int32), np.zeros(b, np.int32)
-        jitted = self._forward
-        args = self.forward_args(cache, tokens, tokens, np.zeros((b, m), np.int32), last)
-      elif kind == "sample":
-        b = key[1]
         sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
-        jitted, args, static = _sample, (logits[b], sampling), {"portable": self.portable}
+        arrays = StepArrays((), (), tokens, tokens, np.zeros((b, m), np.int32), last, sampling)
+        jitted, args = self._step, self.step_args(cache, arrays)
       elif kind == "sample_transformed":
         _, b, *widths = key
         sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
         jitted, static = _sample_transformed, {"portable": self.portable}
-        args = (logits[b], sampling, LogitsArrays.neutral(b, *widths))
-      elif kind == "follow":
-        b = key[1]
-        jitted = _follow
-        args = (np.zeros(b, np.int32), np.zeros((b, 1), np.int32), np.zeros(b, np.int32))
+        args = (outs[b].logits_bv, sampling, LogitsArrays.neutral(b, *widths))
       elif kind == "logprobs":
         _, b, k = key
-        jitted, args, static = _sample_logprobs, (logits[b], sampled[b]), {"k": k}
+        jitted, args, static = _sample_logprobs, (outs[b].logits_bv, outs[b].tokens_b), {"k": k}
       elif kind == "processed_logprobs":
         _, b, *widths = key
         sampling = SamplingArrays.from_params([GREEDY] * b, [0] * b, [0] * b)
-        jitted, args = _processed_logprobs, (logits[b], sampled[b], sampling)
-        if widths:
-          args += (LogitsArrays.neutral(b, *widths),)
-      elif kind == "prompt_logprobs":
-        _, b, t, k = key
-        jitted, static = self._prompt, {"k": k}
-        args = (self._leaves, hidden[b, t], np.zeros((b, t), np.int32))
+        jitted = _processed_logprobs
+        args = (outs[b].logits_bv, outs[b].tokens_b, sampling, LogitsArrays.neutral(b, *widths))
       elif kind == "swap":
         _, direction, x = key
         index, jitted = np.arange(x, dtype=np.int32), _SWAPS[direction]
@@ -442,74 +524,68 @@ class Runner:
         raise ValueError(f"unknown program {key!r}")
       out = build(key, jitted, args, static)
       if kind == "step":
-        logits[key[1]], hidden[key[1], key[2]] = out[0], out[1]
-      elif kind == "sample":
-        sampled[key[1]] = out
+        outs[key[1]] = out[0]
+
+  def call(self, cache: PagedKVCache, arrays: StepArrays, previous_b=None, rows_b=None,
+           want_sampled: bool = False, targets_bt=None) -> tuple[StepOut, PagedKVCache]:
+    """Dispatches one model call (`_step`); returns what it leaves on the device and the
+    cache. `previous_b`, `rows_b`: a decode call's input tokens from the previous call's
+    (`step_after`); `want_sampled`: the sampled tokens' log-probabilities; `targets_bt`: a
+    prefill call's prompt log-probabilities of these tokens."""
+    args = self.step_args(cache, arrays, previous_b, rows_b, want_sampled, targets_bt)
+    return self._program(("step",) + arrays.shape, self._step, args)(*args)
 
   def step(self, cache: PagedKVCache, arrays: StepArrays) -> tuple[jax.Array, PagedKVCache]:
     """Dispatches one model call and its sampling; returns the sampled tokens [b] (not yet read)
     and the cache."""
-    logits_bv, cache = self.forward(cache, arrays)
-    return self.sample(logits_bv, arrays), cache
+    out, cache = self.call(cache, arrays)
+    return self.sample(out, arrays), cache
 
-  def forward(self, cache: PagedKVCache, arrays: StepArrays) -> tuple[jax.Array, PagedKVCache]:
-    """Dispatches one model call without its sampling; returns the last logits [b, v] (on the
-    device) and the cache."""
-    args = self.forward_args(cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm,
-                             arrays.last_b)
-    logits_bv, _, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
-    return logits_bv, cache
-
-  def sample(self, logits_bv: jax.Array, arrays: StepArrays) -> jax.Array:
-    """Dispatches the sampling of a call's logits [b, v]: the plain sampler, or the one with
-    logit transforms when a row has them."""
+  def sample(self, out: StepOut, arrays: StepArrays) -> jax.Array:
+    """The sampled tokens of a call: the plain sampler's (in the call), or where a row has logit
+    transforms (`arrays.logits`), the transformed sampler's from the call's logits."""
     if arrays.logits is None:
-      args = (logits_bv, arrays.sampling)
-      return self._program(("sample", arrays.shape[0]), _sample, args,
-                           portable=self.portable)(*args)
-    args = (logits_bv, arrays.sampling, arrays.logits)
+      return out.tokens_b
+    args = (out.logits_bv, arrays.sampling, arrays.logits)
     key = ("sample_transformed", arrays.shape[0]) + arrays.logits.widths
     return self._program(key, _sample_transformed, args, portable=self.portable)(*args)
 
   def step_after(self, cache: PagedKVCache, arrays: StepArrays, previous_b: jax.Array,
-                 rows_b: np.ndarray, sample: bool = True) -> tuple[jax.Array, PagedKVCache]:
+                 rows_b: np.ndarray, sample: bool = True) -> tuple[Any, PagedKVCache]:
     """`step` for a decode call dispatched before the previous call's sampled tokens
     `previous_b` are read: its row i's input token is previous_b[rows_b[i]] (see `_follow`),
     taken on the device. The previous call's row count must be this call's. Without `sample`,
-    only the model call (`forward`): returns its logits, to sample once the host has the
-    rows' transforms (`sample`)."""
-    follow_args = (previous_b, arrays.tokens_bt, rows_b)
-    tokens_bt = self._program(("follow", arrays.shape[0]), _follow, follow_args)(*follow_args)
-    arrays = dataclasses.replace(arrays, tokens_bt=tokens_bt)
-    return self.step(cache, arrays) if sample else self.forward(cache, arrays)
+    returns the call's `StepOut`, to sample once the host has the rows' transforms (`sample`)."""
+    out, cache = self.call(cache, arrays, previous_b, rows_b)
+    return (self.sample(out, arrays) if sample else out), cache
 
   def step_logprobs(self, cache: PagedKVCache, arrays: StepArrays, sample_k: int | None,
-                    prompt_targets_bt: np.ndarray | None, prompt_k: int = 1
+                    prompt_targets_bt: np.ndarray | None, prompt_k: int = LOGPROB_K
                     ) -> tuple[jax.Array, PagedKVCache, TopLogprobs | None, TopLogprobs | None,
                                jax.Array]:
     """`step` that also computes log-probabilities, left on the device: of the sampled tokens
     and the top `sample_k` ([b]; None: not computed), of `prompt_targets_bt` at every position
     and the top `prompt_k` ([b, t]; None: not computed), and with `sample_k`, of the sampled
-    tokens under the processed distribution they were drawn from ([b]; `processed_logprobs`)."""
-    args = self.forward_args(cache, arrays.tokens_bt, arrays.pos_bt, arrays.tables_bm,
-                             arrays.last_b)
-    logits_bv, h_bth, cache = self._program(("step",) + arrays.shape, self._forward, args)(*args)
-    prompt_top = None
-    if prompt_targets_bt is not None:
-      prompt_args = (self._leaves, h_bth, prompt_targets_bt)
-      key = ("prompt_logprobs",) + prompt_targets_bt.shape + (prompt_k,)
-      prompt_top = self._program(key, self._prompt, prompt_args, k=prompt_k)(*prompt_args)
-    tokens_b = self.sample(logits_bv, arrays)
-    sampled_top = processed_b = None
-    if sample_k is not None:
-      lp_args = (logits_bv, tokens_b)
-      sampled_top = self._program(("logprobs", arrays.shape[0], sample_k), _sample_logprobs,
-                                  lp_args, k=sample_k)(*lp_args)
-      key = ("processed_logprobs", arrays.shape[0])
-      processed_args = (logits_bv, tokens_b, arrays.sampling)
-      if arrays.logits is not None:
-        key, processed_args = key + arrays.logits.widths, processed_args + (arrays.logits,)
-      processed_b = self._program(key, _processed_logprobs, processed_args)(*processed_args)
+    tokens under the processed distribution they were drawn from ([b]; `processed_logprobs`).
+    Both k are `LOGPROB_K`, the width every call computes."""
+    for k in (sample_k, prompt_k):
+      if k is not None and k != LOGPROB_K:
+        raise ValueError(f"log-probabilities are computed at top-{LOGPROB_K}, not {k}")
+    plain = arrays.logits is None
+    out, cache = self.call(cache, arrays, want_sampled=sample_k is not None and plain,
+                           targets_bt=prompt_targets_bt)
+    prompt_top = None if prompt_targets_bt is None else out.prompt
+    tokens_b = self.sample(out, arrays)
+    if sample_k is None:
+      return tokens_b, cache, None, prompt_top, None
+    if plain:
+      return tokens_b, cache, out.sampled, prompt_top, out.processed_b
+    lp_args = (out.logits_bv, tokens_b)
+    sampled_top = self._program(("logprobs", arrays.shape[0], sample_k), _sample_logprobs,
+                                lp_args, k=sample_k)(*lp_args)
+    key = ("processed_logprobs", arrays.shape[0]) + arrays.logits.widths
+    processed_args = (out.logits_bv, tokens_b, arrays.sampling, arrays.logits)
+    processed_b = self._program(key, _processed_logprobs, processed_args)(*processed_args)
     return tokens_b, cache, sampled_top, prompt_top, processed_b
 
   def swap(self, cache: PagedKVCache, host: HostTier, direction: str, pairs

@@ -2,21 +2,22 @@
 
 Pure: no device, no model. The scheduler hands columns (`ComputeBatch`: request ids, [start, end)
 ranges, block tables, whether to sample); this module pads them into the shapes the jitted step was
-compiled for, so a run compiles few variants:
-- rows: `buckets.row_bucket` of the number of rows, a power of two up to 8, then a multiple of
-  8 (padding rows compute nothing useful: position -1, no table entries, greedy sampling);
-- tokens per row: 1 for a decode batch. Prefill chunks are cut into pieces of at most
-  `PREFILL_ROW_TOKENS` tokens, one row each (`pack_prefill`), and rows pad to the next power of
-  two >= `MIN_TOKENS` of the longest piece. All the prefill of a step is one call, or a few
-  when its rows land past a row bucket (`prefill_calls`: whole buckets, then the rest), and pads
-  at most one partial row per chunk however long the prompts: the pieces of one sequence share
-  its block table, and each layer writes every row's keys and values before any row attends,
-  so a piece sees the pieces before it in the same call (and in the calls before). Shorter rows
-  also bound the attention a long prompt computes past the causal triangle to one row's width.
+compiled for, so an engine has few programs (`step_shapes` lists every one):
+- decode calls: one token per row, rows padded to `buckets.row_bucket` of their number (a power
+  of two up to 16, then 24, 32, 48, 64, ...; padding rows compute nothing useful: position -1,
+  no table entries, greedy sampling).
+- prefill calls: every chunk is cut into pieces of `PREFILL_ROW_TOKENS` tokens, one row each
+  (`pack_prefill`), every row is that wide, and rows pad to a power of two up to
+  `buckets.prefill_rows_most` (more rows are more calls, `prefill_calls`). So a prefill call is
+  a token-count bucket: 32, 64, 128, ... tokens, whatever the mix of chunks, and its programs
+  are one per bucket. A step pads at most one partial row per chunk however long the prompts:
+  the pieces of one sequence share its block table, and each layer writes every row's keys and
+  values before any row attends, so a piece sees the pieces before it in the same call (and in
+  the calls before). Short rows also bound the attention a long prompt computes past the causal
+  triangle to one row's width.
 - table width: one width for every call of an engine, the power of two >= `MIN_WIDTH` that holds a
   max_model_len sequence (`table_width`). The paged attention loop stops at the last chunk any
-  query sees, so the unused width costs nothing at run time, and the variants are (rows, tokens)
-  only: `step_shapes` lists every one a configuration can produce, for compiling ahead.
+  query sees, so the unused width costs nothing at run time.
 
 Shape legend: b rows, t tokens per row, m blocks per row (table width).
 """
@@ -26,14 +27,13 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from jaxtier.common.buckets import pow2_bucket, row_bucket, row_buckets_up_to
+from jaxtier.common.buckets import pow2_bucket, pow2_buckets_up_to, row_bucket, row_buckets_up_to
 from jaxtier.sampling.samplers import LogitRules, LogitsArrays, SamplingArrays, SamplingParams
 from jaxtier.sampling.structured import GrammarMatcher
 from jaxtier.scheduler import ComputeBatch
 from jaxtier.scheduler.allocator import blocks_for
 
-MIN_TOKENS = 16  # prefill rows pad to at least this many tokens
-PREFILL_ROW_TOKENS = 64  # longest prefill row: chunks are cut into pieces of this many tokens
+PREFILL_ROW_TOKENS = 32  # every prefill row: chunks are cut into pieces of this many tokens
 MIN_WIDTH = 8  # block tables pad to at least this many entries
 GREEDY = SamplingParams(temperature=0)
 
@@ -83,26 +83,31 @@ def pack_prefill(batch: ComputeBatch, row_tokens: int = PREFILL_ROW_TOKENS) -> C
   return ComputeBatch(*map(tuple, columns))
 
 
+def prefill_rows_most(max_num_seqs: int, token_budget: int) -> int:
+  """The most rows of one prefill call of an engine of `max_num_seqs` and `token_budget`: the
+  largest power of two among its decode calls' row buckets, or of the full rows the budget
+  holds, whichever is larger. A prefill call's rows pad to powers of two up to it, so where
+  max_num_seqs is the larger, its programs and samplers are among the decode calls' row counts
+  (one transformed sampler per row count serves both)."""
+  decode = max(b for b in row_buckets_up_to(max_num_seqs) if b & (b - 1) == 0)
+  return max(decode, pow2_bucket(token_budget // PREFILL_ROW_TOKENS + 1) // 2)
+
+
 CALL_SLOTS = 32  # what one more prefill call costs, in padded token slots: it reads the weights
 #   again (a step's prefill is split into more calls only when that saves more padding than this)
 
 
-def _tokens_bucket(lengths: Sequence[int]) -> int:
-  return pow2_bucket(max(lengths), MIN_TOKENS)
-
-
-def prefill_calls(batch: ComputeBatch, row_tokens: int = PREFILL_ROW_TOKENS
+def prefill_calls(batch: ComputeBatch, most_rows: int, row_tokens: int = PREFILL_ROW_TOKENS
                   ) -> list[ComputeBatch]:
-  """The model calls of one step's prefill: `pack_prefill`'s rows in the calls that pad least.
+  """The model calls of one step's prefill: `pack_prefill`'s rows in the calls that pad least,
+  none of more than `most_rows` rows (a power of two, `buckets.prefill_rows_most`).
 
-  One call pads its rows up to their `row_bucket`: a 2048-token step in 64-token pieces has 32
-  full rows plus one partial row per chunk, so its rows often land just past a bucket (33 rows
-  pad to 40), and one 832-token prompt is 13 rows padded to 16 (a fifth of the call computes
-  nothing; the padded call took as long as a 1024-token prompt). Split, the leading calls each
-  take a whole bucket of rows (the largest that fits, then the largest that fits the rest, ...:
-  13 rows are 8 + 4 + 1) and the later calls the chunks' end pieces (the shortest end piece
-  first, repeatedly, from the last call back), so a short last call also pads its tokens less.
-  Every piece in a later call comes after its sequence's pieces in the earlier ones, whose keys
+  One call pads its rows up to a power of two: a 2048-token step in 32-token pieces has 64 full
+  rows plus one partial row per chunk, so its rows often land just past a bucket (65 rows pad to
+  128), and one 416-token prompt is 13 rows padded to 16. Split, the leading calls each take a
+  whole bucket of rows (the largest that fits, then the largest that fits the rest, ...: 13
+  rows are 8 + 4 + 1) and the later calls the chunks' end pieces (from the last call back), so
+  every piece in a later call comes after its sequence's pieces in the earlier ones, whose keys
   and values those calls have written by then, and a chunk still samples from its last piece.
   The number of calls is the one with the fewest padded slots, counting `CALL_SLOTS` for each
   call past the first.
@@ -112,22 +117,20 @@ def prefill_calls(batch: ComputeBatch, row_tokens: int = PREFILL_ROW_TOKENS
   lengths = [end - start for start, end in zip(packed.starts, packed.ends)]
   sizes, rest = [], n
   while rest:
-    sizes.append(max(b for b in row_buckets_up_to(rest) if b <= rest))
+    sizes.append(min(most_rows, 1 << (rest.bit_length() - 1)))
     rest -= sizes[-1]
-  best, best_cost = None, _slots(lengths, range(n))
+  best, best_cost = None, pow2_bucket(n) * row_tokens if n <= most_rows else float("inf")
   for k in range(1, len(sizes)):  # k calls of whole buckets, then one call of the rest
+    if n - sum(sizes[:k]) > most_rows:
+      continue
     calls = _split(packed.request_ids, lengths, sizes[:k])
-    cost = sum(_slots(lengths, rows) for rows in calls) + (len(calls) - 1) * CALL_SLOTS
+    cost = (sum(pow2_bucket(len(rows)) for rows in calls) * row_tokens
+            + (len(calls) - 1) * CALL_SLOTS)
     if cost < best_cost:
       best, best_cost = calls, cost
   if best is None:
     return [packed]
   return [_select(packed, rows) for rows in best]
-
-
-def _slots(lengths: Sequence[int], rows: Sequence[int]) -> int:
-  """Padded token slots of one call of `rows`."""
-  return row_bucket(len(rows)) * _tokens_bucket([lengths[i] for i in rows])
 
 
 def _split(request_ids: Sequence[Hashable], lengths: Sequence[int], leading: Sequence[int]
@@ -161,27 +164,20 @@ def table_width(max_model_len: int, block_size: int) -> int:
   return pow2_bucket(blocks_for(max_model_len, block_size), MIN_WIDTH)
 
 
-def step_shapes(max_num_seqs: int, token_budget: int, max_model_len: int,
-                width: int) -> list[tuple[int, int, int]]:
-  """Every (rows, tokens, width) that `build` can produce for plans of this configuration.
-
-  Decode calls have up to max_num_seqs rows of one token. A step prefills at most max_num_seqs
-  chunks of at most min(token_budget, max_model_len - 1) tokens, token_budget in all. Packed
-  (`pack_prefill`), chunks shorter than PREFILL_ROW_TOKENS are one row each; in the full-width
-  bucket a chunk adds a partial row at most, so the rows are at most max_num_seqs plus
-  token_budget // PREFILL_ROW_TOKENS (and never more than token_budget).
-  """
+def step_shapes(max_num_seqs: int, token_budget: int, width: int,
+                max_model_len: int | None = None) -> list[tuple[int, int, int]]:
+  """Every (rows, tokens, width) that `build` produces for the calls of `prefill_calls` and of
+  decode batches of this configuration: decode calls of every `row_bucket` up to max_num_seqs
+  rows of one token; prefill calls of a power of two of `PREFILL_ROW_TOKENS`-token rows, at
+  most `prefill_rows_most` and at most the pieces of one step (max_num_seqs chunks of
+  token_budget tokens in all: each chunk adds a partial row at most; with `max_model_len`, no
+  chunk holds more than max_model_len - 1 tokens)."""
   shapes = [(b, 1, width) for b in row_buckets_up_to(max_num_seqs)]
-  longest = min(token_budget, max_model_len - 1)
-  t = MIN_TOKENS
-  while True:
-    most = min(max_num_seqs, token_budget)
-    if t >= PREFILL_ROW_TOKENS:
-      most = min(max_num_seqs + token_budget // PREFILL_ROW_TOKENS, token_budget)
-    shapes += [(b, t, width) for b in row_buckets_up_to(most)]
-    if t >= min(longest, PREFILL_ROW_TOKENS):
-      return shapes
-    t *= 2
+  pieces = min(max_num_seqs + token_budget // PREFILL_ROW_TOKENS, token_budget)
+  if max_model_len is not None:
+    pieces = min(pieces, max_num_seqs * -(-(max_model_len - 1) // PREFILL_ROW_TOKENS))
+  rows = min(prefill_rows_most(max_num_seqs, token_budget), pow2_bucket(pieces))
+  return shapes + [(b, PREFILL_ROW_TOKENS, width) for b in pow2_buckets_up_to(rows)]
 
 
 def build(batch: ComputeBatch, token_ids: Callable[[Hashable], Sequence[int]],
@@ -204,8 +200,10 @@ def build(batch: ComputeBatch, token_ids: Callable[[Hashable], Sequence[int]],
   if min(lengths) < 1 or (decode and max(lengths) != 1):
     raise ValueError(f"ranges {list(zip(batch.starts, batch.ends))} must hold at least one token"
                      + (" and exactly one in a decode batch" if decode else ""))
-  b = row_bucket(n)
-  t = 1 if decode else pow2_bucket(max(lengths), MIN_TOKENS)
+  # Prefill rows are PREFILL_ROW_TOKENS wide (a longer range, not cut by `pack_prefill`, pads to
+  # a power of two), their count a power of two.
+  b = row_bucket(n) if decode else pow2_bucket(n)
+  t = 1 if decode else pow2_bucket(max(lengths), PREFILL_ROW_TOKENS)
   longest_table = max(len(table) for table in batch.block_tables)
   m = pow2_bucket(longest_table, MIN_WIDTH) if width is None else width
   if longest_table > m:

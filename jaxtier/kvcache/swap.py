@@ -25,9 +25,9 @@ The tier takes pinned memory as blocks arrive: a slot's buffers live until the s
 again or the tier is dropped, so it never holds more than `num_host_blocks` blocks (the budget
 the sizing step checks against host RAM), and a tier that was never used holds nothing.
 
-A swap of n blocks runs one program per part of `swap_parts(n)` (powers of two, at most
+A swap of n blocks runs one program per part of `swap_parts(n)` (powers of four, at most
 `MAX_SWAP_BLOCKS` each): no padded block is copied, and an engine compiles at most
-log2(MAX_SWAP_BLOCKS) + 1 programs per direction.
+log4(MAX_SWAP_BLOCKS) + 1 programs per direction (`swap_sizes`): 1, 4 and 16 blocks.
 
 Shape legend: x blocks of one program, k kv heads, l layers, c block size, d head dim.
 """
@@ -156,12 +156,22 @@ def clear_compiled() -> None:
   _COMPILED.clear()
 
 
+def swap_sizes(most: int = MAX_SWAP_BLOCKS) -> list[int]:
+  """The block counts of the swap programs, ascending: powers of four up to `most` (and `most`
+  itself): few programs, at most three parts of each size below the largest in one swap."""
+  sizes = [1]
+  while sizes[-1] * 4 <= most:
+    sizes.append(sizes[-1] * 4)
+  return sizes + ([most] if sizes[-1] != most else [])
+
+
 def swap_parts(n: int, most: int = MAX_SWAP_BLOCKS) -> tuple[int, ...]:
-  """Block counts of the programs a swap of `n` blocks runs: `most` while more remain, then the
-  powers of two of the rest, largest first (13 -> 8, 4, 1)."""
-  parts = [most] * (n // most)
-  rest = n % most
-  parts += [1 << b for b in reversed(range(rest.bit_length())) if rest >> b & 1]
+  """Block counts of the programs a swap of `n` blocks runs: the largest of `swap_sizes(most)`
+  that fits while blocks remain (21 -> 16, 4, 1)."""
+  parts = []
+  for size in reversed(swap_sizes(most)):
+    parts += [size] * (n // size)
+    n %= size
   return tuple(parts)
 
 

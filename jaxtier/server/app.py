@@ -207,11 +207,10 @@ def create_app(engine: AsyncEngine, served_model_name: str, *,
 
   @app.get("/health")
   async def health() -> JSONResponse:
-    stats = engine.stats()
-    if engine.warmup_error is not None:
+    if not engine.ready and engine.warmup_error is not None:
       return JSONResponse({"status": "warm-up failed", "error": engine.warmup_error},
                           status_code=503)
-    if not stats.ready:
+    if not engine.ready:
       return JSONResponse({"status": "warming up"}, status_code=503)
     if not engine.accepting:
       return JSONResponse({"status": "shutting down"}, status_code=503)

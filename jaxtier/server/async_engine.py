@@ -1,7 +1,10 @@
 """An asyncio front over the engine: one thread steps it, HTTP handlers stream each request's tokens.
 
-The engine thread first compiles every program the engine can run (`Engine.warmup`, its progress
-logged at each tenth of the programs; `ready` once it has finished), then loops: it takes the
+A warm-up thread compiles every program the engine can run (`Engine.start_warmup`, its progress
+logged at each tenth of the programs), those of an ordinary request first: `ready` once it has
+them, the rest reported in /metrics. The engine thread serves from the start meanwhile: a request
+that arrives during the warm-up runs with the programs it needs, compiled on the spot ahead of the
+warm-up's queue (see `jaxtier.engine.startup`). It loops: it takes the
 requests and aborts that handlers queued since the last step, applies them to the engine
 (arrivals join the running batch at the next step: continuous batching), runs one
 `Engine.step()` and hands each update to the event loop of the request it belongs to, with one
@@ -12,8 +15,9 @@ are freed at once and nothing more is delivered. A step that fails ends the requ
 `EngineError` (the engine aborts them and stays usable). `drain` stops new requests, waits for the
 running ones up to a timeout and ends the rest with finish_reason "abort"; `close` stops the thread.
 
-A warm-up that fails leaves the engine serving (programs compile when first needed) but never
-`ready`: `warmup_error` says why, and the HTTP layer's /health answers 503 with it.
+A warm-up that fails leaves the engine serving (programs compile when first needed); one that
+fails before `ready` leaves it never `ready`: `warmup_error` says why, and the HTTP layer's
+/health answers 503 with it.
 
 The server holds `llm.engine`: do not call the offline methods of the same `LLM` (`generate`,
 `chat`) while it serves, since the engine is stepped by this class's thread only.
@@ -51,7 +55,7 @@ class EngineStats:
   swapped: int  # preempted requests whose KV sits in the host pool
   steps: int  # engine steps run since start
   model_calls: int  # model programs run (a step: its prefill in a call or a few, its decode in one)
-  ready: bool  # warm-up has finished and succeeded: no request will wait for a compile
+  ready: bool  # an ordinary request's programs are compiled (the rest may still be compiling)
   engine: dict  # `Engine.stats()` as of the last step (swap timings may lag a step)
 
 
@@ -117,12 +121,12 @@ class AsyncEngine:
     llm: a `jaxtier.LLM`; its engine (and KV pools) is created here.
     max_queued_requests: most requests waiting for admission; more raise `QueueFull`. None: no
       cap.
-    warmup: compile every program before serving (see `Engine.warmup`); else `ready` at once and
-      the first requests of each shape wait for its compile.
+    warmup: compile every program on a warm-up thread while serving (see
+      `Engine.start_warmup`); else `ready` at once and the first requests of each shape wait
+      for its compile.
 
   Attributes:
-    warmup_progress: (programs compiled, programs in all) of the warm-up so far.
-    warmup_report: {"programs", "compile_seconds", "seconds"} once warm-up has succeeded.
+    warmup: the `startup.Warmup` running or run, or None without one.
     warmup_error: why warm-up failed ("TypeError: ..."), else None.
   """
 
@@ -141,13 +145,13 @@ class AsyncEngine:
     self._taken = 0  # arrivals the engine thread took that the published stats do not count yet
     self._accepting, self._closed, self._ending = True, False, False
     self._drained = 0  # requests the engine thread ended because `drain` timed out
+    self.warmup = None
     self._stats = self._snapshot(ready=False)
-    self._ready = threading.Event()
-    self._warmed = threading.Event()  # warm-up is over, whether it succeeded or not
-    self.warmup_progress = (0, 0)
-    self.warmup_report: dict | None = None
-    self.warmup_error: str | None = None
-    self._warmup = warmup
+    self._logged = 0  # programs done when warm-up progress was last logged
+    if warmup:
+      self.warmup = self.engine.start_warmup(busy=self._serving, progress=self._log_progress,
+                                             start=False)
+      self.warmup.start()
     self._thread = threading.Thread(target=self._loop, name="jaxtier-engine", daemon=True)
     self._thread.start()
 
@@ -155,13 +159,43 @@ class AsyncEngine:
 
   @property
   def ready(self) -> bool:
-    return self._ready.is_set()
+    """Whether the programs of an ordinary request are compiled (see `Engine.start_warmup`)."""
+    w = self.warmup
+    return w is None or w.ready.is_set()
+
+  @property
+  def warmup_error(self) -> str | None:
+    return None if self.warmup is None else self.warmup.error
+
+  @property
+  def warmup_progress(self) -> tuple[int, int]:
+    """(programs compiled, programs in all) of the warm-up so far."""
+    return (0, 0) if self.warmup is None else self.warmup.counts
+
+  @property
+  def warmup_report(self) -> dict | None:
+    """`Warmup.report` once the warm-up has compiled every program, else None."""
+    w = self.warmup
+    return w.report if w is not None and w.done.is_set() and w.error is None else None
 
   def wait_ready(self, timeout_s: float | None = None) -> bool:
-    """Blocks until warm-up is over (or `timeout_s` passed); returns `ready` (False when warm-up
-    failed: see `warmup_error`)."""
-    self._warmed.wait(timeout_s)
+    """Blocks until `ready` (or warm-up failed, or `timeout_s` passed); returns `ready`."""
+    w = self.warmup
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while w is not None and not w.ready.is_set() and not w.done.is_set():
+      left = None if deadline is None else deadline - time.monotonic()
+      if left is not None and left <= 0:
+        break
+      w.ready.wait(0.1 if left is None else min(left, 0.1))
     return self.ready
+
+  def wait_warm(self, timeout_s: float | None = None) -> bool:
+    """Blocks until the warm-up has compiled every program (or failed, or `timeout_s` passed);
+    returns whether it compiled them all."""
+    if self.warmup is None:
+      return True
+    self.warmup.done.wait(timeout_s)
+    return self.warmup_report is not None
 
   @property
   def accepting(self) -> bool:
@@ -227,6 +261,8 @@ class AsyncEngine:
       self._accepting, self._closed = False, True
       self._cond.notify_all()
     self._thread.join()
+    if self.warmup is not None:
+      self.warmup.stop()
     failed = self._inbox + list(self._live.values())
     for entry in self._live.values():
       self.engine.abort(entry.request.request_id)
@@ -246,40 +282,34 @@ class AsyncEngine:
                        swapped=figures["swapped"], steps=figures["steps"],
                        model_calls=figures["model_calls"], ready=ready, engine=figures)
 
-  def _warm_up(self) -> bool:
-    """Runs `Engine.warmup`, logging its progress; returns whether it succeeded."""
-    start = time.perf_counter()
+  def _serving(self) -> bool:
+    """Whether requests are queued or live (read without the lock: a hint for the warm-up)."""
+    return bool(self._inbox or self._num_live or self._working)
 
-    def progress(done: int, total: int, key: tuple) -> None:
-      tenth = 10 * done // total  # logged at the first program and at each tenth of them
-      if done == 1 or tenth > 10 * self.warmup_progress[0] // total:
-        logging.info("warm-up: %d/%d programs (%d%%) in %.1f s, last %s", done, total,
-                     100 * done // total, time.perf_counter() - start, key)
-      self.warmup_progress = (done, total)
-
-    try:
-      report = self.engine.warmup(progress=progress)
-    except Exception as e:  # pylint: disable=broad-except  (serve anyway, compiling on demand)
-      self.warmup_error = f"{type(e).__name__}: {e}"
-      logging.exception("warm-up failed after %.1f s (/health answers 503 with this reason; "
-                        "programs will compile when first needed): %s",
-                        time.perf_counter() - start, self.warmup_error)
-      return False
-    self.warmup_report = {**report, "seconds": time.perf_counter() - start}
-    logging.info("warm-up: %d programs ready in %.1f s (%.1f s compiling)",
-                 report["programs"], self.warmup_report["seconds"], report["compile_seconds"])
-    return True
+  def _log_progress(self, done: int, total: int, key: tuple) -> None:
+    """The warm-up's progress in the log: at the first program, at each tenth, at ready."""
+    w = self.warmup
+    if total and (done == 1 or 10 * done // total > 10 * self._logged // total):
+      logging.info("warm-up: %d/%d programs (%d%%) in %.1f s, last %s", done, total,
+                   100 * done // total, w.report["seconds"], key)
+      self._logged = done
+    if w is not None and done == w.ready_count:
+      logging.info("warm-up: ready (%d programs of an ordinary request) in %.1f s; %d more "
+                   "compile while serving", done, w.report["seconds"], total - done)
+    if done == total:
+      report = w.report
+      logging.info("warm-up: %d programs ready in %.1f s (%.1f s compiling; %d compiled, %d from "
+                   "the persistent cache)", total, report["seconds"], report["compile_seconds"],
+                   report["compiled"], report["cache_hits"])
+    with self._cond:
+      self._stats = dataclasses.replace(self._stats, ready=self.ready)
 
   def _loop(self) -> None:
-    ready = self._warm_up() if self._warmup else True
-    with self._cond:
-      self._stats = self._snapshot(ready=ready)
-    if ready:
-      self._ready.set()
-    self._warmed.set()
     while True:
       with self._cond:
         while not self._busy() and not self._closed:
+          if self.warmup is not None:
+            self.warmup.wake()
           self._cond.wait()
         if self._closed:
           return
@@ -295,7 +325,7 @@ class AsyncEngine:
         items += self._step()
       _deliver(items)  # one wake-up of each event loop per step
       with self._cond:
-        self._stats = self._snapshot(ready=ready)
+        self._stats = self._snapshot(ready=self.ready)
         self._num_live, self._working, self._taken = len(self._live), False, 0
         if ending:
           self._drained += drained

@@ -64,8 +64,9 @@ class _EngineCollector:
                             value=figures["device_blocks_total"] - figures["device_blocks_free"])
     yield GaugeMetricFamily("jaxtier_kv_host_blocks_used", "host KV blocks in use",
                             value=figures["host_blocks_total"] - figures["host_blocks_free"])
-    yield GaugeMetricFamily("jaxtier_ready", "1 once warm-up has compiled every program",
-                            value=int(stats.ready))
+    yield GaugeMetricFamily("jaxtier_ready", "1 once an ordinary request's programs are compiled "
+                            "(/health 200; the rest of the warm-up may still run)",
+                            value=int(getattr(self._engine, "ready", stats.ready)))
     done, total = self._engine.warmup_progress
     yield GaugeMetricFamily("jaxtier_warmup_programs_compiled", "programs warm-up has compiled "
                             "so far (of jaxtier_warmup_programs)", value=done)
@@ -73,6 +74,19 @@ class _EngineCollector:
                             "before it starts or without warm-up)", value=total)
     yield GaugeMetricFamily("jaxtier_warmup_failed", "1 if warm-up failed (/health says why)",
                             value=int(self._engine.warmup_error is not None))
+    # read from the runner now where there is one: the warm-up compiles between steps
+    runner = getattr(getattr(self._engine, "engine", None), "runner", None)
+    compiled, hits, seconds = ((runner.compiled_programs, runner.cache_hits,
+                                runner.compile_seconds) if runner is not None else
+                               (figures["compiled_programs"], figures["compile_cache_hits"],
+                                figures["compile_seconds"]))
+    yield CounterMetricFamily("jaxtier_compile_programs_compiled", "programs compiled since the "
+                              "start (not found in the persistent compilation cache)",
+                              value=compiled)
+    yield CounterMetricFamily("jaxtier_compile_cache_hits", "programs loaded from the persistent "
+                              "compilation cache since the start", value=hits)
+    yield CounterMetricFamily("jaxtier_compile_seconds", "seconds spent compiling or loading "
+                              "programs since the start", value=seconds)
     for name, text, key in _COUNTERS:
       yield CounterMetricFamily(name, text, value=figures[key])
     preemptions = CounterMetricFamily("jaxtier_preemptions", "requests preempted, by mode",

@@ -10,12 +10,20 @@ blocks in pinned host memory), and exports
 the programs the engine's `Runner` builds (`Runner._build_each`, the same functions and
 arguments its warm-up compiles), one representative shape each:
 
-- "decode": ("step", rows, 1, width), the most rows a decode call has; "sample", "follow" and
-  "logprobs" at those rows;
-- "prefill": ("step", rows, tokens, width), the call of the most token slots; "prompt_logprobs" of
-  it;
+- "decode": ("step", rows, 1, width), the most rows a decode call has: one program
+  (`Runner._step`) holds the model call, the plain sampler, a decode call's input tokens taken
+  from the previous call's (`follow`) and the sampled tokens' log-probabilities;
+- "prefill": ("step", rows, tokens, width), the call of the most token slots, its prompt
+  log-probabilities in it;
+- "sample_transformed": ("sample_transformed", rows, *widths), the sampler of rows with logit
+  transforms (penalties, biases, allowed ids, a structured output's grammar mask), from the
+  decode call's logits: at the decode rows and its narrowest widths with a whole-vocabulary
+  grammar mask (`LogitsArrays.grammar_widths`, what the warm-up compiles);
 - "swap_out", "swap_in": ("swap", direction, x) at one block count x (the prefix cache's host
   tier loads and writes back blocks with the same programs).
+
+A transformed call's log-probabilities ("logprobs", "processed_logprobs") compile on demand, at
+widths a request sets, and are not exported.
 
 No tensor is read: the checkpoint gives its config (a registry model is not converted). Each
 program's entry holds:
@@ -38,10 +46,6 @@ program's entry holds:
   loop, CPU's XLA path) or "reference", several joined by "+" (a kernel and the XLA path its
   sliding-window or soft-capped layers take), None for a program without attention;
 - `key`: the `Runner` program it is.
-
-"sample_transformed", the sampler of rows with logit transforms (penalties, biases, allowed ids,
-a structured output's grammar mask), is exported at the decode rows and its narrowest widths
-with a whole-vocabulary grammar mask.
 """
 
 import dataclasses
@@ -62,13 +66,10 @@ from jaxtier.kernels.cpu import library as cpu_kernels
 from jaxtier.kvcache import PagedKVCache
 from jaxtier.model import quant, sharding
 from jaxtier.offload import placement
-from jaxtier.sampling import structured
-from jaxtier.sampling.logprobs import MAX_LOGPROBS
-from jaxtier.sampling.samplers import MIN_HISTORY, MIN_IDS
+from jaxtier.sampling.samplers import LogitsArrays
 from jaxtier.tools import hlo
 
-PROGRAMS = ("prefill", "decode", "sample", "sample_transformed", "follow", "logprobs",
-            "prompt_logprobs", "swap_out", "swap_in")
+PROGRAMS = ("prefill", "decode", "sample_transformed", "swap_out", "swap_in")
 EXPORT_PLATFORMS = ("cuda", "rocm", "tpu", "cpu")  # jax.export's names
 SWAP_BLOCKS = 4  # the block count the swaps are exported at (fewer where the pools hold fewer)
 
@@ -124,12 +125,9 @@ def representative_programs(engine_config, vocab_size: int) -> dict[str, tuple]:
   decode = max((k for k in steps if k[2] == 1), key=lambda k: k[1])
   prefill = max((k for k in steps if k[2] > 1), key=lambda k: (k[1] * k[2], k[2]))
   swaps = sorted({k[2] for k in keys if k[0] == "swap"})
-  out = {"decode": decode, "sample": ("sample", decode[1]),
-         "sample_transformed": ("sample_transformed", decode[1], MIN_HISTORY, MIN_IDS, MIN_IDS,
-                                structured.mask_words(vocab_size)),
-         "follow": ("follow", decode[1]),
-         "logprobs": ("logprobs", decode[1], MAX_LOGPROBS), "prefill": prefill,
-         "prompt_logprobs": ("prompt_logprobs", prefill[1], prefill[2], MAX_LOGPROBS)}
+  out = {"decode": decode, "prefill": prefill,
+         "sample_transformed": ("sample_transformed", decode[1])
+                               + LogitsArrays.grammar_widths(vocab_size)}
   if swaps:
     x = max(s for s in swaps if s <= SWAP_BLOCKS) if swaps[0] <= SWAP_BLOCKS else swaps[0]
     out.update(swap_out=("swap", "out", x), swap_in=("swap", "in", x))
@@ -155,10 +153,9 @@ ATTENTION_FUNCTIONS = {"xla_gathered": "paged_attention_gathered",
                        "reference": "paged_attention_reference", "xla": "paged_attention"}
 _FUNCTION = re.compile(r"^\s*func\.func (?:public |private )?@([\w$.-]+)", re.MULTILINE)
 
-# Programs exported together: a program after the ones whose outputs it takes (`_build_each`).
-_GROUPS = (("decode", "sample", "sample_transformed", "follow", "logprobs"),
-           ("prefill", "prompt_logprobs"),
-           ("swap_out",), ("swap_in",))
+# Programs exported together: a program after the ones whose outputs it takes (`_build_each`:
+# the transformed sampler takes the decode call's logits).
+_GROUPS = (("decode", "sample_transformed"), ("prefill",), ("swap_out",), ("swap_in",))
 
 
 def attention_paths(mlir_text: str, targets: dict[str, int] | None = None) -> str | None:
