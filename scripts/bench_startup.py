@@ -19,7 +19,8 @@ pass against its second.
              status, and whether its message names the port.
   offline:   a fresh process (`LLM`, empty cache, then again with the cache it filled) runs one
              short request, then `--conversations` mixed-length chat conversations through
-             `LLM.chat` twice, the same work: tokens/s of each pass and their ratio.
+             `LLM.chat` twice, the same work (the prefix cache emptied before each pass):
+             tokens/s of each pass, the programs each compiled (or loaded) and their ratio.
 
 Every server is started as a user would (`python scripts/serve.py --port=...`) with the engine
 flags given here, and stopped with SIGTERM.
@@ -47,7 +48,7 @@ flags.DEFINE_integer("warm_starts", 2, "warm restarts measured", lower_bound=1)
 flags.DEFINE_integer("chat_tokens", 16, "tokens the cold start's chat request asks for",
                      lower_bound=1)
 flags.DEFINE_integer("conversations", 24, "conversations of the offline workload", lower_bound=1)
-flags.DEFINE_integer("offline_tokens", 64, "most tokens each offline conversation asks for",
+flags.DEFINE_integer("offline_tokens", 256, "most tokens each offline conversation asks for",
                      lower_bound=1)
 flags.DEFINE_float("timeout_s", 1200, "longest wait for a server or a worker", lower_bound=1)
 flags.DEFINE_string("offline_worker", None, "internal: run the offline passes and print JSON")
@@ -250,6 +251,7 @@ def offline_worker(label: str) -> None:
                            ignore_eos=True) for i in range(len(convs))]
   passes = []
   for _ in range(2):
+    llm.reset_prefix_cache()  # the same work each pass: no prompt found cached from the last
     before = llm.engine.stats()
     t = time.perf_counter()
     outputs = llm.chat(convs, params, use_tqdm=False)
