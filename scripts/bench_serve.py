@@ -88,7 +88,7 @@ class Server:
 
     from jaxtier.server import AsyncEngine, create_app
     self.engine = AsyncEngine(llm, **engine_kwargs)
-    self.engine.wait_ready()
+    self.engine.wait_warm()  # every program built: none compiles mid-measurement
     self.port = free_port()
     application = create_app(self.engine, FLAGS.model, max_request_bytes=FLAGS.max_request_bytes)
     self.server = uvicorn.Server(uvicorn.Config(application,
@@ -321,7 +321,7 @@ def warmup_section() -> dict:
       finally:
         proc.terminate()
         proc.wait(timeout=120)
-      ready = [line for line in proc.stderr.read().splitlines() if line.startswith("ready:")]
+      ready = [line for line in proc.stderr.read().splitlines() if line.startswith("start-up:")]
       times[f"{label}_ready_line"] = ready[-1] if ready else None
   return times
 

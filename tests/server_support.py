@@ -54,7 +54,7 @@ def warm_engine(llm):
   from jaxtier.server import AsyncEngine  # pylint: disable=g-import-not-at-top
   engine = AsyncEngine(llm)
   try:
-    assert engine.wait_ready(timeout_s=300), "warm-up did not finish"
+    assert engine.wait_warm(timeout_s=300), "warm-up did not finish"
     yield engine
   finally:
     engine.close()

@@ -672,6 +672,8 @@ class Engine:
   def close(self) -> None:
     for warmup in self.warmups:
       warmup.stop()
+    for warmup in self.warmups:
+      warmup.join(60.0)
     self.grammars.close()
     if self._trace is not None:
       self._trace.close()

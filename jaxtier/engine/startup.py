@@ -19,10 +19,12 @@ differs, programs compile again, and the log says why (`cache_mismatch`).
 Shape legend: none (no arrays here).
 """
 
+import atexit
 import json
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -135,6 +137,19 @@ def _reset_cache() -> None:
     pass
 
 
+_RUNNING: "weakref.WeakSet[Warmup]" = weakref.WeakSet()  # started, not done
+
+
+@atexit.register
+def _stop_running() -> None:
+  """At exit, lets each warm-up finish the program it is compiling and end: a thread still
+  inside XLA's compiler while the interpreter shuts down aborts the process."""
+  for warmup in list(_RUNNING):
+    warmup.stop()
+  for warmup in list(_RUNNING):
+    warmup.join(60.0)
+
+
 class Warmup:
   """Compiles `keys` of `engine` on a thread (see the module docstring).
 
@@ -168,6 +183,7 @@ class Warmup:
     self._thread = threading.Thread(target=self._run, name="jaxtier-warmup", daemon=True)
 
   def start(self) -> "Warmup":
+    _RUNNING.add(self)
     self._thread.start()
     return self
 
@@ -187,7 +203,7 @@ class Warmup:
       self._idle.notify_all()
 
   def stop(self) -> None:
-    """Ends the thread after the program it is compiling."""
+    """Ends the thread after the program it is compiling (`join` waits for that)."""
     with self._idle:
       self._stop = True
       self._idle.notify_all()
@@ -225,6 +241,7 @@ class Warmup:
                         "needed): %s", time.perf_counter() - self._start, self.error)
     finally:
       self.done.set()
+      _RUNNING.discard(self)
 
 
 class _Stopped(Exception):

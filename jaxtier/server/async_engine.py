@@ -261,8 +261,9 @@ class AsyncEngine:
       self._accepting, self._closed = False, True
       self._cond.notify_all()
     self._thread.join()
-    if self.warmup is not None:
+    if self.warmup is not None:  # the program it is compiling finishes first
       self.warmup.stop()
+      self.warmup.join(60.0)
     failed = self._inbox + list(self._live.values())
     for entry in self._live.values():
       self.engine.abort(entry.request.request_id)
