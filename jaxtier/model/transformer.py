@@ -12,6 +12,7 @@ Shape legend: b batch, t tokens, h hidden size, n query heads, k kv heads, d hea
 l layers, f MLP width.
 """
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -525,8 +526,19 @@ class UnrolledLayers(nnx.Module):
 
   def __call__(self, x_bth, cos_btd, sin_btd, cache, pos_bt, meta):
     for i, layer in enumerate(self.layers):
-      x_bth, cache = layer(x_bth, cos_btd, sin_btd, cache, jnp.int32(self.first + i), pos_bt, meta)
+      graphdef, state = nnx.split(layer)
+      x_bth, cache = _unrolled_layer(graphdef, state, x_bth, cos_btd, sin_btd, cache,
+                                     jnp.int32(self.first + i), pos_bt, meta)
     return x_bth, cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _unrolled_layer(graphdef, state, x_bth, cos_btd, sin_btd, cache, layer, pos_bt, meta):
+  """One unrolled layer, as its own function: layers of one structure (and the layer index a
+  value) share one trace and one lowered function, which a program calls once per layer. XLA
+  inlines the calls, so the program runs as before; tracing and lowering 30 layers cost about one.
+  (A program with a warm persistent cache spent most of its start-up tracing the layers.)"""
+  return nnx.merge(graphdef, state)(x_bth, cos_btd, sin_btd, cache, layer, pos_bt, meta)
 
 
 def _layer_slice(model: Transformer, start: int, stop: int) -> DecoderLayer:

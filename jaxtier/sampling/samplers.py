@@ -456,7 +456,7 @@ def argmax(logits_bv: jax.Array) -> jax.Array:
   if (logits_bv.dtype != jnp.float32 or not logits_bv.size or logits_bv.ndim < 1
       or jax.default_backend() != "cpu" or not cpu_kernels.available()):
     return argmax_reference(logits_bv)
-  return jax.lax.platform_dependent(logits_bv, cpu=_kernel_argmax, default=argmax_reference)
+  return cpu_kernels.cpu_or_reference(logits_bv, cpu=_kernel_argmax, default=argmax_reference)
 
 
 def sample(logits_bv: jax.Array, s: SamplingArrays, portable: bool = False) -> jax.Array:

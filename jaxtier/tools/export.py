@@ -48,6 +48,7 @@ program's entry holds:
 - `key`: the `Runner` program it is.
 """
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -229,15 +230,18 @@ def export_engine_programs(engine: AbstractEngine, platform: str,
       # the outputs a later program of the group takes, if tracing alone works
       return jax.eval_shape(functools.partial(jitted, **static), *args)
 
-  for group in _GROUPS:
-    keys = [wanted[name] for name in group if name in wanted]
-    try:
-      engine.runner._build_each(engine.cache, keys, build)  # pylint: disable=protected-access
-    except Exception as e:  # pylint: disable=broad-except
-      for key in keys:
-        if names[key] not in results:
-          results[names[key]] = _failed(key, "not exported: a program it takes outputs from "
-                                        f"could not be traced ({_message(e)})")
+  every = (contextlib.nullcontext() if platform == "cpu"
+           else cpu_kernels.traced_for_every_platform())
+  with every:
+    for group in _GROUPS:
+      keys = [wanted[name] for name in group if name in wanted]
+      try:
+        engine.runner._build_each(engine.cache, keys, build)  # pylint: disable=protected-access
+      except Exception as e:  # pylint: disable=broad-except
+        for key in keys:
+          if names[key] not in results:
+            results[names[key]] = _failed(key, "not exported: a program it takes outputs from "
+                                          f"could not be traced ({_message(e)})")
   return {name: results[name] for name in PROGRAMS if name in results}
 
 

@@ -40,6 +40,8 @@ import jax
 from jax._src.interpreters.mlir import make_ir_context
 from jax._src.lib.mlir import ir
 
+from jaxtier.kernels.cpu import library as cpu_kernels
+
 MOVES = frozenset({"stablehlo.dynamic_slice", "stablehlo.slice", "stablehlo.reshape",
                    "stablehlo.bitcast_convert", "sdy.sharding_constraint"})
 # Custom-call targets only a CPU runs: jaxtier's C++ kernels (`jaxtier.kernels.cpu.library`) and the
@@ -109,8 +111,10 @@ class PlacementReport:
 
 
 def exported_text(fn: Callable, *args, platform: str = "cuda") -> str:
-  """StableHLO text of `fn` (a jitted function) exported for `platform`; args may be abstract."""
-  return jax.export.export(fn, platforms=[platform])(*args).mlir_module()
+  """StableHLO text of `fn` (a jitted function) exported for `platform`; args may be abstract.
+  Traced with every platform's branch of the CPU kernels (`traced_for_every_platform`)."""
+  with cpu_kernels.traced_for_every_platform():
+    return jax.export.export(fn, platforms=[platform])(*args).mlir_module()
 
 
 def _nbytes(value) -> tuple[tuple[int, ...], int]:

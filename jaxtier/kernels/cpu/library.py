@@ -22,6 +22,7 @@ no compiler, or a build that fails, `available()` is False, `unavailable_reason(
 callers keep the XLA path.
 """
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -30,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -158,6 +160,39 @@ def integer_dots() -> bool:
   False when the kernels are unavailable."""
   library = _load()[0]
   return library is not None and bool(library.JaxtierIntegerDots())
+
+
+_EVERY_PLATFORM = [0]  # traced_for_every_platform contexts open, in any thread
+_EVERY_PLATFORM_LOCK = threading.Lock()
+
+
+def cpu_or_reference(*args, cpu, default):
+  """`cpu(*args)` where the program is lowered for the CPU, else `default(*args)`.
+
+  In a process whose backend is the CPU this traces the kernel branch alone: the programs it
+  compiles run here, and `lax.platform_dependent` would trace the reference beside it for
+  nothing (lowering keeps one branch), most of a program's tracing time with 30 unrolled layers.
+  Elsewhere, and inside `traced_for_every_platform`, both are traced and lowering picks."""
+  if jax.default_backend() == "cpu" and not _EVERY_PLATFORM[0]:
+    return cpu(*args)
+  return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
+@contextlib.contextmanager
+def traced_for_every_platform():
+  """Within, programs trace every platform's branch of `cpu_or_reference`, in every thread, so
+  they can be lowered for another platform than this CPU (`jax.export` for "cuda" of a program
+  built here). Entering clears JAX's trace caches (`jax.clear_caches`): a trace made for this
+  CPU alone is not reused. Traces made within stay correct for the CPU (lowering picks its
+  branch), only slower to make."""
+  with _EVERY_PLATFORM_LOCK:
+    _EVERY_PLATFORM[0] += 1
+  try:
+    jax.clear_caches()
+    yield
+  finally:
+    with _EVERY_PLATFORM_LOCK:
+      _EVERY_PLATFORM[0] -= 1
 
 
 @functools.cache

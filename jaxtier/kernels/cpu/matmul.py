@@ -503,7 +503,7 @@ def packed_matmul(x_mk: jax.Array, w_pkc: jax.Array, n: int | None = None) -> ja
   if not _kernel_applies(x_mk, w_pkc):
     out = reference_matmul(x_mk, w_pkc)
   else:
-    out = jax.lax.platform_dependent(x_mk, w_pkc, cpu=_kernel_matmul, default=reference_matmul)
+    out = cpu_kernels.cpu_or_reference(x_mk, w_pkc, cpu=_kernel_matmul, default=reference_matmul)
   return out if n is None else out[..., :n]
 
 
@@ -539,9 +539,9 @@ def norm_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Array, n:
   if not _kernel_applies(x_mk, w_pkc, scale_k):
     out = _reference_norm_matmul(x_mk, scale_k, w_pkc, eps=eps)
   else:
-    out = jax.lax.platform_dependent(x_mk, scale_k, w_pkc,
-                                     cpu=functools.partial(_kernel_norm_matmul, eps=eps),
-                                     default=functools.partial(_reference_norm_matmul, eps=eps))
+    out = cpu_kernels.cpu_or_reference(x_mk, scale_k, w_pkc,
+                           cpu=functools.partial(_kernel_norm_matmul, eps=eps),
+                           default=functools.partial(_reference_norm_matmul, eps=eps))
   return out if n is None else out[..., :n]
 
 
@@ -597,7 +597,7 @@ def norm_rope_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Arra
   if not _kernel_applies(x_mk, w_pkc, scale_k):  # bias, cos and sin are float32 by now
     out = _reference_norm_rope_matmul(*args, **static)
   else:
-    out = jax.lax.platform_dependent(
+    out = cpu_kernels.cpu_or_reference(
         *args, cpu=functools.partial(_kernel_norm_rope_matmul, **static),
         default=functools.partial(_reference_norm_rope_matmul, **static))
   return out if n is None else out[..., :n]
@@ -635,6 +635,6 @@ def glu_packed_matmul(gate_up_mf: jax.Array, w_pkc: jax.Array, n: int | None = N
   if not _kernel_applies(gate_up_mf, w_pkc):
     out = _reference_glu_matmul(gate_up_mf, w_pkc)
   else:
-    out = jax.lax.platform_dependent(gate_up_mf, w_pkc, cpu=_kernel_glu_matmul,
-                                     default=_reference_glu_matmul)
+    out = cpu_kernels.cpu_or_reference(gate_up_mf, w_pkc, cpu=_kernel_glu_matmul,
+                           default=_reference_glu_matmul)
   return out if n is None else out[..., :n]
