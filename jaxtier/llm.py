@@ -495,6 +495,7 @@ class LLM:
     exhausted, generated, start = False, 0, time.perf_counter()
     try:
       while True:
+        added = False
         while not exhausted and engine.num_unfinished < 2 * self.max_num_seqs:
           item = next(items, None)
           if item is None:
@@ -505,8 +506,11 @@ class LLM:
           seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
           engine.add_request(request_id, ids, params, seed)
           mine[request_id] = (key, text, tuple(ids), self.weights_version)
+          added = True
         if not mine:
           return
+        if added:  # the programs these requests will run, built beside the steps
+          engine.compile_ahead()
         for update in engine.step():
           generated += len(update.new_token_ids)
           if update.completion is None or update.request_id not in mine:

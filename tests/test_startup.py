@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 import jaxtier
 from conftest import fixture_path
 from jaxtier.engine import build, startup
-from jaxtier.engine.engine import ready_programs, warmup_programs
+from jaxtier.engine.engine import ahead_programs, ready_programs, warmup_programs
 from jaxtier.server import AsyncEngine, create_app
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -37,6 +37,44 @@ def test_the_default_server_runs_at_most_32_programs():
   ready = ready_programs(plan.engine_config, plan.config.vocab_size)
   assert {key[1:3] for key in ready} == {(1, 1), (2, 1), (1, 32), (2, 32)}
   assert [key for key in keys if key[0] == "step"][:len(ready)] == ready
+
+
+def test_a_batch_builds_the_calls_its_requests_can_run_largest_prefill_first():
+  config = build.plan("smollm2-135m-instruct").engine_config
+  keys = ahead_programs(config, requests=24, prompt_rows=40)
+  assert all(key[0] == "step" for key in keys) and len(set(keys)) == len(keys)
+  assert sorted(key[1] for key in keys if key[2] == 1) == [1, 2, 4, 8, 16, 24]
+  assert sorted(key[1] for key in keys if key[2] > 1) == [1, 2, 4, 8, 16, 32, 64]
+  assert [key[1:3] for key in keys[:4]] == [(64, 32), (1, 1), (32, 32), (2, 1)]
+  assert [key[1:3] for key in ahead_programs(config, 1, 1)] == [(1, 32), (1, 1)]
+  everything = ahead_programs(config, 1000, 1000)  # never past the configuration's programs
+  assert set(everything) == {key for key in warmup_programs(config, 1) if key[0] == "step"}
+
+
+def test_the_offline_api_lowers_its_programs_beside_the_steps():
+  """A batch's programs are lowered on a thread (on a CPU; compiled elsewhere) and the steps
+  compile those lowerings; the tokens are those of programs built on the spot."""
+  args = dict(ENGINE_ARGS, max_model_len=72, max_num_seqs=3)  # programs no other test builds
+  llm = jaxtier.LLM(fixture_path("tiny_llama"), **args)
+  engine = llm.engine
+  prompts = [[5, 17, 42] * k for k in (1, 4, 9)]
+  params = jaxtier.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+  for i, prompt in enumerate(prompts):
+    engine.add_request(i, prompt, params, seed=0)
+  ahead = engine.compile_ahead()
+  assert ahead is not None and ahead.join(300) and ahead.error is None
+  assert engine.compile_ahead() is None  # nothing new to build for the same requests
+  tokens = {}
+  while engine.num_unfinished:
+    for update in engine.step():
+      if update.completion is not None:
+        tokens[update.request_id] = update.completion.token_ids
+  stats = engine.stats()
+  assert stats["compiled_variants"] >= 2
+  assert stats["compile_lowered_ahead"] == stats["compiled_variants"]  # every one it ran
+  reference = llm.run_batch([llm.make_request(p, params) for p in prompts])
+  assert [tokens[i] for i in range(3)] == [c.token_ids for c in reference]
+  engine.close()
 
 
 def metric_values(client) -> dict[str, float]:

@@ -63,6 +63,7 @@ request (progress, logit rules, grammar matcher, log-probabilities, prefix-cache
 """
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
@@ -71,7 +72,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtier import scheduler
-from jaxtier.common.buckets import row_bucket
+from jaxtier.common.buckets import pow2_bucket, row_bucket
 from jaxtier.common.kv_bytes import kv_block_bytes
 from jaxtier.common.grammar_limits import GrammarLimits
 from jaxtier.engine import link
@@ -181,6 +182,23 @@ def ready_programs(config: EngineConfig, vocab_size: int) -> list[tuple]:
   return [key for key in warmup_programs(config, vocab_size) if _ready(key)]
 
 
+def ahead_programs(config: EngineConfig, requests: int, prompt_rows: int) -> list[tuple]:
+  """The model calls (`Runner` step keys) that `requests` queued requests, whose prompts fill
+  `prompt_rows` prefill rows (`PREFILL_ROW_TOKENS` tokens each, a prompt's last row partial), can
+  run: decode calls up to the rows the requests fill, prefill calls up to the rows their prompts
+  fill, both within `warmup_programs`. In the order a batch first meets them: the largest prefill
+  call with the smallest decode call, then the next of each (a batch prefills in its largest
+  calls first and decodes in more rows as its requests start)."""
+  keys = [key for key in warmup_programs(config, 1) if key[0] == "step"]
+  decode_rows = row_bucket(min(max(requests, 1), config.max_num_seqs))
+  prefill_rows = pow2_bucket(max(prompt_rows, 1))
+  decode = sorted(key for key in keys if key[2] == 1 and key[1] <= decode_rows)
+  prefill = sorted((key for key in keys if key[2] > 1 and key[1] <= prefill_rows), reverse=True)
+  order = [key for pair in itertools.zip_longest(prefill, decode) for key in pair
+           if key is not None]
+  return order
+
+
 def cache_config(model_config, config: EngineConfig) -> PagedCacheConfig:
   """The paged cache of an engine of `config` for a model of `model_config` (its KV shape)."""
   c = model_config
@@ -215,6 +233,8 @@ class Engine:
     platform = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]).platform
     self.platform = platform
     self.warmups: list[Warmup] = []  # started by `start_warmup`
+    self._aheads: list[Warmup] = []  # started by `compile_ahead`
+    self._asked_ahead: set[tuple] = set()  # programs a `compile_ahead` warm-up was given
     self.startup: dict = {}  # start-up figures (`jaxtier.engine.startup`), set by whoever builds it
     self.link_budget = link.LinkBudget.measured(platform, tail)
     scheduler_config = scheduler.SchedulerConfig(
@@ -356,6 +376,33 @@ class Engine:
     warmup = Warmup(self, keys, count, busy if on_cpu else None, progress)
     self.warmups.append(warmup)
     return warmup.start() if start else warmup
+
+  def compile_ahead(self) -> Warmup | None:
+    """Starts building, on a thread, the model calls the live requests can run
+    (`ahead_programs`) that this process does not have and no earlier call asked for, while
+    this engine steps: a step that needs one sooner builds it itself, or waits for the one the
+    thread is building (`Runner._compiled`), and never waits for one it does not use. The
+    offline API calls it after queuing requests, so a batch's first pass loads or compiles its
+    programs beside its steps, not between them. Returns the warm-up started, else None."""
+    requests, rows = self._requests.prompt_rows(batching.PREFILL_ROW_TOKENS)
+    keys = [key for key in ahead_programs(self.config, requests, rows)
+            if key not in self._asked_ahead and not self.runner.has_program(key)]
+    if not keys:
+      return None
+    self._asked_ahead.update(keys)
+    self._aheads = [w for w in self._aheads if not w.done.is_set()]
+    # On a CPU a compile beside the steps takes their cores: lower only (the Python half).
+    warmup = Warmup(self, keys, 0, lower_only=self.platform == "cpu")
+    self._aheads.append(warmup)
+    return warmup.start()
+
+  def lower_programs(self, keys: Sequence[tuple],
+                     progress: Callable[[int, int, tuple], None] | None = None) -> None:
+    """`compile_programs`' tracing and lowering alone (`Runner.lower_programs`): a step that
+    needs one of them compiles (or loads) it without tracing it."""
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            self.cache)
+    self.runner.lower_programs(abstract, keys, progress)
 
   def compile_programs(self, keys: Sequence[tuple],
                        progress: Callable[[int, int, tuple], None] | None = None) -> None:
@@ -641,6 +688,7 @@ class Engine:
         "compile_seconds": self.runner.compile_seconds,
         "compiled_programs": self.runner.compiled_programs,
         "compile_cache_hits": self.runner.cache_hits,
+        "compile_lowered_ahead": self.runner.lowered_ahead,
         "startup": self.startup_figures(),
         "block_size": self.config.block_size, "block_bytes": self.block_bytes,
         "kv_cache_dtype": self.config.kv_cache_dtype,
@@ -670,9 +718,9 @@ class Engine:
     return out
 
   def close(self) -> None:
-    for warmup in self.warmups:
+    for warmup in self.warmups + self._aheads:
       warmup.stop()
-    for warmup in self.warmups:
+    for warmup in self.warmups + self._aheads:
       warmup.join(60.0)
     self.grammars.close()
     if self._trace is not None:

@@ -65,6 +65,12 @@ class LiveRequests:
   def __len__(self) -> int:
     return len(self._live)
 
+  def prompt_rows(self, row_tokens: int) -> tuple[int, int]:
+    """(live requests, rows of `row_tokens` tokens their prompts fill, each prompt's last row
+    partial)."""
+    return len(self._live), sum(-(-len(progress.prompt_ids) // row_tokens)
+                                for progress, _ in self._live.values())
+
   def ids(self) -> list[Hashable]:
     """The live requests' ids, in arrival order."""
     return list(self._live)

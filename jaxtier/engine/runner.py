@@ -260,6 +260,7 @@ def _wait_for_swaps(swaps: queue.Queue, timer_ref) -> None:
 
 _PROGRAMS: dict[tuple, Any] = {}  # compiled programs of this process, by layout id and shape
 _COMPILING: dict[tuple, threading.Event] = {}  # programs a thread is compiling, set when done
+_LOWERED: dict[tuple, Any] = {}  # programs lowered ahead of their compile (`lower_programs`)
 _PROGRAMS_LOCK = threading.Lock()
 
 
@@ -311,6 +312,7 @@ def release_programs() -> None:
   vm.max_map_count of them (65,530 by default), and past it the next executable loaded crashes
   the process."""
   _PROGRAMS.clear()
+  _LOWERED.clear()
   swap.clear_compiled()
   jax.clear_caches()
   gc.collect()
@@ -377,6 +379,7 @@ class Runner:
     self.compile_seconds = 0.0  # seconds this engine spent compiling (or loading from disk)
     self.compiled_programs = 0  # programs it built that JAX's persistent cache did not hold
     self.cache_hits = 0  # programs it loaded from that cache
+    self.lowered_ahead = 0  # programs it built from a lowering made ahead (`lower_programs`)
     self.timer = SwapTimer()
 
   def check_state(self, state: nnx.State) -> None:
@@ -432,14 +435,20 @@ class Runner:
       pending.wait()
     try:
       start = time.perf_counter()
+      with _PROGRAMS_LOCK:
+        lowered = _LOWERED.pop(full, None)
       with compile_events() as events:
-        program = jitted.lower(*args, **static).compile()
+        ahead = lowered is not None
+        if not ahead:
+          lowered = jitted.lower(*args, **static)
+        program = lowered.compile()
       with _PROGRAMS_LOCK:
         _PROGRAMS[full] = program
         self.compile_seconds += time.perf_counter() - start
         hit = events["/jax/compilation_cache/cache_hits"] > 0
         self.cache_hits += hit
         self.compiled_programs += not hit
+        self.lowered_ahead += ahead
     finally:
       with _PROGRAMS_LOCK:
         del _COMPILING[full]
@@ -471,6 +480,31 @@ class Runner:
       if progress is not None:
         progress(next(done), len(keys), key)
       return info
+
+    self._build_each(cache, keys, build)
+
+  def lower_programs(self, cache: PagedKVCache, keys: Sequence[tuple],
+                     progress: Callable[[int, int, tuple], None] | None = None) -> None:
+    """Traces and lowers each program of `keys` this process has neither compiled nor lowered,
+    for its compile to take (`_compiled`): the Python half of building a program, which a
+    thread can do while the engine steps on a CPU whose cores a compile would take from the
+    step. With a warm persistent cache, what is left is loading the program. After each,
+    calls progress(programs done, programs in all, its key)."""
+    done = itertools.count(1)
+
+    def build(key, jitted, args, static):
+      full = (self._layout_id,) + key
+      with _PROGRAMS_LOCK:
+        lowered = _LOWERED.get(full) if full not in _PROGRAMS else None
+        program = _PROGRAMS.get(full)
+      if program is None and lowered is None:
+        lowered = jitted.lower(*args, **static)
+        with _PROGRAMS_LOCK:
+          if full not in _PROGRAMS:
+            _LOWERED[full] = lowered
+      if progress is not None:
+        progress(next(done), len(keys), key)
+      return (program if program is not None else lowered).out_info
 
     self._build_each(cache, keys, build)
 

@@ -159,6 +159,7 @@ class Warmup:
     busy: whether the engine is serving now; where given, the programs past the ready ones wait
       while it is (on a CPU).
     progress: called after each program with (programs done, programs in all, its key).
+    lower_only: trace and lower the programs, for the steps to compile (`Engine.lower_programs`).
 
   Attributes:
     ready, done: threading.Events, set once the ready programs exist, once all do (or it failed).
@@ -168,8 +169,10 @@ class Warmup:
 
   def __init__(self, engine, keys: list[tuple], ready_count: int,
                busy: Callable[[], bool] | None = None,
-               progress: Callable[[int, int, tuple], None] | None = None):
+               progress: Callable[[int, int, tuple], None] | None = None,
+               lower_only: bool = False):
     self.engine, self.keys, self.ready_count = engine, keys, ready_count
+    self._lower_only = lower_only
     self._busy, self._progress = busy, progress
     self.ready, self.done = threading.Event(), threading.Event()
     self.error: str | None = None
@@ -232,7 +235,8 @@ class Warmup:
     try:
       if self.ready_count == 0:
         self._progressed(0, len(self.keys), ())
-      self.engine.compile_programs(self.keys, self._wait_idle)
+      build = self.engine.lower_programs if self._lower_only else self.engine.compile_programs
+      build(self.keys, self._wait_idle)
     except _Stopped:
       pass
     except Exception as e:  # pylint: disable=broad-except  (reported; steps compile on demand)
