@@ -194,9 +194,8 @@ def ahead_programs(config: EngineConfig, requests: int, prompt_rows: int) -> lis
   prefill_rows = pow2_bucket(max(prompt_rows, 1))
   decode = sorted(key for key in keys if key[2] == 1 and key[1] <= decode_rows)
   prefill = sorted((key for key in keys if key[2] > 1 and key[1] <= prefill_rows), reverse=True)
-  order = [key for pair in itertools.zip_longest(prefill, decode) for key in pair
-           if key is not None]
-  return order
+  return [key for pair in itertools.zip_longest(prefill, decode) for key in pair
+          if key is not None]
 
 
 def cache_config(model_config, config: EngineConfig) -> PagedCacheConfig:
@@ -400,18 +399,20 @@ class Engine:
                      progress: Callable[[int, int, tuple], None] | None = None) -> None:
     """`compile_programs`' tracing and lowering alone (`Runner.lower_programs`): a step that
     needs one of them compiles (or loads) it without tracing it."""
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                            self.cache)
-    self.runner.lower_programs(abstract, keys, progress)
+    self.runner.lower_programs(self._abstract_cache(), keys, progress)
+
+  def _abstract_cache(self):
+    """The cache's shapes, dtypes and placements: what a program is built from, so a thread
+    can build one while `step` runs."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        self.cache)
 
   def compile_programs(self, keys: Sequence[tuple],
                        progress: Callable[[int, int, tuple], None] | None = None) -> None:
     """Compiles `keys` (`Runner` program keys) without running them; after each, calls
     progress(programs done, programs in all, its key). Safe on another thread while `step`
     runs: the programs are built from the cache's shapes, not its arrays."""
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                            self.cache)
-    self.runner.compile_programs(abstract, keys, progress)
+    self.runner.compile_programs(self._abstract_cache(), keys, progress)
 
   @property
   def grammar_vocab(self) -> int:

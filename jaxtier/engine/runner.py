@@ -495,15 +495,17 @@ class Runner:
     def build(key, jitted, args, static):
       full = (self._layout_id,) + key
       with _PROGRAMS_LOCK:
-        lowered = _LOWERED.get(full) if full not in _PROGRAMS else None
-        program = _PROGRAMS.get(full)
-      if program is None and lowered is None:
+        program, lowered = _PROGRAMS.get(full), _LOWERED.get(full)
+        wanted = program is None and lowered is None and full not in _COMPILING
+      if wanted:
         lowered = jitted.lower(*args, **static)
-        with _PROGRAMS_LOCK:
-          if full not in _PROGRAMS:
+        with _PROGRAMS_LOCK:  # unless a step built it meanwhile
+          if full not in _PROGRAMS and full not in _COMPILING:
             _LOWERED[full] = lowered
       if progress is not None:
         progress(next(done), len(keys), key)
+      if program is None and lowered is None:  # a step is building it: the shapes alone
+        return jax.eval_shape(functools.partial(jitted, **static), *args)
       return (program if program is not None else lowered).out_info
 
     self._build_each(cache, keys, build)
