@@ -193,11 +193,13 @@ def test_a_rerun_with_other_settings_is_refused_or_started_over(tmp_path):
   proc, first = run(tmp_path, lines)
   assert proc.returncode == 0, proc.stderr
   proc, rows = run(tmp_path, lines, "--temperature=0.5", "--max_tokens=3",
-                   "--model=/nonexistent/model")  # refused before the model loads
+                   "--model=/nonexistent/model", "--quantization=int8",
+                   "--kernels=portable")  # refused before the model loads
   message = one_line(proc)
   assert rows == first
   for expected in ('model "', ' -> "/nonexistent/model"', "temperature 0.0 -> 0.5",
-                   "max_tokens 4 -> 3", f"delete {tmp_path / 'out.jsonl'} "
+                   "max_tokens 4 -> 3", 'quantization null -> "int8"',
+                   'kernels "auto" -> "portable"', f"delete {tmp_path / 'out.jsonl'} "
                    f"{tmp_path / 'out.jsonl.checkpoint.json'} or pass --overwrite",
                    "write to another --output"):
     assert expected in message, message

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from jaxtier.batch import files as batch_output, reader as batch_input
 from jaxtier.engine import startup
+from jaxtier.engine.args import EngineArgs
 from jaxtier.llm import LLM
 from jaxtier.sampling import SamplingParams
 from jaxtier.server.records import BatchRecord, parse_record
@@ -41,7 +42,7 @@ from jaxtier.server.records import BatchRecord, parse_record
 # Engine arguments that change a record's tokens, recorded in the checkpoints and compared on a
 # rerun. The others size pools and batches, schedule, place and cache the same computation.
 OUTPUT_ENGINE_FLAGS = ("model", "dtype", "max_model_len", "kv_cache_dtype", "weight_format",
-                       "block_activations")
+                       "block_activations", "quantization", "quantization_group_size", "kernels")
 SUMMARY_STATS = ("swap_out_count", "swap_in_count", "swap_out_bytes", "swap_in_bytes",
                  "swap_seconds", "prefix_device_hit_rate", "prefix_host_hit_rate")
 SUMMED = ("requests", "prompt_tokens", "generated_tokens", "invalid_records", "swap_out_count",
@@ -78,10 +79,14 @@ def job_settings(sampling: SamplingParams, engine: dict[str, Any]) -> dict[str, 
   return json.loads(json.dumps(settings, default=json_number))
 
 
-def sampling_defaults() -> dict[str, Any]:
-  """Every `SamplingParams` field at its default (JSON values): the value of a field that a
-  checkpoint's settings lack because the field was added to `SamplingParams` since."""
-  return json.loads(json.dumps(dataclasses.asdict(SamplingParams()), default=json_number))
+def setting_defaults() -> dict[str, Any]:
+  """Every `SamplingParams` field and every engine argument of OUTPUT_ENGINE_FLAGS at its
+  default (JSON values): the value of a setting that a checkpoint lacks because it was added to
+  `SamplingParams` or to OUTPUT_ENGINE_FLAGS since (at its default, it computes as before)."""
+  engine = {f.name: f.default for f in dataclasses.fields(EngineArgs)
+            if f.name in OUTPUT_ENGINE_FLAGS and f.default is not dataclasses.MISSING}
+  return json.loads(json.dumps({**engine, **dataclasses.asdict(SamplingParams())},
+                               default=json_number))
 
 
 # Records.
@@ -236,7 +241,7 @@ def check_settings(output: str, checkpoints: list[batch_input.Checkpoint],
   changes = {}
   for checkpoint in checkpoints:
     changes.update(batch_output.settings_changes(checkpoint.settings, settings,
-                                                 sampling_defaults()))
+                                                 setting_defaults()))
   old, new = changes.get("max_model_len", (None, None))
   longest = max((checkpoint.longest_context for checkpoint in checkpoints), default=0)
   if isinstance(old, int) and isinstance(new, int) and longest < min(old, new):
