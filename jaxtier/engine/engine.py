@@ -228,8 +228,10 @@ class Engine:
     self.cache_config = cache_config(c, config)
     self.block_bytes = kv_block_bytes(c.num_layers, c.num_kv_heads, c.head_dim,
                                       config.kv_cache_dtype, config.block_size)
-    mesh = sharding.mesh_of(nnx.state(model))  # None: parameters on one device, no mesh
-    platform = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]).platform
+    graphdef, state = nnx.split(model)
+    self.mesh = sharding.mesh_of(state)  # None: parameters on one device, no mesh
+    platform = (self.mesh.devices.flat[0] if self.mesh is not None
+                else jax.local_devices()[0]).platform
     self.platform = platform
     self.warmups: list[Warmup] = []  # started by `start_warmup`
     self._aheads: list[Warmup] = []  # started by `compile_ahead`
@@ -248,8 +250,6 @@ class Engine:
     self.table_width = batching.table_width(config.max_model_len, config.block_size)
     self.prefill_rows = batching.prefill_rows_most(config.max_num_seqs,
                                                    config.max_num_batched_tokens)
-    graphdef, state = nnx.split(model)
-    self.mesh = sharding.mesh_of(state)
     self.cache = PagedKVCache.create(self.cache_config, mesh=self.mesh)
     self.host = HostTier.empty(config.num_host_blocks)  # takes pinned memory as blocks arrive
     self.runner = Runner(graphdef, state, self.cache, portable=config.kernels == "portable")
