@@ -82,7 +82,7 @@ from jaxtier.engine.grammars import GrammarCompiles
 from jaxtier.engine.outputs import RequestUpdate
 from jaxtier.engine.request_state import LiveRequests
 from jaxtier.engine.runner import Runner, program_keys
-from jaxtier.engine.startup import Warmup
+from jaxtier.engine.startup import Warmup, stop_warmups
 from jaxtier.engine.stats import Totals, Trace, figures, trace_line
 from jaxtier.kvcache import (HostTier, PagedCacheConfig, PagedKVCache, device_pool_bytes,
                              host_pool_bytes)
@@ -157,14 +157,19 @@ def warmup_programs(config: EngineConfig, vocab_size: int) -> list[tuple]:
   them first and a server is ready once it has them. A call with logit transforms other than
   a grammar, or a transformed call's log-probabilities, compiles its programs on first need."""
   c = config
-  shapes = batching.step_shapes(c.max_num_seqs, c.max_num_batched_tokens,
-                                batching.table_width(c.max_model_len, c.block_size),
-                                c.max_model_len)
+  shapes = _step_shapes(c)
   most_swapped = min(c.num_device_blocks, c.num_host_blocks, MAX_SWAP_BLOCKS)
   sizes = [x for x in swap_sizes() if x <= most_swapped]
   keys = program_keys(sorted(shapes), sizes, vocab_size)
   ready = [key for key in keys if _ready(key)]
   return ready + [key for key in keys if not _ready(key)]
+
+
+def _step_shapes(c: EngineConfig) -> list[tuple[int, int, int]]:
+  """Every (rows, tokens, width) of the model calls of an engine of `c`."""
+  return batching.step_shapes(c.max_num_seqs, c.max_num_batched_tokens,
+                              batching.table_width(c.max_model_len, c.block_size),
+                              c.max_model_len)
 
 
 READY_ROWS = 2  # an ordinary request: decode calls of up to this many rows, prefill calls of
@@ -189,7 +194,7 @@ def ahead_programs(config: EngineConfig, requests: int, prompt_rows: int) -> lis
   fill, both within `warmup_programs`. In the order a batch first meets them: the largest prefill
   call with the smallest decode call, then the next of each (a batch prefills in its largest
   calls first and decodes in more rows as its requests start)."""
-  keys = [key for key in warmup_programs(config, 1) if key[0] == "step"]
+  keys = [("step",) + shape for shape in _step_shapes(config)]
   decode_rows = row_bucket(min(max(requests, 1), config.max_num_seqs))
   prefill_rows = pow2_bucket(max(prompt_rows, 1))
   decode = sorted(key for key in keys if key[2] == 1 and key[1] <= decode_rows)
@@ -719,10 +724,7 @@ class Engine:
     return out
 
   def close(self) -> None:
-    for warmup in self.warmups + self._aheads:
-      warmup.stop()
-    for warmup in self.warmups + self._aheads:
-      warmup.join(60.0)
+    stop_warmups(self.warmups + self._aheads)
     self.grammars.close()
     if self._trace is not None:
       self._trace.close()

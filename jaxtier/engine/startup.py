@@ -140,14 +140,19 @@ def _reset_cache() -> None:
 _RUNNING: "weakref.WeakSet[Warmup]" = weakref.WeakSet()  # started, not done
 
 
+def stop_warmups(warmups, timeout_s: float = 60.0) -> None:
+  """Stops each of `warmups`, then waits for each to finish the program it is building."""
+  for warmup in warmups:
+    warmup.stop()
+  for warmup in warmups:
+    warmup.join(timeout_s)
+
+
 @atexit.register
 def _stop_running() -> None:
   """At exit, lets each warm-up finish the program it is compiling and end: a thread still
   inside XLA's compiler while the interpreter shuts down aborts the process."""
-  for warmup in list(_RUNNING):
-    warmup.stop()
-  for warmup in list(_RUNNING):
-    warmup.join(60.0)
+  stop_warmups(list(_RUNNING))
 
 
 class Warmup:

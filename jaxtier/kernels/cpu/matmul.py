@@ -540,8 +540,8 @@ def norm_packed_matmul(x_mk: jax.Array, scale_k: jax.Array, w_pkc: jax.Array, n:
     out = _reference_norm_matmul(x_mk, scale_k, w_pkc, eps=eps)
   else:
     out = cpu_kernels.cpu_or_reference(x_mk, scale_k, w_pkc,
-                           cpu=functools.partial(_kernel_norm_matmul, eps=eps),
-                           default=functools.partial(_reference_norm_matmul, eps=eps))
+                                       cpu=functools.partial(_kernel_norm_matmul, eps=eps),
+                                       default=functools.partial(_reference_norm_matmul, eps=eps))
   return out if n is None else out[..., :n]
 
 
@@ -636,5 +636,5 @@ def glu_packed_matmul(gate_up_mf: jax.Array, w_pkc: jax.Array, n: int | None = N
     out = _reference_glu_matmul(gate_up_mf, w_pkc)
   else:
     out = cpu_kernels.cpu_or_reference(gate_up_mf, w_pkc, cpu=_kernel_glu_matmul,
-                           default=_reference_glu_matmul)
+                                       default=_reference_glu_matmul)
   return out if n is None else out[..., :n]
