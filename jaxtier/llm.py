@@ -2,6 +2,7 @@
 SamplingParams(...))`."""
 
 import dataclasses
+import os
 import time
 from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
@@ -15,7 +16,7 @@ from jaxtier import checkpoint, offload
 from jaxtier.checkpoint import placed
 from jaxtier.checkpoint.params import ArraySource, check_params, flat_params
 from jaxtier.common.checks import check_prompt_ids
-from jaxtier.engine import build, doctor, link, pinned_cap, sizing, startup
+from jaxtier.engine import build, disk_tier, doctor, link, pinned_cap, sizing, startup
 from jaxtier.engine.args import EngineArgs
 from jaxtier.engine.engine import Engine
 from jaxtier.engine.padded import Completion, StepUpdate, generate_batch
@@ -216,6 +217,7 @@ class LLM:
     opened = (build.open_model(model, tokenizer, args, machine) if in_memory
               else build.open_checkpoint(model, args, machine))
     opened_at = time.perf_counter()
+    self._weights_path = None if in_memory else opened.path  # the disk tier's namespace
     try:
       self.plan = build.plan_checkpoint(args.model, opened, args, machine, mesh=self.mesh)
     except BaseException:
@@ -287,9 +289,25 @@ class LLM:
       start = time.perf_counter()
       self._engine = Engine(nnx.merge(self.graphdef, self.state), self.tokenizer,
                             self.engine_config, tail=self._link_tail(),
-                            grammar_limits=self.args.grammar_limits)
+                            grammar_limits=self.args.grammar_limits,
+                            disk_identity=self._disk_identity())
       self._engine.startup.update(self.startup, engine_seconds=time.perf_counter() - start)
     return self._engine
+
+  def _disk_identity(self) -> dict | None:
+    """What names the disk tier's namespace besides the KV layout: the checkpoint files'
+    checksum (cached beside the tier's files; an in-memory model: its arrays' digest, the
+    engine's default) and every setting that changes the KV's numbers (`disk_tier`)."""
+    path = self.args.kv_disk_path
+    if path is None or self._weights_path is None:
+      return None
+    os.makedirs(path, exist_ok=True)
+    a = self.args
+    return {"weights": disk_tier.file_digest(self._weights_path,
+                                             os.path.join(path, "checksums.json")),
+            "model": self.model_name, "settings": dataclasses.asdict(self.plan.settings),
+            "quantization": a.quantization, "quantization_group_size": a.quantization_group_size,
+            "weight_format": a.weight_format}
 
   def _link_tail(self) -> link.Tail:
     """The offloaded tail as the engine's link budget sees it: the weight bytes it streams each
@@ -328,7 +346,8 @@ class LLM:
     Every step streams all host-resident weights once (`weight_transfer_bytes_per_step`; a
     call whose offloaded experts the host computes moves only their activations instead);
     `kv_swap_bytes_per_step` is the mean over the steps run so far (`kv_swap_bytes_max_step` the
-    largest). `weight_bytes_by_format`: the weights' bytes by how they are held, the dtype's name
+    largest). `kv_disk_path` and `kv_disk_budget_bytes`: the disk tier under the host tier (None
+    and 0 when off). `weight_bytes_by_format`: the weights' bytes by how they are held, the dtype's name
     or, for weights kept in GGUF blocks, the block format (`matmul.weight_format`: "q4_1",
     "q8_0", "q8_16", "q4_1_i16", "q8_0_i16").
     """
@@ -359,6 +378,7 @@ class LLM:
             "device_kv_bytes_per_device": c.num_device_blocks * self.block_bytes // tp,
             **sizing.pinned_figures(host + c.num_host_blocks * self.block_bytes,
                                     self.sizing.pinned_cap),
+            **build.disk_figures(self.args),
             "weight_bytes_by_format": _bytes_by_format(self.state)}
 
   def stats(self) -> dict:

@@ -50,7 +50,8 @@ def engine_of(model, tokenizer, tail=link.NO_TAIL, **overrides) -> Engine:
                 num_device_blocks=64, num_host_blocks=32, kv_cache_dtype="float32",
                 preemption_mode="swap", watermark=0.01, victim_policy="longest_waiting",
                 enable_prefix_caching=True, host_prefix_caching=True, trace_path=None,
-                attention_impl="auto", kernels="auto", async_scheduling=True)
+                attention_impl="auto", kernels="auto", async_scheduling=True, kv_disk_path=None,
+                kv_disk_gb=1.0)
   config.update(overrides)
   return Engine(model, tokenizer, EngineConfig(**config), tail=tail)
 

@@ -109,6 +109,14 @@ class EngineArgs:
   host_prefix_caching: bool = _arg(
       True, "keep the prefix blocks the device cache evicts in the host pool and load them back "
       "on a hit (needs a host pool; swapped-out requests take its blocks first)")
+  kv_disk_path: str | None = _arg(
+      None, "a directory for a disk tier under the host tier: full prompt blocks are written "
+      "through to files that outlive the process (one namespace per weights, model, "
+      "quantization and KV layout) and read back on a prefix hit; off when unset; needs the "
+      "host tier")
+  kv_disk_gb: float = _arg(
+      16.0, "the disk tier's budget in GB for this engine's namespace: the least recently used "
+      "blocks are removed past it")
   async_scheduling: bool = _arg(
       True, "plan and dispatch the next decode step before this one's tokens are read (vLLM's "
       "async scheduling), so the host's work overlaps the device's; the same tokens")
@@ -241,6 +249,13 @@ class EngineArgs:
     check_choice("victim_policy", self.victim_policy, tuple(VICTIM_POLICIES))
     for name in ("enable_prefix_caching", "host_prefix_caching", "async_scheduling"):
       check_bool(name, getattr(self, name))
+    if self.kv_disk_path is not None:
+      if not (isinstance(self.kv_disk_path, str) and self.kv_disk_path):
+        raise ValueError(f"kv_disk_path={self.kv_disk_path!r}: expected a directory path or None")
+      if not (self.enable_prefix_caching and self.host_prefix_caching):
+        raise ValueError(f"kv_disk_path={self.kv_disk_path!r} sits under the prefix cache's host "
+                         "tier: expected enable_prefix_caching=True and host_prefix_caching=True")
+    check_positive("kv_disk_gb", self.kv_disk_gb)
     check_int("seed", self.seed, 0, 2**32 - 1)
     check_choice("layer_execution", self.layer_execution, LAYER_EXECUTIONS)
     check_offload(self.offload_tail_layers, self.prefetch_depth)

@@ -63,7 +63,8 @@ class Plan:
     """The plan in `jaxtier.LLM.memory_report()`'s keys, with the resolved dtypes, layer
     execution and pool sizes (`sizing.Sizing.memory_plan`) and what was assumed: what
     `--dry_run` prints."""
-    return {**self.sizing.memory_plan(), "assumed": list(self.assumed)}
+    return {**self.sizing.memory_plan(), **disk_figures(self.args),
+            "assumed": list(self.assumed)}
 
   def summary(self) -> dict:
     """Everything the plan decided, as plain data (no mesh): the memory plan, the layout, the
@@ -77,6 +78,13 @@ class Plan:
             "layout": layout, "engine": dataclasses.asdict(self.engine_config),
             "offload_plan": None if offload is None else offload.to_dict(),
             "planner_preset": self.planner_preset}
+
+
+def disk_figures(args: EngineArgs) -> dict:
+  """The disk tier's directory and budget, in `memory_report()`'s keys (None and 0: off)."""
+  on = args.kv_disk_path is not None
+  return {"kv_disk_path": args.kv_disk_path,
+          "kv_disk_budget_bytes": int(args.kv_disk_gb * GB) if on else 0}
 
 
 def open_checkpoint(model: str, args: EngineArgs, machine: sizing.Machine,
@@ -148,7 +156,8 @@ def engine_config_of(args: EngineArgs, s: sizing.Sizing) -> EngineConfig:
       enable_prefix_caching=args.enable_prefix_caching,
       host_prefix_caching=args.host_prefix_caching, trace_path=args.trace_path,
       attention_impl=s.attention_impl, kernels=s.kernels,
-      async_scheduling=args.async_scheduling)
+      async_scheduling=args.async_scheduling, kv_disk_path=args.kv_disk_path,
+      kv_disk_gb=args.kv_disk_gb)
 
 
 def machine_for(args: EngineArgs, platform: str | None = None,

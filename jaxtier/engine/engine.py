@@ -75,6 +75,7 @@ from jaxtier import scheduler
 from jaxtier.common.buckets import pow2_bucket, row_bucket
 from jaxtier.common.kv_bytes import kv_block_bytes
 from jaxtier.common.grammar_limits import GrammarLimits
+from jaxtier.engine import disk_tier
 from jaxtier.engine import link
 from jaxtier.engine import logprob_requests as lp
 from jaxtier.engine import step_inputs as batching
@@ -119,6 +120,8 @@ class EngineConfig:
       prefix (`jaxtier.scheduler.prefix`); host_prefix_caching: blocks evicted from the device
       are kept in the host pool and loaded back on a hit.
     trace_path: a JSONL file that gets one line per step, or None.
+    kv_disk_path, kv_disk_gb: the disk tier's directory (None: no disk tier) and its budget in GB
+      (`jaxtier.engine.disk_tier`).
     attention_impl: the attention implementation (see `jaxtier.kvcache.PagedCacheConfig`).
     kernels: "auto", or "portable": sample with what an accelerator runs, never a CPU kernel (the
       model and the attention are chosen before: `jaxtier.engine.sizing`).
@@ -141,6 +144,8 @@ class EngineConfig:
   attention_impl: str
   kernels: str
   async_scheduling: bool
+  kv_disk_path: str | None
+  kv_disk_gb: float
 
 
 def warmup_programs(config: EngineConfig, vocab_size: int) -> list[tuple]:
@@ -224,10 +229,15 @@ class Engine:
     tail: the offloaded tail's weight bytes per step and planned compute seconds, for the link
       budget (`jaxtier.engine.link`); none by default.
     grammar_limits: what a structured-output constraint may cost (`GrammarLimits`).
+    disk_identity: with `kv_disk_path`, what names the disk tier's namespace besides the KV
+      layout (`disk_tier.namespace_parts`): "weights" (a checksum of the checkpoint files) and
+      the settings that change the KV's numbers (`jaxtier.LLM` passes them); default: a digest
+      of the model's arrays and the engine's kernels.
   """
 
   def __init__(self, model: nnx.Module, tokenizer: Tokenizer, config: EngineConfig,
-               tail: link.Tail = link.NO_TAIL, grammar_limits: GrammarLimits = GrammarLimits()):
+               tail: link.Tail = link.NO_TAIL, grammar_limits: GrammarLimits = GrammarLimits(),
+               disk_identity: Mapping | None = None):
     c = model.config
     self.config, self.tokenizer = config, tokenizer
     self.cache_config = cache_config(c, config)
@@ -250,7 +260,8 @@ class Engine:
         max_blocks_per_request=blocks_for(config.max_model_len, config.block_size),
         preemption_mode=config.preemption_mode, victim_policy=config.victim_policy,
         block_bytes=self.block_bytes, enable_prefix_caching=config.enable_prefix_caching,
-        host_prefix_caching=config.host_prefix_caching, **self.link_budget.fields())
+        host_prefix_caching=config.host_prefix_caching,
+        disk_tier=config.kv_disk_path is not None, **self.link_budget.fields())
     self.vocab_size = c.vocab_size
     self.table_width = batching.table_width(config.max_model_len, config.block_size)
     self.prefill_rows = batching.prefill_rows_most(config.max_num_seqs,
@@ -259,6 +270,18 @@ class Engine:
     self.host = HostTier.empty(config.num_host_blocks)  # takes pinned memory as blocks arrive
     self.runner = Runner(graphdef, state, self.cache, portable=config.kernels == "portable")
     self._state = scheduler.initial_state(scheduler_config)
+    self.disk: disk_tier.DiskTier | None = None  # the disk tier (`kv_disk_path`)
+    if config.kv_disk_path is not None:
+      identity = disk_identity or {
+          "weights": disk_tier.arrays_digest(state),
+          "engine": {"kernels": config.kernels, "attention_impl": config.attention_impl}}
+      weights = identity["weights"]
+      self.disk = disk_tier.DiskTier(
+          config.kv_disk_path, config.kv_disk_gb, self.cache,
+          disk_tier.namespace_parts(weights, c, {k: v for k, v in identity.items()
+                                                 if k != "weights"}, self.cache),
+          {"model": identity.get("model", getattr(c, "architecture", "model"))})
+      self._disk_changes()
     self._requests = LiveRequests(tokenizer, c.vocab_size, config.max_model_len)
     self.grammars = GrammarCompiles(tokenizer, c.vocab_size, grammar_limits)
     self._totals = Totals()
@@ -289,11 +312,14 @@ class Engine:
                                    arrival_time=time.perf_counter() - self._started,
                                    priority=priority,
                                    skip_prefix_cache=params.prompt_logprobs is not None)
-    self._state = scheduler.apply_event(self._state,
-                                        scheduler.Arrive(request, held=params.constrained))
+    reads = scheduler.disk_lookup(self._state, request) if self.disk is not None else ()
+    self._state = scheduler.apply_event(
+        self._state, scheduler.Arrive(request, held=params.constrained or bool(reads)))
     self._requests.add(new)
     if params.constrained:
       self.grammars.submit(request_id, params.structured_outputs)
+    if reads:
+      self.disk.read(request_id, reads)
     self._totals.prompt_tokens += len(new.prompt_ids)
 
   def abort(self, request_id: Hashable) -> RequestUpdate | None:
@@ -304,6 +330,8 @@ class Engine:
     if request_id not in self._requests:
       return None
     self.grammars.cancel(request_id)
+    if self.disk is not None:
+      self.disk.cancel(request_id)
     self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
     return self._requests.finish(request_id, "abort", ())
 
@@ -324,6 +352,9 @@ class Engine:
     self._settle()
     self.runner.replace_state(state)
     self._state = scheduler.reset_prefix_cache(self._state)
+    if self.disk is not None:  # the new weights' KV lives in their own namespace
+      self._state = scheduler.apply_event(
+          self._state, self.disk.renamed(disk_tier.arrays_digest(state)))
     self.weights_version += 1
     return self.weights_version
 
@@ -331,6 +362,8 @@ class Engine:
     """Forgets every cached prefix block no running request uses (both tiers)."""
     self._settle()
     self._state = scheduler.reset_prefix_cache(self._state)
+    if self.disk is not None:
+      self.disk.staged.clear()
 
   def has_unfinished(self) -> bool:
     return bool(self._requests) or bool(self._held)
@@ -436,10 +469,15 @@ class Engine:
     """
     start = time.perf_counter()
     held, self._held = self._held, []
+    self._disk_changes()
     held += self._compiled()
-    if self._ahead is None and self._requests and len(self.grammars) == len(self._requests):
-      # Every live request waits for its grammar: wait for one instead of planning nothing.
-      self.grammars.wait(GRAMMAR_WAIT_S)
+    if self._ahead is None and self._requests and self._all_held():
+      # Every live request waits for its grammar or its disk blocks: wait instead of planning
+      # nothing.
+      if self.disk is not None and self.disk.pending():
+        self.disk.wait(GRAMMAR_WAIT_S)
+      else:
+        self.grammars.wait(GRAMMAR_WAIT_S)
       return held + self._compiled()
     try:
       plan, updates, calls, dispatched = self._schedule_and_dispatch()
@@ -456,20 +494,47 @@ class Engine:
     self._state = link.relink(self._state, self.link_budget.fields())
     return held + updates + new_updates
 
+  def _all_held(self) -> bool:
+    """Whether every live request waits in the queue for its grammar or its disk blocks."""
+    waiting = set(self.grammars.pending())
+    if self.disk is not None:
+      waiting |= self.disk.pending()
+    return len(waiting) == len(self._requests)
+
   def _compiled(self) -> list[RequestUpdate]:
-    """Releases the requests whose grammar compiled into the queue; ends, with the reason in
-    their completion, those whose grammar failed. Returns the updates of those ended."""
+    """Releases the requests whose grammar compiled, or whose disk blocks were read, into the
+    queue once neither is pending; ends, with the reason in their completion, those whose
+    grammar failed. Returns the updates of those ended."""
     updates = []
     for request_id, matcher, error in self.grammars.finished():
       if request_id not in self._requests:
         continue
       if matcher is None:
+        if self.disk is not None:
+          self.disk.cancel(request_id)
         self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
         updates.append(self._requests.finish(request_id, "abort", (), error=error))
         continue
       self._requests.set_grammar(request_id, matcher)
-      self._state = scheduler.apply_event(self._state, scheduler.Release(request_id))
+      if self.disk is None or request_id not in self.disk:
+        self._state = scheduler.apply_event(self._state, scheduler.Release(request_id))
+    if self.disk is not None:
+      for request_id, hashes in self.disk.finished():
+        if request_id not in self._requests:
+          continue
+        self._state = scheduler.apply_event(self._state,
+                                            scheduler.DiskLoaded(request_id, hashes))
+        if request_id not in self.grammars:
+          self._state = scheduler.apply_event(self._state, scheduler.Release(request_id))
     return updates
+
+  def _disk_changes(self) -> None:
+    """Tells the scheduler which blocks the disk tier gained or lost (this process's writes,
+    evictions and corrupt files)."""
+    if self.disk is not None:
+      event = self.disk.changes()
+      if event is not None:
+        self._state = scheduler.apply_event(self._state, event)
 
   def _schedule_and_dispatch(self):
     """The step's plan, dispatched: the one the previous step dispatched ahead, if any, else a
@@ -520,7 +585,8 @@ class Engine:
       return None
     per_block, per_swap = fit
     return scheduler.Rates(self.block_bytes / per_block,
-                           totals.prefill_tokens / totals.prefill_seconds, per_swap)
+                           totals.prefill_tokens / totals.prefill_seconds, per_swap,
+                           self.disk.read_rate() if self.disk is not None else None)
 
   def _dispatch(self, plan: scheduler.Plan):
     """Dispatches `plan` (see the module docstring): its swaps, then its model calls. Returns
@@ -534,6 +600,11 @@ class Engine:
         self.grammars.cancel(e.request_id)
         updates.append(requests.finish(e.request_id, "abort", ()))
     self._requests.record_hits(plan.hits)
+    if plan.disk_fills:
+      self.host = self.disk.fill(self.host, plan.disk_fills)
+    if plan.disk_writes:  # copied out before anything this plan runs can overwrite them
+      self.disk.write(plan.disk_writes,
+                      self.runner.copy_out(self.cache, [b for b, _ in plan.disk_writes]))
     for direction, pairs in (("out", plan.swap_out + plan.writeback), ("in", plan.swap_in),
                              ("in", plan.prefetch)):
       if pairs:
@@ -578,6 +649,7 @@ class Engine:
     decode = following.decode
     if (len(following.prefill) or not len(decode) or following.swap_out or following.swap_in
         or following.prefetch or following.writeback or following.preempted
+        or following.disk_writes or following.disk_fills
         or any(e.status != FINISHED for e in following.ended)
         or any(request_id not in rows for request_id in decode.request_ids)
         or row_bucket(len(decode)) != arrays.tokens_bt.shape[0]):
@@ -623,6 +695,8 @@ class Engine:
       self._state = scheduler.apply_event(self._state, scheduler.StepFinished(()))
     for request_id in self._requests.ids():
       self.grammars.cancel(request_id)
+      if self.disk is not None:
+        self.disk.cancel(request_id)
       self._state = scheduler.apply_event(self._state, scheduler.Abort(request_id))
       self._requests.finish(request_id, "abort", ())
     # The failed plan's blocks were never written, and the pools may be lost: forget the cache.
@@ -630,6 +704,8 @@ class Engine:
     if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
       self.cache = PagedKVCache.create(self.cache_config, mesh=self.mesh)
     self.host = HostTier.empty(self.config.num_host_blocks)
+    if self.disk is not None:
+      self.disk.staged.clear()
 
   def _step_logprobs(self, arrays: batching.StepArrays):
     """Dispatches one call whose rows may ask for log-probabilities (the plain step if none
@@ -705,6 +781,8 @@ class Engine:
         "host_kv_bytes_stored": self.host.num_stored * self.block_bytes,
         **self.grammars.figures(),
         **self.link_budget.settings(self._state.config),
+        **(self.disk.figures(self.config.block_size, self._state.counters.disk_loaded_blocks)
+           if self.disk is not None else {"kv_disk_path": None}),
     }
 
   def startup_figures(self) -> dict:
@@ -723,9 +801,16 @@ class Engine:
                         "compile_seconds": runner.compile_seconds}
     return out
 
+  def flush_disk(self, timeout: float | None = 60.0) -> None:
+    """Waits until the disk tier (if any) has written every queued block, at most `timeout`."""
+    if self.disk is not None:
+      self.disk.store.flush(timeout)
+
   def close(self) -> None:
     stop_warmups(self.warmups + self._aheads)
     self.grammars.close()
+    if self.disk is not None:
+      self.disk.close()
     if self._trace is not None:
       self._trace.close()
       self._trace = None

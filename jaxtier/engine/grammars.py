@@ -74,6 +74,10 @@ class GrammarCompiles:
   def __contains__(self, request_id: Hashable) -> bool:
     return request_id in self._pending
 
+  def pending(self) -> set:
+    """The ids of the requests whose grammar is compiling."""
+    return set(self._pending)
+
   def __len__(self) -> int:
     return len(self._pending)
 

@@ -38,6 +38,7 @@ from flax import nnx
 
 from jaxtier.engine.step_inputs import GREEDY, StepArrays
 from jaxtier.kvcache import PagedKVCache, PagedMetadata
+from jaxtier.kvcache.paged import KVBlocks
 from jaxtier.kvcache import swap
 from jaxtier.kvcache.swap import (HostTier, gather_blocks, host_block_shardings,
                                   host_block_specs, part_slices, scatter_blocks)
@@ -629,22 +630,27 @@ class Runner:
     """Dispatches copies of (source, destination) block pairs, "out" (device -> host tier) or
     "in", one program per part of `swap.swap_parts`; returns the cache and the host tier."""
     src, dst = (np.asarray(ids, np.int32) for ids in zip(*pairs))
-    places = host_block_shardings(cache) if direction == "out" else None
-    stored = []  # swapped-out blocks, put in the tier once (each `stored` copies its slots)
+    if direction == "out":  # the tier's slots set once (each `stored` copies its slots)
+      return cache, host.stored(dst, self.copy_out(cache, src))
     for part in part_slices(len(pairs)):
       x = part.stop - part.start
-      if direction == "out":
-        args, static = (cache, src[part]), {"places": places}
-      else:
-        args, static = (cache, host.blocks(src[part]), dst[part]), {}
-      program = self._program(("swap", direction, x), _SWAPS[direction], args, **static)
+      args = (cache, host.blocks(src[part]), dst[part])
+      program = self._program(("swap", "in", x), _SWAPS["in"], args)
       dispatched = time.perf_counter()
-      if direction == "out":
-        blocks, marker = program(*args)
-        stored += blocks
-      else:
-        cache, marker = program(*args)
-      self.timer.submit(direction, marker, dispatched, x)
-    if stored:
-      host = host.stored(dst, stored)
+      cache, marker = program(*args)
+      self.timer.submit("in", marker, dispatched, x)
     return cache, host
+
+  def copy_out(self, cache: PagedKVCache, device_ids) -> list[KVBlocks]:
+    """Dispatches copies of device blocks `device_ids` to pinned-host buffers of their own (the
+    swap-out programs), not waited for: the blocks of a swap-out, or of the disk tier's writes."""
+    src, places, blocks = np.asarray(device_ids, np.int32), host_block_shardings(cache), []
+    for part in part_slices(len(src)):
+      args = (cache, src[part])
+      program = self._program(("swap", "out", part.stop - part.start), _SWAPS["out"], args,
+                              places=places)
+      dispatched = time.perf_counter()
+      out, marker = program(*args)
+      blocks += out
+      self.timer.submit("out", marker, dispatched, part.stop - part.start)
+    return blocks

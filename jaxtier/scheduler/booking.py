@@ -119,7 +119,7 @@ def book(state: SchedulerState, decision: Decision) -> tuple[SchedulerState, Pla
       waiting=_merge(tuple(s for s in state.waiting if s.request_id not in started), dropped),
       held=state.held, running=running, swapped=swapped, in_flight=plan,
       next_order=state.next_order, counters=counters, device_cache=device_cache,
-      host_cache=host_cache, rates=state.rates,
+      host_cache=host_cache, rates=state.rates, disk_index=state.disk_index,
       swap_wait_steps=state.swap_wait_steps + 1 if swapped and not swap_in.seqs else 0)
   return next_state, plan
 
@@ -245,7 +245,8 @@ def _plan(state: SchedulerState, running: tuple[Seq, ...], tokens: tuple[int, ..
       weight_prefetch_bytes=policies.weight_prefetch_bytes(
           config.link_bytes_per_step, config.kv_link_share, kv_bytes,
           config.weight_prefetch_bytes_per_step),
-      writeback=writeback, cache_loads=cache_loads)
+      writeback=writeback, cache_loads=cache_loads, disk_writes=state.disk_writes,
+      disk_fills=state.disk_fills)
 
 
 def _count(counters: Counters, size: int, p: Preemption, admit: Choice, num_swap_ins: int,

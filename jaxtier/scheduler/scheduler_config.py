@@ -60,6 +60,9 @@ class SchedulerConfig:
     weight_prefetch_bytes_per_step: the weight bytes the offload plan wants to prefetch each step.
     swap_in_max_wait_steps: steps the swapped queue may go without a swap-in before its head blocks
       (`policies.swap_in_blocks`) and swaps in past the KV share.
+    disk_tier: a disk tier sits under the host tier (`jaxtier.scheduler.disk`): registered blocks
+      it lacks are written through, and an arriving request's next blocks after its device and
+      host hits are read from it into host blocks. Needs the host tier.
   """
   num_device_blocks: int
   num_host_blocks: int
@@ -79,6 +82,7 @@ class SchedulerConfig:
   kv_link_share: float = 0.75
   weight_prefetch_bytes_per_step: int = 0
   swap_in_max_wait_steps: int = 8
+  disk_tier: bool = False
 
   def __post_init__(self):
     check_int("num_device_blocks", self.num_device_blocks, 1)
@@ -94,8 +98,13 @@ class SchedulerConfig:
     check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
     check_choice("host_full", self.host_full, HOST_FULL_FALLBACKS)
     policies.resolve_victim_policy(self.victim_policy)
-    for name in ("prefetch_swap_in", "enable_prefix_caching", "host_prefix_caching"):
+    for name in ("prefetch_swap_in", "enable_prefix_caching", "host_prefix_caching", "disk_tier"):
       check_bool(name, getattr(self, name))
+    if self.disk_tier and not self.host_tier:
+      raise ValueError("disk_tier=True reads blocks from disk into host blocks: expected "
+                       "enable_prefix_caching, host_prefix_caching and num_host_blocks > 0, got "
+                       f"{self.enable_prefix_caching}, {self.host_prefix_caching} and "
+                       f"{self.num_host_blocks}")
     self._check_link()
 
   def _check_link(self):

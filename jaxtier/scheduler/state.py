@@ -1,6 +1,8 @@
 """Scheduler state, the events that change it and the plans it hands to the engine: all plain data.
 
 Executing a plan. The engine applies the fields of a `Plan` in this order:
+  0. `disk_writes`: copy each device block out for the disk tier's writer (device -> host), and
+     `disk_fills`: put each block read from disk in its host block (no device work).
   1. `swap_out` and `writeback`: copy each device block to its host block (device -> host).
   2. `swap_in`: copy each host block to its device block (host -> device).
   3. compute `prefill` and `decode`: each sequence computes tokens [start, end) into its block table.
@@ -17,6 +19,8 @@ token afterwards with a `Stop` event.
 """
 
 import dataclasses
+
+from rpds import HashTrieSet
 
 from jaxtier.scheduler import allocator
 from jaxtier.scheduler import prefix
@@ -93,6 +97,7 @@ class Rates:
   link_bytes_per_s: float
   prefill_tokens_per_s: float
   swap_latency_s: float = 0.0
+  disk_bytes_per_s: float | None = None  # the disk tier's measured read rate (None: unknown)
 
   def __post_init__(self):
     for name in ("link_bytes_per_s", "prefill_tokens_per_s"):
@@ -101,9 +106,30 @@ class Rates:
         raise ValueError(f"{name}={value!r}: expected a number > 0")
     if not (isinstance(self.swap_latency_s, (int, float)) and self.swap_latency_s >= 0):
       raise ValueError(f"swap_latency_s={self.swap_latency_s!r}: expected a number >= 0")
+    if self.disk_bytes_per_s is not None and not (
+        isinstance(self.disk_bytes_per_s, (int, float)) and self.disk_bytes_per_s > 0):
+      raise ValueError(f"disk_bytes_per_s={self.disk_bytes_per_s!r}: expected None or a number > 0")
 
 
-Event = Arrive | Release | StepFinished | Abort | Stop | Rates
+@dataclasses.dataclass(frozen=True)
+class DiskIndexed:
+  """The disk tier's index changed: `added` hashes were written (by this process or another),
+  `removed` ones evicted or found corrupt; `reset`: forget the index first (a new namespace)."""
+  added: tuple[bytes, ...] = ()
+  removed: tuple[bytes, ...] = ()
+  reset: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskLoaded:
+  """The engine read `hashes` (the blocks `disk.disk_lookup` named for `request_id`, those that
+  passed their checks, in order) from disk into pinned host memory: the scheduler books host
+  blocks for them in the host index, and the next plan's `disk_fills` puts them there."""
+  request_id: RequestId
+  hashes: tuple[bytes, ...]
+
+
+Event = Arrive | Release | StepFinished | Abort | Stop | Rates | DiskIndexed | DiskLoaded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +170,8 @@ class Plan:
   writeback: tuple[tuple[int, int], ...] = ()  # [pairs] (device block, host block): cache evictions
   cache_loads: int = 0  # pairs of swap_in + prefetch that load host-tier prefix hits
   hits: tuple[tuple[RequestId, int, int], ...] = ()  # admitted now: (request, device, host tokens)
+  disk_writes: tuple[tuple[int, bytes], ...] = ()  # [blocks] (device block, hash): to write to disk
+  disk_fills: tuple[tuple[bytes, int], ...] = ()  # [blocks] (hash, host block): read from disk
 
   @property
   def num_tokens(self) -> int:
@@ -169,6 +197,7 @@ class Counters:
   cache_load_blocks: int = 0
   device_cache_evictions: int = 0
   host_cache_evictions: int = 0
+  disk_loaded_blocks: int = 0  # blocks read from the disk tier into host blocks (`DiskLoaded`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +216,12 @@ class SchedulerState:
     rates: the engine's latest measured rates, or None.
     swap_wait_steps: steps in a row that ended with requests swapped and none swapped in
       (`policies.swap_in_blocks`).
+    disk_index: the block hashes the disk tier holds, as the engine last reported them
+      (`DiskIndexed`); empty without the disk tier.
+    disk_writes: (device block, hash) of blocks registered since the last plan that the disk
+      tier lacks, for the next plan to write through.
+    disk_fills: (hash, host block) of blocks read from disk (`DiskLoaded`), booked in the host
+      index, for the next plan to put in their host blocks.
   """
   config: SchedulerConfig
   device: allocator.BlockPool
@@ -205,6 +240,9 @@ class SchedulerState:
   host_cache: prefix.TierIndex = prefix.EMPTY_INDEX
   rates: Rates | None = None
   swap_wait_steps: int = 0
+  disk_index: HashTrieSet = HashTrieSet()
+  disk_writes: tuple[tuple[int, bytes], ...] = ()
+  disk_fills: tuple[tuple[bytes, int], ...] = ()
 
 
 def initial_state(config: SchedulerConfig) -> SchedulerState:

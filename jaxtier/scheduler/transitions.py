@@ -17,13 +17,14 @@ import dataclasses
 from collections.abc import Iterable
 
 from jaxtier.scheduler import allocator
+from jaxtier.scheduler import disk
 from jaxtier.scheduler import policies
 from jaxtier.scheduler import prefix
 from jaxtier.scheduler.planning import schedule
 from jaxtier.scheduler.request import (ABORT_CLIENT, ABORT_TOO_LARGE, ABORTED, FINISH_LENGTH,
                                        FINISHED, Ended, Request, Seq)
-from jaxtier.scheduler.state import (Abort, Arrive, Event, Plan, Rates, Release, SchedulerState,
-                                     StepFinished, Stop, find, with_ended)
+from jaxtier.scheduler.state import (Abort, Arrive, DiskIndexed, DiskLoaded, Event, Plan, Rates,
+                                     Release, SchedulerState, StepFinished, Stop, find, with_ended)
 
 
 def step(state: SchedulerState, events: Iterable[Event] = ()) -> tuple[SchedulerState, Plan]:
@@ -50,8 +51,12 @@ def apply_event(state: SchedulerState, event: Event) -> SchedulerState:
     return _end(state, event.request_id, Ended(event.request_id, FINISHED, event.reason))
   if isinstance(event, Rates):
     return dataclasses.replace(state, rates=event)
-  raise ValueError(f"event={event!r}: expected an Arrive, Release, StepFinished, Abort, Stop or "
-                   "Rates")
+  if isinstance(event, DiskIndexed):
+    return disk.indexed(state, event)
+  if isinstance(event, DiskLoaded):
+    return disk.loaded(state, event)
+  raise ValueError(f"event={event!r}: expected an Arrive, Release, StepFinished, Abort, Stop, "
+                   "Rates, DiskIndexed or DiskLoaded")
 
 
 def _arrive(state: SchedulerState, request: Request) -> SchedulerState:
@@ -99,7 +104,7 @@ def _step_finished(state: SchedulerState, event: StepFinished) -> SchedulerState
       for i in range(seq.num_registered, full):
         cache, added = prefix.register(cache, seq.blocks[i], seq.hashes[i], referenced=True)
         if added:
-          registered.append(seq.blocks[i])
+          registered.append((seq.blocks[i], seq.hashes[i]))
       seq = seq._replace(num_registered=full)
     if end is not None:
       reason = stopped.get(request.request_id)
@@ -111,7 +116,7 @@ def _step_finished(state: SchedulerState, event: StepFinished) -> SchedulerState
         continue
     running.append(seq)
   if registered:
-    device = allocator.reassign(device, registered, prefix.CACHED)
+    device = allocator.reassign(device, [block for block, _ in registered], prefix.CACHED)
   released = []
   for blocks in releasing:
     cache, private = prefix.release(cache, blocks)
@@ -120,6 +125,7 @@ def _step_finished(state: SchedulerState, event: StepFinished) -> SchedulerState
     device, _ = allocator.update(device, release=released)
   state = dataclasses.replace(state, running=tuple(running), device=device, device_cache=cache,
                               in_flight=None, freed_device=state.freed_device + tuple(released))
+  state = disk.written_through(state, registered)
   return with_ended(state, tuple(ended)) if ended else state
 
 
@@ -158,7 +164,8 @@ def _end(state: SchedulerState, request_id, ended: Ended) -> SchedulerState:
 
 
 def reset_prefix_cache(state: SchedulerState) -> SchedulerState:
-  """Forgets every cached block that no request references, in both tiers, and frees them.
+  """Forgets every cached block that no request references, in both tiers, and frees them (and
+  the disk tier's pending writes and fills; the disk keeps its files).
 
   Blocks shared by running requests stay cached until those requests let go of them. Called after
   the pools' contents are lost (a failed step) or by a user who wants a cold cache.
@@ -174,6 +181,6 @@ def reset_prefix_cache(state: SchedulerState) -> SchedulerState:
   if host_blocks:
     host, _ = allocator.update(host, release=host_blocks)
   return dataclasses.replace(state, device=device, host=host, device_cache=device_cache,
-                             host_cache=host_cache,
+                             host_cache=host_cache, disk_writes=(), disk_fills=(),
                              freed_device=state.freed_device + device_blocks,
                              freed_host=state.freed_host + host_blocks)

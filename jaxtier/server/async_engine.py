@@ -267,6 +267,7 @@ class AsyncEngine:
     failed = self._inbox + list(self._live.values())
     for entry in self._live.values():
       self.engine.abort(entry.request.request_id)
+    self.engine.flush_disk()  # the disk tier's queued blocks, written before the process ends
     self._inbox, self._live = [], {}
     _deliver([(entry, EngineError("the engine shut down before this request finished"))
               for entry in failed])

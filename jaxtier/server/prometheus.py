@@ -110,10 +110,36 @@ class _EngineCollector:
     moved.add_metric(["load"], figures["prefix_load_bytes"])
     yield moved
     yield from _link_metrics(figures)
+    if figures.get("kv_disk_path") is not None:
+      yield from _disk_metrics(figures)
     yield CounterMetricFamily(
         "jaxtier_weight_transfer_bytes", "weight bytes streamed from host memory to the device "
         "(host-resident weight bytes per model call times model calls)",
         value=figures["model_calls"] * self._weight_bytes_per_call)
+
+
+_DISK_COUNTERS = (  # (name, help, key of the engine's stats): the disk tier's
+    ("jaxtier_disk_hit_blocks", "prefix blocks read from the disk tier", "disk_hit_blocks"),
+    ("jaxtier_disk_hit_tokens", "prompt tokens read from the disk tier", "disk_hit_tokens"),
+    ("jaxtier_disk_read_bytes", "bytes read from the disk tier", "disk_read_bytes"),
+    ("jaxtier_disk_read_seconds", "seconds the disk tier's reads took", "disk_read_seconds"),
+    ("jaxtier_disk_written_bytes", "bytes written to the disk tier", "disk_bytes_written"),
+    ("jaxtier_disk_evictions", "disk tier files removed past kv_disk_gb", "disk_evictions"),
+    ("jaxtier_disk_corrupt_files", "disk tier files that failed their checks (removed, "
+     "recomputed)", "disk_corrupt_files"),
+    ("jaxtier_disk_write_errors", "disk tier write errors (writing stops at the first)",
+     "disk_write_errors"),
+)
+
+
+def _disk_metrics(figures: dict):
+  """The disk tier's traffic, queue and faults (`jaxtier.engine.disk_tier`)."""
+  for name, text, key in _DISK_COUNTERS:
+    yield CounterMetricFamily(name, text, value=figures[key])
+  yield GaugeMetricFamily("jaxtier_disk_write_queue", "blocks waiting for the disk tier's writer",
+                          value=figures["disk_write_queue"])
+  yield GaugeMetricFamily("jaxtier_disk_blocks", "blocks in the disk tier's namespace",
+                          value=figures["disk_blocks"])
 
 
 def _link_metrics(figures: dict):
