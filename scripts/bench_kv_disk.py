@@ -147,7 +147,7 @@ def server_section(tokenizer, directory: str) -> dict:
     hits = disk_hit_tokens(url)
   with server(["--enable_prefix_caching=false"]) as url:
     _, reference = streamed_chat(url, messages)
-  return {"prompt_tokens": len(tokenizer.apply_chat_template(messages)),
+  return {"prompt_tokens": len(tokenizer.encode_chat(messages)),
           "cold_ttft_s": cold, "restart_ttft_s": warm, "restart_ttft_ratio": warm / cold,
           "restart_disk_hit_tokens": hits, "same_text_as_cold": warm_text == cold_text,
           "same_text_as_no_caching": warm_text == reference}
@@ -163,7 +163,7 @@ def batch_worker(spec: dict) -> dict:
   llm = jaxtier.LLM(**spec["llm"])
   llm.engine.warmup()
   params = jaxtier.SamplingParams(max_tokens=1, temperature=0)
-  ids = llm.tokenizer.apply_chat_template(spec["messages"])
+  ids = llm.tokenizer.encode_chat(spec["messages"])
   start = time.perf_counter()
   llm.generate([ids], params, use_tqdm=False)
   ttft = time.perf_counter() - start

@@ -190,3 +190,36 @@ def test_a_kill_during_writes_leaves_nothing_that_changes_an_answer(tiny, tmp_pa
               if name.endswith(".tmp")]
   assert np.all([os.path.getsize(p) == os.path.getsize(block_files(tmp_path)[0])
                  for p in block_files(tmp_path)])
+
+
+def test_a_restarted_server_serves_the_prompt_from_disk_with_the_same_answer(tmp_path):
+  import asyncio  # pylint: disable=import-outside-toplevel
+
+  import httpx  # pylint: disable=import-outside-toplevel
+  from server_support import cold_app  # pylint: disable=import-outside-toplevel
+
+  body = {"model": "tiny", "prompt": " ".join(f"w{i}" for i in range(40)), "max_tokens": 6,
+          "temperature": 0}
+
+  def serve(**kwargs) -> tuple[str, dict]:
+    llm = jaxtier.LLM(fixture_path("tiny_llama_chat"), max_model_len=256, **kwargs)
+    with cold_app(llm, "tiny") as app:
+      async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+          reply = (await http.post("/v1/completions", json=body)).json()
+          metrics = (await http.get("/metrics")).text
+        return reply, metrics
+      reply, metrics = asyncio.run(go())
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("jaxtier_disk_")}
+    assert "choices" in reply, reply
+    return reply["choices"][0]["text"], values
+
+  cold, cold_metrics = serve(kv_disk_path=str(tmp_path))  # closing the server flushes the writes
+  warm, warm_metrics = serve(kv_disk_path=str(tmp_path))
+  reference, _ = serve(enable_prefix_caching=False)
+  assert cold == warm == reference
+  assert cold_metrics["jaxtier_disk_hit_tokens_total"] == 0
+  assert cold_metrics["jaxtier_disk_written_bytes_total"] > 0
+  assert warm_metrics["jaxtier_disk_hit_tokens_total"] >= 100

@@ -465,7 +465,7 @@ def start_script(*args) -> subprocess.Popen:
 
 def run_script(*args) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                        timeout=120, cwd=ROOT)
+                        timeout=120, cwd=ROOT, check=False)
 
 
 def test_script_lists_and_purges(tmp_path):

@@ -232,7 +232,7 @@ class DiskTier:
 
   def figures(self, block_size: int, loaded_blocks: int) -> dict:
     """The tier's figures for `stats()` (the store's, and the hits the scheduler counted)."""
-    return {**self.store.figures(), "disk_path": self.path,
+    return {**self.store.figures(), "kv_disk_path": self.path,
             "disk_hit_blocks": loaded_blocks, "disk_hit_tokens": loaded_blocks * block_size,
             "disk_read_queue": len(self._reads), "disk_staged_blocks": len(self.staged)}
 

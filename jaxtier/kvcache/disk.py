@@ -61,7 +61,8 @@ import struct
 import threading
 import time
 import types
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -225,11 +226,22 @@ def _read_into(f, view: memoryview) -> bool:
   return True
 
 
+def _write_parts(path: str, parts: Sequence) -> None:
+  """Writes a new file of `parts` (bytes or byte arrays) in order, making its directory when
+  missing (the first block of a directory, or a purge removed it)."""
+  try:
+    f = open(path, "wb")  # noqa: SIM115  (closed below: the retry needs the open apart)
+  except FileNotFoundError:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    f = open(path, "wb")  # noqa: SIM115
+  with f:
+    f.writelines(parts)
+
+
 def _write_atomic(path: str, data: bytes) -> None:
   tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
   try:
-    with open(tmp, "wb") as f:
-      f.write(data)
+    _write_parts(tmp, [data])
     os.replace(tmp, path)
   except OSError:
     _unlink(tmp)
@@ -351,13 +363,15 @@ class DiskStore:
         raise ValueError(f"{self.directory} holds blocks of layout {existing['layout']}, not "
                          f"{self._layout_json}: the namespace's parts must include the layout")
       return
-    doc = {"namespace": self.namespace, "format": FORMAT_VERSION, "layout": self._layout_json, "info": dict(info), "created": _utc(time.time())}
+    doc = {"namespace": self.namespace, "format": FORMAT_VERSION, "layout": self._layout_json,
+           "info": dict(info), "created": _utc(time.time())}
     _write_atomic(path, json.dumps(doc, indent=1, sort_keys=True, default=str).encode("utf-8"))
 
   def _scan(self) -> None:
     """Indexes the namespace's block files, oldest mtime first; removes torn files and the
     temporary files of writers that no longer run."""
     found = []
+    total = 0
     live: dict[int, bool] = {}
     now = time.time()
     try:
@@ -382,6 +396,7 @@ class DiskStore:
             self._counts["corrupt"] += 1
             continue
           found.append((st.st_mtime_ns, name, block_hash))
+          total += st.st_size
         elif name.endswith(TMP_SUFFIX):
           pid = _tmp_pid(name)
           if pid is not None and pid not in live:
@@ -396,7 +411,7 @@ class DiskStore:
     found.sort()
     with self._lock:  # the index is empty still: filled at once, 100,000 files in a second
       self._index = collections.OrderedDict.fromkeys(block_hash for _, _, block_hash in found)
-      self._bytes = sum(self._file_size(len(block_hash)) for block_hash in self._index)
+      self._bytes = total
       self._changed = dict.fromkeys(self._index, False)
 
   # Writing.
@@ -407,6 +422,8 @@ class DiskStore:
     `arrays` are in layout order, anything `np.asarray` takes: a device array is copied to the
     host on the writer thread."""
     block_hash = bytes(block_hash)
+    if not block_hash:
+      raise ValueError("an empty block hash names no file")
     with self._cond:
       if (self._stopped or self._closing or len(self._queue) >= self.max_queue_blocks
           or block_hash in self._index or block_hash in self._queued):
@@ -428,7 +445,7 @@ class DiskStore:
         self._busy = True
       try:
         self._write_one(block_hash, arrays)
-      except Exception as e:  # pylint: disable=broad-except  (the thread must keep serving)
+      except Exception as e:  # noqa: BLE001  (the writer thread outlives a bad block)
         self._write_failed(block_hash, e)
       finally:
         with self._cond:
@@ -457,11 +474,7 @@ class DiskStore:
     tmp = os.path.join(directory, f"{name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
     start = time.perf_counter()
     try:
-      os.makedirs(directory, exist_ok=True)
-      with open(tmp, "wb") as f:
-        f.write(MAGIC + _LENGTH.pack(len(header)) + header)
-        for r in raw:
-          f.write(r)
+      _write_parts(tmp, [MAGIC + _LENGTH.pack(len(header)) + header, *raw])
       os.replace(tmp, os.path.join(directory, name + BLOCK_SUFFIX))
     except OSError as e:
       _unlink(tmp)
@@ -609,7 +622,7 @@ class DiskStore:
       self._cond.notify_all()
     self._thread.join()
 
-  def __enter__(self) -> "DiskStore":
+  def __enter__(self):
     return self
 
   def __exit__(self, *exc) -> None:
