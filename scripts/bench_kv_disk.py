@@ -147,9 +147,10 @@ def server_section(tokenizer, directory: str) -> dict:
     hits = disk_hit_tokens(url)
   with server(["--enable_prefix_caching=false"]) as url:
     _, reference = streamed_chat(url, messages)
-  return {"prompt_tokens": len(tokenizer.encode_chat(messages)),
+  prompt_tokens = len(tokenizer.encode_chat(messages))
+  return {"prompt_tokens": prompt_tokens,
           "cold_ttft_s": cold, "restart_ttft_s": warm, "restart_ttft_ratio": warm / cold,
-          "restart_disk_hit_tokens": hits, "same_text_as_cold": warm_text == cold_text,
+          "restart_disk_hit_tokens": hits, "restart_disk_hit_rate": hits / prompt_tokens, "same_text_as_cold": warm_text == cold_text,
           "same_text_as_no_caching": warm_text == reference}
 
 
@@ -191,9 +192,11 @@ def batch_section(tokenizer, directory: str) -> dict:
   warm = batch_run({**kwargs, "kv_disk_path": directory}, messages)
   reference = batch_run({**kwargs, "kv_disk_path": None, "enable_prefix_caching": False},
                         messages)
-  return {"cold_ttft_s": cold["ttft_s"], "restart_ttft_s": warm["ttft_s"],
-          "restart_ttft_ratio": warm["ttft_s"] / cold["ttft_s"],
+  prompt_tokens = len(tokenizer.encode_chat(messages))
+  return {"prompt_tokens": prompt_tokens, "cold_ttft_s": cold["ttft_s"],
+          "restart_ttft_s": warm["ttft_s"], "restart_ttft_ratio": warm["ttft_s"] / cold["ttft_s"],
           "restart_disk_hit_tokens": warm["disk_hit_tokens"],
+          "restart_disk_hit_rate": warm["disk_hit_tokens"] / prompt_tokens,
           "same_tokens_as_no_caching": warm["token_ids"] == reference["token_ids"]}
 
 
@@ -242,6 +245,8 @@ def index_section(directory: str) -> dict:
   with disk.DiskStore(directory, "index-bench", layout, 1 << 40) as store:
     for i in range(FLAGS.index_blocks):
       while not store.write(i.to_bytes(16, "little"), block):
+        if store.figures()["disk_write_errors"]:
+          raise RuntimeError(f"writing to {directory} failed: see the warning above")
         time.sleep(0.001)  # the queue is full: let the writer catch up
     store.flush()
   write_s = time.perf_counter() - start

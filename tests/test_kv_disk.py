@@ -223,3 +223,34 @@ def test_a_restarted_server_serves_the_prompt_from_disk_with_the_same_answer(tmp
   assert cold_metrics["jaxtier_disk_hit_tokens_total"] == 0
   assert cold_metrics["jaxtier_disk_written_bytes_total"] > 0
   assert warm_metrics["jaxtier_disk_hit_tokens_total"] >= 100
+
+
+def test_the_scheduler_reads_the_blocks_after_the_hits_and_books_host_blocks_for_them():
+  from jaxtier import scheduler  # pylint: disable=import-outside-toplevel
+  from jaxtier.scheduler import prefix  # pylint: disable=import-outside-toplevel
+  config = scheduler.SchedulerConfig(
+      num_device_blocks=32, num_host_blocks=3, block_size=4, max_num_seqs=4,
+      max_num_batched_tokens=64, watermark=0.0, preemption_mode="swap",
+      victim_policy="longest_waiting", enable_prefix_caching=True, host_prefix_caching=True,
+      disk_tier=True)
+  prompt = list(range(10, 31))  # 21 tokens: 5 full blocks, the last token in block 5
+  hashes = prefix.block_hashes(prompt, 4)
+  request = scheduler.Request("a", prompt_len=len(prompt), max_tokens=2, prompt_token_ids=prompt)
+  state = scheduler.initial_state(config)
+  assert scheduler.disk_lookup(state, request) == ()
+  state = scheduler.apply_event(state, scheduler.DiskIndexed(added=hashes[:2] + hashes[3:]))
+  assert scheduler.disk_lookup(state, request) == hashes[:2]  # stops at the first it lacks
+  state = scheduler.apply_event(state, scheduler.DiskIndexed(added=hashes[2:3]))
+  assert scheduler.disk_lookup(state, request) == hashes  # all 5: the last token is in none
+  short = scheduler.Request("b", prompt_len=20, max_tokens=2, prompt_token_ids=prompt[:20])
+  assert scheduler.disk_lookup(state, short) == hashes[:4]  # never the block of the last token
+  state = scheduler.apply_event(state, scheduler.Arrive(request, held=True))
+  state = scheduler.apply_event(state, scheduler.DiskLoaded("a", hashes))
+  assert len(state.disk_fills) == 3  # the host pool's room; the rest are recomputed
+  assert [h for h, _ in state.disk_fills] == list(hashes[:3])
+  assert scheduler.disk_lookup(state, request) == hashes[3:]  # after the host hits now
+  state = scheduler.apply_event(state, scheduler.Release("a"))
+  state, plan = scheduler.schedule(state)
+  assert plan.disk_fills == tuple(zip(hashes[:3], (b for _, b in plan.disk_fills)))
+  assert plan.prefetch and len(plan.prefetch) == 3  # host-tier hits from here on
+  assert not state.disk_fills

@@ -374,20 +374,36 @@ assert f["disk_blocks_written"] == 50, f
 """
 
 
+def finish(process: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
+  """(stdout, stderr) of a child; killed (and the test failed) when it runs past `timeout`."""
+  try:
+    return process.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    process.communicate()
+    raise
+
+
 def test_two_processes_write_the_same_blocks(tmp_path):
   root = tmp_path / "kv"
   go = tmp_path / "go"
   children = [subprocess.Popen([sys.executable, "-c", CHILD, MODULE, str(root), str(go),
                                 str(tmp_path / f"ready{n}")], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True) for n in range(2)]
-  deadline = time.monotonic() + 60
-  while not all((tmp_path / f"ready{n}").exists() for n in range(2)):
-    assert time.monotonic() < deadline and all(c.poll() is None for c in children)
-    time.sleep(0.005)
-  go.touch()
-  for c in children:
-    out, _ = c.communicate(timeout=60)
-    assert c.returncode == 0, out
+  try:
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{n}").exists() for n in range(2)):
+      assert time.monotonic() < deadline and all(c.poll() is None for c in children)
+      time.sleep(0.005)
+    go.touch()
+    for c in children:
+      out, _ = finish(c, 60)
+      assert c.returncode == 0, out
+  finally:
+    for c in children:
+      if c.poll() is None:
+        c.kill()
+        c.wait()
   layout = disk.BlockLayout((("k", (4, 8, 16, 64), "bfloat16"),
                              ("v", (4, 8, 16, 64), "bfloat16")))
   assert len(files(root, "shared")) == 50 and not files(root, "shared", ".tmp")
@@ -458,21 +474,19 @@ def test_list_and_purge(tmp_path):
   assert disk.purge(tmp_path) == 1 and disk.list_namespaces(tmp_path) == []
 
 
-def start_script(*args) -> subprocess.Popen:
+def script(*args) -> subprocess.Popen:
   return subprocess.Popen([sys.executable, SCRIPT, *args], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
-def run_script(*args) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                        timeout=120, cwd=ROOT, check=False)
-
-
-def test_script_lists_and_purges(tmp_path):
+def test_script_lists_purges_and_refuses_a_missing_directory(tmp_path):
+  """One test, its listings run side by side: each run of the script starts JAX."""
   a, b = two_namespaces(tmp_path / "kv")
-  runs = [start_script(f"--path={tmp_path / 'kv'}", *json_flag) for json_flag in (["--json"], [])]
-  (listing, _), (table, _) = [r.communicate(timeout=120) for r in runs]
-  assert [r.returncode for r in runs] == [0, 0]
+  kv, nowhere = tmp_path / "kv", tmp_path / "nowhere"
+  runs = [script(f"--path={kv}", "--json"), script(f"--path={kv}"), script(f"--path={nowhere}")]
+  (listing, err), (table, _), (_, missing) = [finish(r) for r in runs]
+  assert [r.returncode for r in runs] == [0, 0, 1], err
+  assert missing.strip() == f"kv_disk: error: {nowhere} does not exist"
   rows = {r["namespace"]: r for r in json.loads(listing)}
   assert rows[a]["info"]["model"] == "m1" and rows[a]["blocks"] == 3
   assert rows[b]["info"]["model"] == "m2" and rows[b]["blocks"] == 2
@@ -481,14 +495,8 @@ def test_script_lists_and_purges(tmp_path):
   by_name = {line.split()[0]: line.split() for line in lines}
   assert by_name[a][1:5] == ["m1", "1", "3", f"{3 * file_bytes(BF16, a) / 1024:.1f}"]
   assert by_name[a][5] == "KiB" and by_name[b][1:4] == ["m2", "1", "2"]
-  purged = run_script(f"--path={tmp_path / 'kv'}", "--purge=all")
-  assert purged.returncode == 0, purged.stderr
-  assert a in purged.stdout and b in purged.stdout and "3 blocks" in purged.stdout
-  assert disk.list_namespaces(tmp_path / "kv") == []
-
-
-def test_script_missing_directory_is_a_one_line_error(tmp_path):
-  result = run_script(f"--path={tmp_path / 'nowhere'}")
-  assert result.returncode == 1
-  assert result.stderr.strip() == f"kv_disk: error: {tmp_path / 'nowhere'} does not exist"
-
+  purge = script(f"--path={kv}", "--purge=all")
+  purged, err = finish(purge)
+  assert purge.returncode == 0, err
+  assert a in purged and b in purged and "3 blocks" in purged
+  assert disk.list_namespaces(kv) == []

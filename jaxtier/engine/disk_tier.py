@@ -1,7 +1,7 @@
 """The engine's disk tier: prefix KV blocks in files that outlive the process.
 
 The files and their checks are `jaxtier.kvcache.disk.DiskStore`'s; the decisions are the
-scheduler's (`jaxtier.scheduler.disk`). This module is the glue between them and the device:
+scheduler's (`jaxtier.scheduler.disk_index`). This module is the glue between them and the device:
 
 - **Namespace.** A directory holds namespaces; an engine reads and writes only its own, named by a
   hash of everything its KV bytes depend on (`namespace_parts`): the weights' content (the
@@ -211,6 +211,12 @@ class DiskTier:
       self.staged.update(zip(names, blocks))
       done.append((request_id, names))
     return done
+
+  def unstage(self, hashes) -> None:
+    """Lets go of staged blocks the scheduler booked no host block for (the host index had
+    them already, or the host pool had no room)."""
+    for block_hash in hashes:
+      self.staged.pop(block_hash, None)
 
   def fill(self, host: HostTier, fills: Sequence[tuple[bytes, int]]) -> HostTier:
     """The host tier with the staged blocks of `fills` (hash, host block) in their slots."""

@@ -520,11 +520,11 @@ class Engine:
         self._state = scheduler.apply_event(self._state, scheduler.Release(request_id))
     if self.disk is not None:
       for request_id, hashes in self.disk.finished():
-        if request_id not in self._requests:
-          continue
+        # booked even for a request that ended meanwhile: they are as good a cache entry as any
         self._state = scheduler.apply_event(self._state,
                                             scheduler.DiskLoaded(request_id, hashes))
-        if request_id not in self.grammars:
+        self.disk.unstage(set(hashes) - {h for h, _ in self._state.disk_fills})
+        if request_id in self._requests and request_id not in self.grammars:
           self._state = scheduler.apply_event(self._state, scheduler.Release(request_id))
     return updates
 

@@ -1,22 +1,28 @@
-"""KV caches for jaxtier's model: usable on their own, without the engine or the server."""
+"""KV caches for jaxtier's model: usable on their own, without the engine or the server.
 
-from jaxtier.attention.cpu_kernel import paged_attention_cpu
-from jaxtier.attention.dense import dense_attention
-from jaxtier.attention.page_format import KV_CACHE_DTYPES, dequantize_int8, quantize_int8
-from jaxtier.attention.pallas_tpu import paged_attention_tpu
-from jaxtier.attention.reference import paged_attention_reference
-from jaxtier.attention.xla_chunked import paged_attention
-from jaxtier.attention.xla_gathered import paged_attention_gathered
-from jaxtier.kvcache.contiguous import ContiguousKVCache
-from jaxtier.kvcache.paged import (KVBlocks, PagedCacheConfig, PagedKVCache, PagedMetadata, attend,
-                                   device_pool_bytes, host_pool_bytes, write_chunk)
-from jaxtier.kvcache.swap import HostTier, SwapReport, swap_in, swap_out
+The names load on first access (`jaxtier.common.lazy`), so that a light submodule (the disk
+tier's file store, `jaxtier.kvcache.disk`) imports without JAX.
+"""
 
-__all__ = [
-    "ContiguousKVCache", "HostTier", "KVBlocks", "KV_CACHE_DTYPES", "PagedCacheConfig", "PagedKVCache",
-    "PagedMetadata", "SwapReport", "attend", "dense_attention", "dequantize_int8",
-    "device_pool_bytes", "host_pool_bytes", "paged_attention", "paged_attention_cpu",
-    "paged_attention_gathered", "paged_attention_reference", "paged_attention_tpu",
-    "quantize_int8", "swap_in", "swap_out",
-    "write_chunk",
-]
+from jaxtier.common.lazy import lazy_names as _lazy_names
+
+_EXPORTS = {
+    "paged_attention_cpu": "jaxtier.attention.cpu_kernel",
+    "dense_attention": "jaxtier.attention.dense",
+    "KV_CACHE_DTYPES": "jaxtier.attention.page_format",
+    "dequantize_int8": "jaxtier.attention.page_format",
+    "quantize_int8": "jaxtier.attention.page_format",
+    "paged_attention_tpu": "jaxtier.attention.pallas_tpu",
+    "paged_attention_reference": "jaxtier.attention.reference",
+    "paged_attention": "jaxtier.attention.xla_chunked",
+    "paged_attention_gathered": "jaxtier.attention.xla_gathered",
+    "ContiguousKVCache": "jaxtier.kvcache.contiguous",
+    **{name: "jaxtier.kvcache.paged" for name in (
+        "KVBlocks", "PagedCacheConfig", "PagedKVCache", "PagedMetadata", "attend",
+        "device_pool_bytes", "host_pool_bytes", "write_chunk")},
+    **{name: "jaxtier.kvcache.swap" for name in ("HostTier", "SwapReport", "swap_in", "swap_out")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = _lazy_names(__name__, _EXPORTS, globals())

@@ -260,7 +260,13 @@ def _read_json(path: str) -> dict | None:
 
 class DiskStore:
   """One namespace of KV blocks on disk: `write` queues a block for the writer thread, `read`
-  returns it (or None), `changes` tells the scheduler what appeared and disappeared."""
+  returns it (or None), `changes` tells the scheduler what appeared and disappeared.
+
+  `root` holds the namespaces (the engine's kv_disk_path), `namespace` names this one's
+  directory (`namespace_name`), `layout` is every block's arrays, `budget_bytes` the most its
+  files may take (least recently used evicted first), `info` what namespace.json records for
+  the listing (the model, ...), `max_queue_blocks` how many blocks may wait for the writer
+  before `write` drops them (a slow disk costs dropped writes, never a blocked caller)."""
 
   def __init__(self, root: str | os.PathLike, namespace: str, layout: BlockLayout,
                budget_bytes: int, info: Mapping[str, Any] = _NO_INFO,

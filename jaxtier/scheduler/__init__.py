@@ -9,14 +9,14 @@ The plan is the whole contract with the device: block ids to copy and the block 
 sequence that computes. See `transitions` for the engine loop and `planning` for the policy.
 """
 
-from jaxtier.scheduler import allocator, disk, policies, prefix
+from jaxtier.scheduler import allocator, disk_index, policies, prefix
 from jaxtier.scheduler.allocator import BlockPool, blocks_for
 from jaxtier.scheduler.metrics import Metrics, metrics
 from jaxtier.scheduler.planning import schedule
 from jaxtier.scheduler.policies import VICTIM_POLICIES
 from jaxtier.scheduler.request import Ended, Request, Seq
 from jaxtier.scheduler.scheduler_config import SchedulerConfig
-from jaxtier.scheduler.disk import disk_lookup
+from jaxtier.scheduler.disk_index import disk_lookup
 from jaxtier.scheduler.state import (Abort, Arrive, ComputeBatch, DiskIndexed, DiskLoaded, Plan,
                                      Rates, Release, SchedulerState, StepFinished, Stop,
                                      initial_state)

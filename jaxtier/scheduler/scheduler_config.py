@@ -60,7 +60,7 @@ class SchedulerConfig:
     weight_prefetch_bytes_per_step: the weight bytes the offload plan wants to prefetch each step.
     swap_in_max_wait_steps: steps the swapped queue may go without a swap-in before its head blocks
       (`policies.swap_in_blocks`) and swaps in past the KV share.
-    disk_tier: a disk tier sits under the host tier (`jaxtier.scheduler.disk`): registered blocks
+    disk_tier: a disk tier sits under the host tier (`jaxtier.scheduler.disk_index`): registered blocks
       it lacks are written through, and an arriving request's next blocks after its device and
       host hits are read from it into host blocks. Needs the host tier.
   """

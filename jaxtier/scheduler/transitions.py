@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from jaxtier.scheduler import allocator
-from jaxtier.scheduler import disk
+from jaxtier.scheduler import disk_index as disk
 from jaxtier.scheduler import policies
 from jaxtier.scheduler import prefix
 from jaxtier.scheduler.planning import schedule
