@@ -208,7 +208,7 @@ def mixed_section(directory: str) -> dict:
   directory, so the tier writes every prompt block and reads none."""
   off = bench_engine.make_llm(kv_disk_path=None)
   rates = {"off": [], "on": []}
-  written = []
+  written, hits = [], []
   for round_ in range(FLAGS.mixed_rounds):
     workload = bench_engine.build_workload(off.tokenizer, FLAGS.num_prompts, FLAGS.min_prompt,
                                            FLAGS.max_prompt, FLAGS.seed + 1000 * round_)
@@ -225,6 +225,7 @@ def mixed_section(directory: str) -> dict:
     on.engine.flush_disk()
     stats = on.stats()
     written.append((stats["disk_bytes_written"], stats["disk_write_seconds"]))
+    hits.append(stats["disk_hit_tokens"])  # a pass's own prompts read back after eviction
     if runs[id(on)]["token_ids"] != runs[id(off)]["token_ids"]:
       raise RuntimeError("the disk tier changed the mixed workload's tokens")
     on.engine.close()
@@ -233,7 +234,7 @@ def mixed_section(directory: str) -> dict:
   return {"tokens_per_s_off": rates["off"], "tokens_per_s_on": rates["on"],
           "on_over_off": ratios, "on_over_off_median": statistics.median(ratios),
           "write_mb_per_s": sum(b for b, _ in written) / max(sum(s for _, s in written), 1e-9) / 1e6,
-          "bytes_written_per_round": [b for b, _ in written]}
+          "bytes_written_per_round": [b for b, _ in written], "disk_hit_tokens_per_round": hits}
 
 
 def index_section(directory: str) -> dict:

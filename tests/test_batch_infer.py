@@ -339,3 +339,20 @@ def test_records_with_structured_outputs_follow_their_constraint(tmp_path):
   assert set(json.loads(by_id["j"]["text"])) == {"n"}
   assert len(by_id["r"]["text"]) == 4 and set(by_id["r"]["text"]) <= set("abc")
   assert all(row["finish_reason"] == "stop" for row in rows)
+
+
+def test_a_second_run_reads_the_prompts_from_the_disk_tier_and_writes_the_same_rows(tmp_path):
+  prompt = list(range(3, 120))
+  lines = [json.dumps({"id": i, "prompt": prompt[:100 + i]}) for i in range(3)]
+  disk = f"--kv_disk_path={tmp_path / 'kv'}"
+  rows = []
+  for run_dir in ("first", "second"):
+    (tmp_path / run_dir).mkdir()
+    proc, out = run(tmp_path / run_dir, lines, disk)
+    assert proc.returncode == 0, proc.stderr
+    rows.append(out)
+    if run_dir == "first":
+      assert summary(proc.stderr)["disk_hit_tokens"] == 0
+      assert summary(proc.stderr)["disk_blocks_written"] > 0
+  assert summary(proc.stderr)["disk_hit_tokens"] >= 96
+  assert rows[0] == rows[1]

@@ -131,19 +131,20 @@ def test_a_checkpoint_with_one_tensor_changed_has_another_checksum(tmp_path):
   assert disk_tier.file_digest(str(copy), cache) != before
 
 
-def test_int8_weights_of_the_same_checkpoint_get_no_hits(tmp_path):
+def test_int8_weights_of_the_same_checkpoint_and_another_model_get_no_hits(tmp_path):
   prompt = list(range(3, 60))
   params = jaxtier.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
   hits = []
-  for kwargs in ({}, {}, {"quantization": "int8"}):
-    llm = jaxtier.LLM(fixture_path("tiny_mistral"), max_model_len=128, num_host_blocks=32,
+  for model, kwargs in (("tiny_mistral", {}), ("tiny_mistral", {}),
+                        ("tiny_mistral", {"quantization": "int8"}), ("tiny_llama", {})):
+    llm = jaxtier.LLM(fixture_path(model), max_model_len=128, num_host_blocks=32,
                       kv_disk_path=str(tmp_path), **kwargs)
     llm.generate([prompt], params, use_tqdm=False)
     llm.engine.flush_disk()
     hits.append(llm.stats()["disk_hit_tokens"])
     assert llm.memory_report()["kv_disk_path"] == str(tmp_path)
     llm.engine.close()
-  assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0
+  assert hits[0] == 0 and hits[1] > 0 and hits[2] == hits[3] == 0
 
 
 CHILD = """

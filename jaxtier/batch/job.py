@@ -44,9 +44,11 @@ from jaxtier.server.records import BatchRecord, parse_record
 OUTPUT_ENGINE_FLAGS = ("model", "dtype", "max_model_len", "kv_cache_dtype", "weight_format",
                        "block_activations", "quantization", "quantization_group_size", "kernels")
 SUMMARY_STATS = ("swap_out_count", "swap_in_count", "swap_out_bytes", "swap_in_bytes",
-                 "swap_seconds", "prefix_device_hit_rate", "prefix_host_hit_rate")
+                 "swap_seconds", "prefix_device_hit_rate", "prefix_host_hit_rate",
+                 "disk_hit_tokens", "disk_blocks_written", "disk_corrupt_files")
 SUMMED = ("requests", "prompt_tokens", "generated_tokens", "invalid_records", "swap_out_count",
-          "swap_in_count", "swap_out_bytes", "swap_in_bytes", "swap_seconds")
+          "swap_in_count", "swap_out_bytes", "swap_in_bytes", "swap_seconds", "disk_hit_tokens",
+          "disk_blocks_written", "disk_corrupt_files")
 MAX_REPORTED = 20
 
 
