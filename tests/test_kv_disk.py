@@ -255,3 +255,59 @@ def test_the_scheduler_reads_the_blocks_after_the_hits_and_books_host_blocks_for
   assert plan.disk_fills == tuple(zip(hashes[:3], (b for _, b in plan.disk_fills)))
   assert plan.prefetch and len(plan.prefetch) == 3  # host-tier hits from here on
   assert not state.disk_fills
+
+
+def test_a_small_budget_keeps_the_namespace_within_it_plus_one_block(tiny, reference, tmp_path):
+  model, tokenizer = tiny
+  _, stats = disk_run(model, tokenizer, tmp_path)
+  file_bytes = stats["disk_bytes"] // stats["disk_blocks"]
+  budget_blocks = 7
+  out, stats = disk_run(model, tokenizer, tmp_path / "small",
+                        kv_disk_gb=budget_blocks * file_bytes / 1e9)
+  assert out == reference
+  assert len(block_files(tmp_path / "small")) <= budget_blocks + 1
+  assert stats["disk_evictions"] >= stats["disk_blocks_written"] - budget_blocks - 1 > 0
+
+
+def test_kv_disk_path_needs_the_host_tier():
+  from jaxtier.engine.args import EngineArgs  # pylint: disable=import-outside-toplevel
+  for kwargs, message in (({"host_prefix_caching": False}, "host_prefix_caching"),
+                          ({"num_host_blocks": 0}, "host pool"), ({"kv_disk_gb": 0}, "kv_disk_gb")):
+    with pytest.raises(ValueError, match=message):
+      EngineArgs(kv_disk_path="/tmp/x", **kwargs)
+
+
+WRITER = """
+import json, sys
+sys.path.insert(0, "tests")
+from test_engine import engine_of, prompts_of, run, GREEDY
+from jaxtier import checkpoint
+from conftest import fixture_path
+loaded = checkpoint.load(fixture_path("tiny_llama"), "float32")
+engine = engine_of(loaded.model, loaded.tokenizer, kv_disk_path=sys.argv[1], max_model_len=256)
+out = run(engine, prompts_of([120] * 12, seed=5), GREEDY)
+engine.flush_disk()
+print(json.dumps([out[i].token_ids for i in range(12)]))
+"""
+
+
+def test_two_processes_writing_the_same_prefixes_both_finish_with_the_same_outputs(tiny,
+                                                                                  tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+
+  procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=os.getcwd(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+           for _ in range(2)]
+  outputs = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
+  assert all(p.returncode == 0 for p in procs)
+  model, tokenizer = tiny
+  ref = run(engine_of(model, tokenizer, enable_prefix_caching=False, max_model_len=256),
+            prompts_of([120] * 12, seed=5), GREEDY)
+  assert outputs[0] == outputs[1] == [list(ref[i].token_ids) for i in range(12)]
+  (namespace,) = [d for d in os.listdir(tmp_path) if os.path.isdir(tmp_path / d)]
+  engine = engine_of(model, tokenizer, kv_disk_path=str(tmp_path), max_model_len=256)
+  store = engine.disk.store
+  assert len(store) == len(block_files(tmp_path)) >= 12 * 29
+  assert all(store.read(h) is not None for h in store.hashes())
+  assert store.figures()["disk_corrupt_files"] == 0 and namespace == engine.disk.namespace
+  engine.close()

@@ -255,6 +255,9 @@ class EngineArgs:
       if not (self.enable_prefix_caching and self.host_prefix_caching):
         raise ValueError(f"kv_disk_path={self.kv_disk_path!r} sits under the prefix cache's host "
                          "tier: expected enable_prefix_caching=True and host_prefix_caching=True")
+      if self.num_host_blocks == 0 or self.swap_space_gb == 0:
+        raise ValueError(f"kv_disk_path={self.kv_disk_path!r} reads blocks into the host tier: "
+                         "expected a host pool (num_host_blocks or swap_space_gb > 0)")
     check_positive("kv_disk_gb", self.kv_disk_gb)
     check_int("seed", self.seed, 0, 2**32 - 1)
     check_choice("layer_execution", self.layer_execution, LAYER_EXECUTIONS)
