@@ -47,15 +47,21 @@ def block_files(path) -> list[str]:
                 for name in names if name.endswith(".kvb"))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "int8"])
 def test_a_restarted_engine_reads_the_prompts_from_disk_and_answers_the_same(tiny, reference,
-                                                                            tmp_path):
+                                                                            tmp_path,
+                                                                            kv_cache_dtype):
   model, tokenizer = tiny
-  cold, cold_stats = disk_run(model, tokenizer, tmp_path)
+  if kv_cache_dtype != "float32":  # int8 blocks carry their scales to disk and back
+    out = run(engine_of(model, tokenizer, enable_prefix_caching=False,
+                        kv_cache_dtype=kv_cache_dtype), PROMPTS, GREEDY)
+    reference = [out[i].token_ids for i in range(len(PROMPTS))]
+  cold, cold_stats = disk_run(model, tokenizer, tmp_path, kv_cache_dtype=kv_cache_dtype)
   assert cold == reference
   full_blocks = sum((len(p) - 1) // 4 for p in PROMPTS)
   assert cold_stats["disk_hit_tokens"] == 0
   assert cold_stats["disk_blocks_written"] == len(block_files(tmp_path)) >= full_blocks
-  warm, warm_stats = disk_run(model, tokenizer, tmp_path)
+  warm, warm_stats = disk_run(model, tokenizer, tmp_path, kv_cache_dtype=kv_cache_dtype)
   assert warm == reference
   assert warm_stats["disk_hit_tokens"] == full_blocks * 4
   assert warm_stats["prefix_host_hit_tokens"] == full_blocks * 4  # loaded as host-tier hits
@@ -311,3 +317,13 @@ def test_two_processes_writing_the_same_prefixes_both_finish_with_the_same_outpu
   assert all(store.read(h) is not None for h in store.hashes())
   assert store.figures()["disk_corrupt_files"] == 0 and namespace == engine.disk.namespace
   engine.close()
+
+
+def test_blocks_another_process_wrote_after_this_one_started_are_found(tiny, reference, tmp_path):
+  model, tokenizer = tiny
+  server = engine_of(model, tokenizer, kv_disk_path=str(tmp_path))  # scans an empty directory
+  disk_run(model, tokenizer, tmp_path)  # a batch job beside it writes the prompts
+  out = run(server, PROMPTS, GREEDY)
+  assert [out[i].token_ids for i in range(len(PROMPTS))] == reference
+  assert server.stats()["disk_hit_tokens"] == sum((len(p) - 1) // 4 for p in PROMPTS) * 4
+  server.close()

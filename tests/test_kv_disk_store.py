@@ -49,7 +49,7 @@ def store(tmp_path, layout=BF16, namespace=NS, blocks=1000, **kwargs) -> disk.Di
 
 
 def file_bytes(layout, namespace=NS) -> int:
-  header = disk.header_bytes(namespace, layout, "0" * 32, "0" * 32)
+  header = disk.header_bytes(namespace, layout, "0" * 32, "0" * (2 * disk.CHECKSUM_BYTES))
   return 8 + len(header) + layout.nbytes
 
 

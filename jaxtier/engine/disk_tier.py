@@ -46,6 +46,7 @@ from jaxtier.kvcache.paged import KVBlocks, PagedKVCache
 from jaxtier.kvcache.swap import HostTier, host_block_shardings, host_block_specs
 
 GB = 1e9
+QUEUE_BYTES = 512 << 20  # blocks waiting for the writer, at most
 _NAMES = ("k", "v", "k_scales", "v_scales")
 _CHUNK = 1 << 24
 
@@ -131,8 +132,8 @@ class DiskTier:
     self.parts, self.info = dict(parts), dict(info)
     self._places = host_block_shardings(cache)
     self._layout = block_layout(cache)
-    self.store = disk.DiskStore(path, disk.namespace_name(self.parts), self._layout,
-                                self.budget_bytes, info=self.info)
+    self._queue_blocks = max(16, QUEUE_BYTES // self._layout.nbytes)
+    self.store = self._open()
     self._reader = concurrent.futures.ThreadPoolExecutor(1, "jaxtier-disk-read")
     self._reads: dict[Hashable, concurrent.futures.Future] = {}
     self.staged: dict[bytes, KVBlocks] = {}  # read, waiting for their host block
@@ -149,12 +150,17 @@ class DiskTier:
     resets the scheduler's index to it."""
     self.store.close()
     self.parts = {**self.parts, "weights": weights}
-    self.store = disk.DiskStore(self.path, disk.namespace_name(self.parts), self._layout,
-                                self.budget_bytes, info=self.info)
+    self.store = self._open()
     self.staged.clear()
     self.namespaces += 1
     added, _ = self.store.changes()
     return scheduler.DiskIndexed(added=added, reset=True)
+
+  def _open(self) -> disk.DiskStore:
+    """The store of the current namespace; at most `QUEUE_BYTES` of blocks wait for its writer
+    (pinned host buffers: the writes past it are dropped and counted, never a step slowed)."""
+    return disk.DiskStore(self.path, disk.namespace_name(self.parts), self._layout,
+                          self.budget_bytes, info=self.info, max_queue_blocks=self._queue_blocks)
 
   def changes(self) -> scheduler.DiskIndexed | None:
     """The store's index changes since the last call, as an event (None: none)."""

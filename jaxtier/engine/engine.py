@@ -92,6 +92,7 @@ from jaxtier.model import sharding
 from jaxtier.sampling.logprobs import MAX_LOGPROBS
 from jaxtier.sampling.samplers import SamplingParams
 from jaxtier.sampling.structured import GrammarMatcher
+from jaxtier.scheduler import disk_index
 from jaxtier.scheduler.allocator import blocks_for
 from jaxtier.scheduler.request import ABORT_CLIENT, ABORTED, FINISHED
 from jaxtier.text.detokenize import RequestProgress
@@ -312,7 +313,12 @@ class Engine:
                                    arrival_time=time.perf_counter() - self._started,
                                    priority=priority,
                                    skip_prefix_cache=params.prompt_logprobs is not None)
-    reads = scheduler.disk_lookup(self._state, request) if self.disk is not None else ()
+    reads = ()
+    if self.disk is not None:
+      # files another process (a server beside a batch job) wrote since this one's scan
+      if self.disk.store.discover(disk_index.after_hits(self._state, request)):
+        self._disk_changes()
+      reads = scheduler.disk_lookup(self._state, request)
     self._state = scheduler.apply_event(
         self._state, scheduler.Arrive(request, held=params.constrained or bool(reads)))
     self._requests.add(new)

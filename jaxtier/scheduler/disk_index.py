@@ -8,8 +8,10 @@ decision about the disk is a pure function of the state:
   is listed in the next plan's `disk_writes`; the engine copies it out before anything can
   overwrite it and a writer thread stores it. A block enters `disk_index` only when its file is
   written (`DiskIndexed`), so nothing is read before it exists.
-- Reads: when a request arrives, `disk_lookup` names the blocks after its device and host hits
-  that the disk holds (in order, stopping at the first it lacks), when reading them is cheaper
+- Reads: when a request arrives, the engine first looks up the files of the blocks after its
+  device and host hits that the index lacks (`after_hits`; files another process wrote since
+  this one started), then `disk_lookup` names the blocks after its device and host hits that the
+  disk holds (in order, stopping at the first it lacks), when reading them is cheaper
   than recomputing them. The engine holds the request in the queue (`Arrive.held`) while a reader
   thread reads and checks those files into pinned host memory, then sends `DiskLoaded` with the
   blocks that passed: the scheduler books host blocks for them in the host index (evicting its
@@ -33,21 +35,29 @@ def disk_lookup(state: SchedulerState, request: Request) -> tuple[prefix.BlockHa
   token (whose logits the first step needs); none where reading them would be slower than
   recomputing them (`disk_pays`)."""
   config = state.config
-  if (not config.disk_tier or not state.disk_index or request.skip_prefix_cache
-      or not request.prompt_token_ids):
+  if not state.disk_index:
     return ()
-  hashes = prefix.block_hashes(request.prompt_token_ids, config.block_size)
-  usable = hashes[:(request.prompt_len - 1) // config.block_size]
-  start = prefix.num_hits(state.device_cache, usable)
-  start += prefix.num_hits(state.host_cache, usable, start)
   found = []
-  for block_hash in usable[start:]:
+  for block_hash in after_hits(state, request):
     if block_hash not in state.disk_index:
       break
     found.append(block_hash)
   if not found or not disk_pays(state.rates, len(found), config.block_bytes, config.block_size):
     return ()
   return tuple(found)
+
+
+def after_hits(state: SchedulerState, request: Request) -> tuple[prefix.BlockHash, ...]:
+  """The hashes of `request`'s prompt blocks after its device and host hits, short of the
+  prompt's last token: the ones the disk tier could hold (none without the disk tier)."""
+  config = state.config
+  if not config.disk_tier or request.skip_prefix_cache or not request.prompt_token_ids:
+    return ()
+  hashes = prefix.block_hashes(request.prompt_token_ids, config.block_size)
+  usable = hashes[:(request.prompt_len - 1) // config.block_size]
+  start = prefix.num_hits(state.device_cache, usable)
+  start += prefix.num_hits(state.host_cache, usable, start)
+  return usable[start:]
 
 
 def disk_pays(rates: Rates | None, num_blocks: int, block_bytes: int, block_size: int) -> bool:
