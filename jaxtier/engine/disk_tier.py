@@ -139,11 +139,10 @@ class DiskTier:
     self.staged: dict[bytes, KVBlocks] = {}  # read, waiting for their host block
     # a batch job's blocks are written before the interpreter ends (the writer is a daemon)
     atexit.register(self._flush_at_exit)
-    self.namespaces = 1
 
   @property
   def namespace(self) -> str:
-    return disk.namespace_name(self.parts)
+    return self.store.namespace
 
   def renamed(self, weights: str) -> scheduler.DiskIndexed:
     """Moves to the namespace of new weights (`Engine.update_weights`); returns the event that
@@ -152,7 +151,6 @@ class DiskTier:
     self.parts = {**self.parts, "weights": weights}
     self.store = self._open()
     self.staged.clear()
-    self.namespaces += 1
     added, _ = self.store.changes()
     return scheduler.DiskIndexed(added=added, reset=True)
 
@@ -188,6 +186,9 @@ class DiskTier:
 
   def __contains__(self, request_id: Hashable) -> bool:
     return request_id in self._reads
+
+  def __len__(self) -> int:
+    return len(self._reads)
 
   def pending(self) -> set:
     return set(self._reads)
@@ -236,8 +237,7 @@ class DiskTier:
   def write(self, pairs: Sequence[tuple[int, bytes]], blocks: Sequence[KVBlocks]) -> None:
     """Hands copied-out blocks to the writer thread (it waits for their copies)."""
     for (_, block_hash), block in zip(pairs, blocks):
-      self.store.write(block_hash, [a for a in (block.k, block.v, block.k_scales, block.v_scales)
-                                    if a is not None])
+      self.store.write(block_hash, jax.tree.leaves(block))  # K, V (and scales): the layout's order
 
   def read_rate(self) -> float | None:
     return self.store.read_rate()
@@ -257,10 +257,3 @@ class DiskTier:
     self._reader.shutdown(wait=True, cancel_futures=True)
     self.store.close()
 
-
-def disk_settings_line(tier: "DiskTier | None") -> dict:
-  """The disk tier's settings as `memory_report` and the dry run show them."""
-  if tier is None:
-    return {"kv_disk_path": None}
-  return {"kv_disk_path": tier.path, "kv_disk_budget_bytes": tier.budget_bytes,
-          "kv_disk_namespace": tier.namespace}

@@ -502,10 +502,9 @@ class Engine:
 
   def _all_held(self) -> bool:
     """Whether every live request waits in the queue for its grammar or its disk blocks."""
-    waiting = set(self.grammars.pending())
-    if self.disk is not None:
-      waiting |= self.disk.pending()
-    return len(waiting) == len(self._requests)
+    if self.disk is None or not len(self.disk):  # the common case, without building sets
+      return len(self.grammars) == len(self._requests)
+    return len(self.grammars.pending() | self.disk.pending()) == len(self._requests)
 
   def _compiled(self) -> list[RequestUpdate]:
     """Releases the requests whose grammar compiled, or whose disk blocks were read, into the
