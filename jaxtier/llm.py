@@ -134,14 +134,15 @@ def rollout_arrays(outputs: Sequence[RequestOutput], pad_id: int = 0) -> dict[st
 
 def _bytes_by_format(tree) -> dict[str, int]:
   """{format: bytes} over the array leaves of `tree`: packed block formats by
-  `matmul.weight_format`, the values of compact projections (`jaxtier.model.quant`) as "int8",
-  "uint4" or "u4x2" (4-bit, two to a byte), other arrays by their dtype's name."""
+  `matmul.weight_format`, the parts of compact projections (`jaxtier.model.quant`) by dtype,
+  their values "int8", "uint4", "u4x2" (4-bit, two to a byte) or "float8_e4m3fn", other arrays
+  by their dtype's name."""
   out: dict[str, int] = {}
   for path, a in jax.tree_util.tree_leaves_with_path(tree):
     fmt = matmul.weight_format(a)
     keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-    if keys and keys[-1] == "values":
-      key = "u4x2" if a.dtype == np.uint8 else str(a.dtype)
+    if keys and keys[-1] in quant.PARTS:
+      key = "u4x2" if keys[-1] == "values" and a.dtype == np.uint8 else str(a.dtype)
     else:
       key = str(a.dtype) if fmt == "float32" else fmt
     out[key] = out.get(key, 0) + quant.array_bytes(a)
@@ -187,7 +188,7 @@ class LLM:
       layer_execution, offload_tail_layers, prefetch_depth, offload_expert_layers,
       expert_offload_mode, device_memory_gb,
       tensor_parallel_size, trace_path, attention_impl, kernels, weight_format, quantization
-      ("int8", "int4"), quantization_group_size, block_activations, grammar_max_bytes,
+      ("int8", "int4", "fp8"), quantization_group_size, block_activations, grammar_max_bytes,
       grammar_max_items, grammar_max_depth, grammar_max_lexer_states, grammar_compile_timeout_s,
       chat_template. Bad values raise ValueError before any weight loads.
 
@@ -347,7 +348,9 @@ class LLM:
     call whose offloaded experts the host computes moves only their activations instead);
     `kv_swap_bytes_per_step` is the mean over the steps run so far (`kv_swap_bytes_max_step` the
     largest). `kv_disk_path` and `kv_disk_budget_bytes`: the disk tier under the host tier (None
-    and 0 when off). `weight_bytes_by_format`: the weights' bytes by how they are held, the dtype's name
+    and 0 when off). `checkpoint_quantization`: the scheme of a checkpoint stored quantized
+    (GPTQ, AWQ, compressed-tensors; None otherwise). `weight_bytes_by_format`: the weights' bytes
+    by how they are held, the dtype's name
     or, for weights kept in GGUF blocks, the block format (`matmul.weight_format`: "q4_1",
     "q8_0", "q8_16", "q4_1_i16", "q8_0_i16").
     """
@@ -379,6 +382,7 @@ class LLM:
             **sizing.pinned_figures(host + c.num_host_blocks * self.block_bytes,
                                     self.sizing.pinned_cap),
             **build.disk_figures(self.args),
+            "checkpoint_quantization": self.plan.checkpoint_quantization,
             "weight_bytes_by_format": _bytes_by_format(self.state)}
 
   def stats(self) -> dict:

@@ -93,7 +93,7 @@ def test_gguf_blocks_dequantize_to_gguf_py_values_bit_for_bit(tensor_type, platf
   split = gguf_file.block_parts_q8_16 if held == "q8_16" else gguf_file.block_parts
   parts = tuple(a.T for a in split(kind, data, 32, 256))
   fmt = quant.BLOCK_LAYOUTS[held].on(platform)
-  got = quant.dequantize(*(jnp.asarray(p) for p in quant.cast_parts(parts, fmt)))
+  got = quant.dequantize(*(jnp.asarray(p) for p in quant.cast_parts(parts, fmt).values()))
   np.testing.assert_array_equal(np.asarray(got), expected)
 
 

@@ -150,15 +150,27 @@ class HFSource(TensorSource):
             continue
           self._names[HF_GLOBAL_NAMES[name]] = (handle, stored, None, name)
           self._shapes[HF_GLOBAL_NAMES[name]] = shape
-        elif not name.endswith("rotary_emb.inv_freq"):
+        elif not (name.endswith("rotary_emb.inv_freq") or self._claim(shard, stored, name)):
           self.close()
           raise ValueError(f"{shard}: unexpected tensor {name!r} for a {config.architecture} model")
     try:
+      self._claimed(per_layer)
       check_layers_present(per_layer, config.num_layers, directory)
     except ValueError:
       self.close()
       raise
     self._layers = per_layer
+
+  def _claim(self, shard: str, stored: str, name: str) -> bool:
+    """Whether a subclass takes the tensor `stored` of `shard` (Llama-style name `name`) that is
+    none of the model's parameters: a quantized checkpoint's packed parts. Default: none."""
+    del shard, stored, name
+    return False
+
+  def _claimed(self, per_layer: dict[Path, list]) -> None:
+    """Adds the layer tensors a subclass assembles from claimed parts to `per_layer` (path ->
+    one slot per layer) and `self._shapes`, before the check that every layer has each."""
+    del per_layer
 
   def shapes(self) -> dict[Path, tuple[int, ...]]:
     return dict(self._shapes)

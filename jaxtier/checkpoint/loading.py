@@ -9,7 +9,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtier.checkpoint import gguf_file, hf, orbax_io, placed, registry
+from jaxtier.checkpoint import gguf_file, hf, orbax_io, placed, prequantized, registry
 from jaxtier.checkpoint.params import ConfigSource, TensorSource, params_from_model
 from jaxtier.common.choices import DTYPE_BYTES
 from jaxtier.model.config import ModelConfig
@@ -63,7 +63,10 @@ def _open_path(path: str) -> Opened:
     if not hf.has_weights(path):
       raise FileNotFoundError(f"{path} holds a config.json but no weights (*.safetensors): it "
                               "can be planned (--dry_run, jaxtier.llm.dry_run), not loaded")
-    return Opened("hf", path, config, load_tokenizer_dir(path), hf.HFSource(path, config))
+    scheme = prequantized.read_scheme(path)
+    source = (hf.HFSource(path, config) if scheme is None
+              else prequantized.PrequantizedSource(path, config, scheme))
+    return Opened("hf", path, config, load_tokenizer_dir(path), source)
   if os.path.isfile(path):
     with open(path, "rb") as f:
       magic = f.read(4)

@@ -103,6 +103,15 @@ class TensorSource:
     del path, layer
     return None
 
+  def layout(self, path: Path):
+    """The `jaxtier.model.quant.WeightFormat` that stacked layers hold the tensor at `path` in,
+    where the source stores it in a layout of its own (a checkpoint quantized before download:
+    its group size, zero points or act-order); None: the layout of `quantization`'s block
+    format. `read_blocks(path, layers, fmt)` with a `fmt` that is not a block format then
+    gives its parts in that layout."""
+    del path
+    return None
+
   def read_blocks(self, path: Path, layers: Sequence[int] | None = None, fmt: str | None = None
                   ) -> tuple[np.ndarray, ...]:
     """A weight as its blocks in format `fmt` (default: `quantization`'s; "q8_16" holds every

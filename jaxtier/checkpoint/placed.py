@@ -261,9 +261,11 @@ def stack_formats(source: TensorSource | None, layers: range, platform: str | No
     kinds = {source.quantization(path, layer) for layer in layers}
     if None in kinds:
       continue
-    kind = kinds.pop() if len(kinds) == 1 else "q8_16"
-    out[name] = layout_of(kind, getattr(source, "group_size", 32)).on(
-        platform or jax.default_backend())
+    mixed = len(kinds) > 1
+    kind = "q8_16" if mixed else kinds.pop()
+    fmt = (None if mixed else source.layout(path)) or layout_of(
+        kind, getattr(source, "group_size", 32))
+    out[name] = fmt.on(platform or jax.default_backend())
   return out
 
 
@@ -352,7 +354,7 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
       if parts is None:  # a compact kernel of a stacked group: its blocks, in its layout
         fmt = group.compact[sub[0]]
         stored = placer.source.read_blocks(path, list(group.layers), _block_name(fmt))
-        for name, array in zip(quant.PARTS, quant.cast_parts(stored, fmt)):
+        for name, array in quant.cast_parts(stored, fmt).items():
           part = (sub[0], name)
           group.values[0][part] = placer.place(("layers",) + part, array, group.specs[part],
                                                group.kind_of(part))
@@ -400,7 +402,7 @@ def _block_name(fmt: quant.WeightFormat) -> str | None:
   for name, layout in quant.BLOCK_LAYOUTS.items():
     if layout == plain:
       return name
-  return "int8" if fmt.values == "int8" else "int4"
+  return {"int8": "int8", "float8_e4m3fn": "fp8"}.get(fmt.values, "int4")
 
 
 @dataclasses.dataclass
@@ -425,7 +427,7 @@ def block_kernels(source: TensorSource, num_layers: int) -> list[dict[str, str]]
     for name in FusedDecoderLayer.KERNELS:
       kinds = {source.quantization(("layers",) + part, layer)
                for part in FusedDecoderLayer.PARTS[name]}
-      if None not in kinds:
+      if kinds <= set(matmul.BLOCK_FORMATS):  # the kernels' blocks hold every part
         kept[name] = kinds.pop() if len(kinds) == 1 else "q8_16"
     out.append(kept)
   return out
@@ -492,8 +494,8 @@ def _compact_head(placer: _Placer, config: ModelConfig, dtype, layout: Layout
   if isinstance(placer, _AbstractPlacer):
     parts = [None] * len(specs)
   else:
-    parts = quant.cast_parts(placer.source.read_blocks(_head_path(config), None,
-                                                       _block_name(fmt)), fmt)
+    parts = list(quant.cast_parts(placer.source.read_blocks(_head_path(config), None,
+                                                            _block_name(fmt)), fmt).values())
   arrays = [placer.place(("compact_head", name), part, specs[name], placement.DEVICE)
             for name, part in zip(quant.PARTS, parts)]
   return CompactTable(*arrays, dtype=dtype)

@@ -10,8 +10,9 @@ so the float model never exists whole anywhere.
 The format depends on who multiplies: the CPU kernels (`kernels="auto"` on a CPU) take 32-row
 blocks, so int8 is GGUF's Q8_0 (a float16 scale per 32 rows) and int4 is Q4_1 (a float16 scale
 and minimum per 32 rows; `quantization_group_size` must be 32 there); the portable path
-(`jaxtier.model.quant`) holds int8 with one scale per output channel and int4 with a scale and
-minimum per `quantization_group_size` rows. Norms, biases, the router and mixture-of-experts tensors
+(`jaxtier.model.quant`) holds int8 with one scale per output channel, int4 with a scale and
+minimum per `quantization_group_size` rows and fp8 as float8_e4m3fn values with a scale per output
+channel (`quant.quantize_fp8`; the CPU kernels have no FP8 blocks). Norms, biases, the router and mixture-of-experts tensors
 stay float.
 """
 
@@ -25,13 +26,16 @@ from jaxtier.kernels.cpu import matmul
 from jaxtier.model import quant
 
 # On the CPU kernels' path, the block format each quantization is held in.
-CPU_BLOCKS = dict(zip(QUANTIZATIONS, ("q8_0", "q4_1")))
+CPU_BLOCKS = {"int8": "q8_0", "int4": "q4_1"}
 
 
 def block_format(quantization: str, portable: bool) -> str:
   """The name `QuantizedSource.quantization` answers for a projection: a CPU block format
   ("q8_0", "q4_1") or, portable, the quantization itself ("int8", "int4")."""
   check_quantization(quantization, optional=False)
+  if not portable and quantization not in CPU_BLOCKS:
+    raise ValueError(f"quantization={quantization!r}: the CPU kernels have no such blocks; it "
+                     "runs on the portable path (kernels='portable')")
   return quantization if portable else CPU_BLOCKS[quantization]
 
 
@@ -113,7 +117,9 @@ class QuantizedSource(TensorSource):
       return tuple(np.asarray(p) for p in matmul.quantize_blocks(fmt, w))
     parts = quant.quantize(w, layout_of(fmt, self.group_size))
     # as `read_blocks` gives blocks: values as integers, scales and minimums as float32
-    values = np.asarray(parts[0]).astype(np.uint8 if fmt == "int4" else np.int8)
+    values = np.asarray(parts[0])
+    if fmt != "fp8":
+      values = values.astype(np.uint8 if fmt == "int4" else np.int8)
     return (values,) + tuple(np.asarray(p, np.float32) for p in parts[1:])
 
   def close(self) -> None:

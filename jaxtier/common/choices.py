@@ -16,7 +16,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # run too: the model dtypes and float16.
 PLANNED_DTYPE_BYTES = {**DTYPE_BYTES, "float16": 2}
 # `quantization`: a float checkpoint's projections quantized on load (None: as stored).
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "fp8")
 # `quantization_group_size`: the input rows of one int4 scale and minimum.
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 # `block_activations`: how kept GGUF blocks multiply (`jaxtier.kernels.cpu.matmul`).

@@ -185,7 +185,9 @@ class EngineArgs:
       None, "store a float checkpoint's decoder projections compact, quantized on load layer "
       "by layer (as vLLM's --quantization): int8 (on the portable path one scale per output "
       "channel; on the CPU kernels GGUF's Q8_0 blocks) or int4 (4-bit values with a scale and "
-      "minimum per quantization_group_size input rows; on the CPU kernels GGUF's Q4_1). The "
+      "minimum per quantization_group_size input rows; on the CPU kernels GGUF's Q4_1) or fp8 "
+      "(float8_e4m3fn values with a scale per output channel, dequantized inside the matmul; "
+      "the portable path: kernels='portable' on a CPU). The "
       "embedding and LM head are held in bfloat16 (in int8 blocks on the CPU kernels). Offloaded "
       "layers are held and moved compact too. Default: the checkpoint's own format (a GGUF "
       "file's blocks are kept, see weight_format)", QUANTIZATIONS)

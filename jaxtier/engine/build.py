@@ -58,12 +58,14 @@ class Plan:
   engine_config: EngineConfig
   planner_preset: str | None = None
   assumed: tuple[str, ...] = ()
+  checkpoint_quantization: str | None = None  # a pre-quantized checkpoint's scheme
 
   def memory_plan(self) -> dict:
     """The plan in `jaxtier.LLM.memory_report()`'s keys, with the resolved dtypes, layer
     execution and pool sizes (`sizing.Sizing.memory_plan`) and what was assumed: what
     `--dry_run` prints."""
     return {**self.sizing.memory_plan(), **disk_figures(self.args),
+            "checkpoint_quantization": self.checkpoint_quantization,
             "assumed": list(self.assumed)}
 
   def summary(self) -> dict:
@@ -248,8 +250,10 @@ def plan_checkpoint(model: str, opened: checkpoint.Opened, args: EngineArgs,
                   expert_rates=_expert_rates(args, machine, hardware_preset), settings=settings,
                   cap=cap)
   planned = s.offload.plan is not None
+  scheme = getattr(opened.source, "scheme", None)  # `checkpoint.prequantized.Scheme`
   return Plan(model, args, machine, config, settings, s, layout_of(s, config.num_layers, mesh),
-              engine_config_of(args, s), hardware_preset if planned else None, assumed)
+              engine_config_of(args, s), hardware_preset if planned else None, assumed,
+              None if scheme is None else scheme.name)
 
 
 @contextlib.contextmanager

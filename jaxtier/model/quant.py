@@ -8,7 +8,10 @@ A projection's kernel [K, N] (`in`, `out`) is held as three arrays, `WeightForma
   buffers, 4-bit values are packed two to a byte ("u4x2": uint8 [K / 2, N], row i in the low
   nibble and row i + K / 2 in the high one, `pack_nibbles`),
 - `scales` [K / g, N], one per g input rows of each output column (g = K: per output channel),
-- `mins` [K / g, N] or absent: w = scales * values + mins, per group (absent: w = scales * values).
+- `mins` [K / g, N] or absent: w = scales * values + mins, per group (absent: w = scales * values),
+- `perm` [K] int32 or absent: the input rows in the order the groups hold them, where a
+  checkpoint's groups are not runs of consecutive rows (GPTQ's act-order, `g_idx`): row j of
+  `values` is input row perm[j] of the weight, and the product is x[..., perm] @ w.
 
 This one layout holds exactly what the other formats hold:
 
@@ -22,6 +25,11 @@ This one layout holds exactly what the other formats hold:
   per 32 rows ("q8_0"), every other type that fits 8 bits (and layers of mixed types) as int8
   with a scale and minimum per 16 rows ("q8_16"). Dequantized, they are bit for bit gguf-py's
   float32 values: the product d q is exact in float32 and d q + m rounds once, as gguf-py does.
+- A checkpoint quantized before it was downloaded (`jaxtier.checkpoint.prequantized`: GPTQ, AWQ,
+  compressed-tensors): its 4- or 8-bit values with a float32 scale per group and, with zero
+  points z, a float32 minimum -scale z (exact: scale (q - z) = scale q + (-scale z), each product
+  exact in float32), in its own group size; FP8 weights as float8_e4m3fn values with a scale per
+  output channel (or one per tensor, repeated).
 
 `qmatmul` is the matmul: x @ dequantize(...) written so XLA fuses the conversion into the dot
 (on a GPU the weight is read as int8 / uint4 and converted in registers; nothing float of the
@@ -43,26 +51,30 @@ from jaxtier.kernels.cpu import matmul
 
 INT4_GROUP_SIZES = QUANTIZATION_GROUP_SIZES
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PARTS = ("values", "scales", "mins")
+PARTS = ("values", "scales", "mins", "perm")
+VALUE_TYPES = ("int8", "uint4", "u4x2", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightFormat:
-  """How one projection's kernel is held: `values` "int8" or "uint4"; `group` input rows per
-  scale (None: one scale per output column); `mins` whether each group has a minimum;
-  `scale_dtype` the scales' (and minimums') dtype."""
+  """How one projection's kernel is held: `values` "int8", "uint4" (or "u4x2", packed for CPU)
+  or "float8_e4m3fn"; `group` input rows per scale (None: one scale per output column); `mins`
+  whether each group has a minimum; `scale_dtype` the scales' (and minimums') dtype; `perm`
+  whether the rows are held permuted (`perm` part: act-order groups)."""
   values: str
   group: int | None
   mins: bool
   scale_dtype: str
+  perm: bool = False
 
   def __post_init__(self):
-    if self.values not in ("int8", "uint4", "u4x2"):
-      raise ValueError(f"values {self.values!r}: expected int8, uint4 or u4x2")
+    if self.values not in VALUE_TYPES:
+      raise ValueError(f"values {self.values!r}: expected one of {VALUE_TYPES}")
 
   @property
   def values_dtype(self):
-    return jnp.dtype({"int8": jnp.int8, "uint4": jnp.uint4, "u4x2": jnp.uint8}[self.values])
+    return jnp.dtype({"int8": jnp.int8, "uint4": jnp.uint4, "u4x2": jnp.uint8,
+                      "float8_e4m3fn": jnp.float8_e4m3fn}[self.values])
 
   def on(self, platform: str) -> "WeightFormat":
     """This format as `platform` holds it: 4-bit values packed two to a byte on CPU."""
@@ -85,6 +97,8 @@ class WeightFormat:
            "scales": jax.ShapeDtypeStruct((g, n), jnp.dtype(self.scale_dtype))}
     if self.mins:
       out["mins"] = jax.ShapeDtypeStruct((g, n), jnp.dtype(self.scale_dtype))
+    if self.perm:
+      out["perm"] = jax.ShapeDtypeStruct((k,), jnp.int32)
     return out
 
   def nbytes(self, k: int, n: int) -> int:
@@ -101,10 +115,13 @@ BLOCK_LAYOUTS = {
 
 
 def quantized_format(quantization: str, group_size: int = 32) -> WeightFormat:
-  """The layout of `quantization` ("int8": per output channel; "int4": per `group_size` rows)."""
+  """The layout of `quantization` ("int8", "fp8": per output channel; "int4": per `group_size`
+  rows)."""
   check_quantization(quantization, group_size, optional=False)
   if quantization == "int8":
     return WeightFormat("int8", None, False, "float32")
+  if quantization == "fp8":
+    return WeightFormat("float8_e4m3fn", None, False, "float32")
   return WeightFormat("uint4", group_size, True, "float16")
 
 
@@ -150,13 +167,29 @@ def quantize(w_kn: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, ...]:
   `jaxtier.kernels.cpu.matmul.quantize_blocks` does the CPU kernels' blocks."""
   if fmt.values == "int8" and fmt.group is None:
     return quantize_int8(w_kn)
+  if fmt.values == "float8_e4m3fn" and fmt.group is None:
+    return quantize_fp8(w_kn)
   if fmt.values != "int8" and fmt.scale_dtype == "float16":
-    return cast_parts(quantize_int4(w_kn, fmt.group), fmt)
+    return tuple(cast_parts(quantize_int4(w_kn, fmt.group), fmt).values())
   name = {v: k for k, v in BLOCK_LAYOUTS.items()}.get(fmt)
   if name is None:
     raise ValueError(f"no quantizer for {fmt}")
   parts = [np.asarray(p) for p in matmul.quantize_blocks(name, w_kn)]
-  return cast_parts(parts, fmt)
+  return tuple(cast_parts(parts, fmt).values())
+
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_fp8(w_kn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """w [..., K, N] (numpy) as float8_e4m3fn values [..., K, N] and float32 scales [..., 1, N]:
+  each column's max |w| to 448 (what llm-compressor's FP8 per-channel scheme and vLLM's
+  on-load FP8 do), the values rounded to nearest."""
+  w = np.asarray(w_kn, np.float32)
+  scale = np.abs(w).max(axis=-2, keepdims=True) / np.float32(FP8_MAX)
+  scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+  q = np.clip(w / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+  return q, scale
 
 
 def pack_nibbles(q_kn: np.ndarray) -> np.ndarray:
@@ -172,18 +205,20 @@ def unpack_nibbles(p):
   return jnp.concatenate([p & 15, p >> 4], axis=-2)
 
 
-def cast_parts(parts, fmt: WeightFormat) -> tuple[np.ndarray, ...]:
-  """Block parts (q, d[, m]; d and m per group, as `TensorSource.read_blocks` gives them) in
-  `fmt`'s dtypes; a format with minimums gets zeros where the parts have none."""
-  q, d, *m = parts
-  g = d.shape[-2]
-  if fmt.mins and not m:
-    m = [np.zeros_like(d)]
+def cast_parts(parts, fmt: WeightFormat) -> dict[str, np.ndarray]:
+  """Block parts (q, d[, m][, perm]; d and m per group, as `TensorSource.read_blocks` gives
+  them; perm where `fmt.perm`) as {part: array} in `fmt`'s dtypes; a format with minimums gets
+  zeros where the parts have none."""
+  q, d, *rest = parts
+  perm = rest.pop() if fmt.perm else None
+  if fmt.mins and not rest:
+    rest = [np.zeros_like(d)]
   q = pack_nibbles(q) if fmt.values == "u4x2" else np.asarray(q).astype(fmt.values_dtype)
-  out = (q, np.asarray(d).astype(fmt.scale_dtype))
+  out = {"values": q, "scales": np.asarray(d).astype(fmt.scale_dtype)}
   if fmt.mins:
-    out += (np.asarray(m[0]).astype(fmt.scale_dtype),)
-  assert out[1].shape[-2] == g
+    out["mins"] = np.asarray(rest[0]).astype(fmt.scale_dtype)
+  if fmt.perm:
+    out["perm"] = np.asarray(perm).astype(np.int32)
   return out
 
 
@@ -212,10 +247,13 @@ def columns(values, scales, mins, index, dtype=jnp.float32) -> jax.Array:
   return jnp.reshape(w.T, (*jnp.shape(index), w.shape[0]))
 
 
-def qmatmul(x, values, scales, mins=None) -> jax.Array:
+def qmatmul(x, values, scales, mins=None, perm=None) -> jax.Array:
   """x [..., K] @ the weight the parts hold [K, N], in x's dtype. One scale per column and no
-  minimum: (x @ values) * scales, the conversion of the int8 values feeding the dot alone; else
-  x @ `dequantize(...)`, which XLA fuses into the dot on accelerators."""
+  minimum: (x @ values) * scales, the conversion of the values feeding the dot alone; else
+  x @ `dequantize(...)`, which XLA fuses into the dot on accelerators. `perm`: the rows are held
+  permuted, so x's columns are taken in that order first."""
+  if perm is not None:
+    x = jnp.take(x, perm, axis=-1)
   if scales.shape[-2] == 1 and mins is None:
     return (x @ values.astype(x.dtype)) * scales[0].astype(x.dtype)
   return x @ dequantize(values, scales, mins, x.dtype)

@@ -71,6 +71,7 @@ for _proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
   _axes = PARAM_AXES[(_proj, "kernel")]
   PARAM_AXES[(_proj, "values")] = _axes
   PARAM_AXES[(_proj, "scales")] = PARAM_AXES[(_proj, "mins")] = (None, _axes[1])
+  PARAM_AXES[(_proj, "perm")] = (None,)  # act-order: the input rows' order, replicated
 # A vocabulary table held compact for the LM head ([hidden, vocab], `model.CompactTable`).
 PARAM_AXES[("compact_head", "values")] = ("embed", "vocab")
 PARAM_AXES[("compact_head", "scales")] = PARAM_AXES[("compact_head", "mins")] = (None, "vocab")

@@ -78,7 +78,7 @@ def layer_rotary(ropes: tuple[int, ...] | None, cos, sin, layer):
 
 class QLinear(nnx.Module):
   """A linear layer whose kernel [in, out] is held compact (`jaxtier.model.quant`): `values`,
-  `scales` and, where the format has them, `mins`; `bias` as nn.Linear's. x @ kernel is
+  `scales` and, where the format has them, `mins` and `perm`; `bias` as nn.Linear's. x @ kernel is
   `quant.qmatmul`, the dequantization fused into the dot."""
 
   def __init__(self, in_features: int, out_features: int, fmt: quant.WeightFormat, use_bias: bool,
@@ -88,11 +88,13 @@ class QLinear(nnx.Module):
     self.scales = nnx.Param(jnp.ones(shapes["scales"].shape, shapes["scales"].dtype))
     self.mins = (nnx.Param(jnp.zeros(shapes["mins"].shape, shapes["mins"].dtype))
                  if fmt.mins else None)
+    self.perm = (nnx.Param(jnp.arange(in_features, dtype=jnp.int32)) if fmt.perm else None)
     self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
 
   def __call__(self, x):
     y = quant.qmatmul(x, self.values[...], self.scales[...],
-                      None if self.mins is None else self.mins[...])
+                      None if self.mins is None else self.mins[...],
+                      None if self.perm is None else self.perm[...])
     return y if self.bias is None else y + self.bias[...]
 
 

@@ -1,0 +1,348 @@
+"""Checkpoints quantized before download (`jaxtier.checkpoint.prequantized`): every weight the
+loader reconstructs against the formats' own dequantization (tests/quant_reference.py, ports of
+the libraries' unpacking; compressed-tensors' library itself where installed), the model's
+log-probabilities against the float model built from those weights on the CPU kernels and the
+portable path with an offloaded tail, the engine's reports and plans, the CUDA export of an
+offloaded compact tail, and the refusals.
+
+Fixtures: tests/fixtures/quantized, written by scripts/make_quant_fixtures.py."""
+
+import json
+import os
+import shutil
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxtier
+from jaxtier.checkpoint import hf, loading, placed
+from jaxtier.checkpoint.params import (ArraySource, HF_LAYER_NAMES, is_layer_path,
+                                       params_from_model)
+from jaxtier.checkpoint.quantized import QuantizedSource
+from jaxtier.kernels.cpu import matmul
+from jaxtier.model import Transformer, quant
+from jaxtier.sampling import SamplingParams
+from jaxtier.tools import export
+from conftest import fixture_path
+from test_dry_run import run_script
+from test_matmul_blocks import logits_of, q4_config
+from test_quant import DictSource
+import quant_reference
+
+ROOT = fixture_path("quantized")
+FIXTURES = sorted(os.listdir(ROOT))
+PROJECTIONS = {path[1]: name[:-len(".weight")] for name, path in HF_LAYER_NAMES.items()
+               if path[1] in quant.PROJECTIONS and name.endswith("proj.weight")}
+
+
+def reference_weights(directory: str) -> dict[tuple[str, int], np.ndarray]:
+  """{(projection, layer): the float32 weight [in, out]} by the formats' own dequantization."""
+  tensors = quant_reference.read_safetensors(os.path.join(directory, "model.safetensors"))
+  with open(os.path.join(directory, "config.json")) as f:
+    raw = json.load(f)
+  qc = raw["quantization_config"]
+  out = {}
+  for layer in range(raw["num_hidden_layers"]):
+    for proj, name in PROJECTIONS.items():
+      p = f"model.layers.{layer}.{name}"
+      if qc["quant_method"] == "gptq":
+        w = quant_reference.gptq_dequantize(tensors[p + ".qweight"], tensors[p + ".qzeros"],
+                                            tensors[p + ".scales"], tensors[p + ".g_idx"],
+                                            qc["bits"], qc.get("checkpoint_format") == "gptq_v2")
+      elif qc["quant_method"] == "awq":
+        w = quant_reference.awq_dequantize(tensors[p + ".qweight"], tensors[p + ".qzeros"],
+                                           tensors[p + ".scales"], qc["group_size"])
+      else:
+        w = quant_reference.ct_dequantize(tensors, p)
+      out[proj, layer] = w.T
+  return out
+
+
+@pytest.fixture(scope="module")
+def references():
+  return {name: reference_weights(os.path.join(ROOT, name)) for name in FIXTURES}
+
+
+def open_source(name: str):
+  return loading._open_path(os.path.join(ROOT, name))  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_every_weight_equals_the_formats_dequantization(name, references):
+  """Dequantized (`read`), in the stacked layers' layout (rows back in order where act-order
+  permuted them), and in the CPU kernels' blocks where they hold it: bit for bit the format's
+  weight."""
+  with open_source(name) as opened:
+    source = opened.source
+    for (proj, layer), want in references[name].items():
+      path = ("layers", proj, "kernel")
+      np.testing.assert_array_equal(source.read(path, [layer])[0], want)
+      fmt = source.layout(path).on("cpu")
+      parts = quant.cast_parts(source.read_blocks(path, [layer], "stored"), fmt)
+      w = np.asarray(quant.dequantize(parts["values"], parts["scales"], parts.get("mins")))[0]
+      if fmt.perm:
+        w = w[np.argsort(parts["perm"][0])]
+      np.testing.assert_array_equal(w, want)
+      kind = source.quantization(path, layer)
+      if kind in matmul.BLOCK_FORMATS:
+        packed = matmul.pack_blocks(kind, [b[0] for b in source.read_blocks(path, [layer], kind)])
+        got = np.swapaxes(np.asarray(matmul.dequantize_packed(packed)), 0, 1)
+        np.testing.assert_array_equal(got.reshape(want.shape[0], -1)[:, :want.shape[1]], want)
+
+
+def test_the_formats_hold_what_they_say():
+  """4-bit values in Q4_1 blocks, 8-bit in Q8_0 or (zero points) Q8_16, FP8 and act-order in
+  the stacked layouts alone (the CPU kernels have no blocks for them)."""
+  expected = {"ct_w4a16": "q4_1", "ct_w4a16_asym": "q4_1", "ct_w8a16": "q8_0", "ct_w8a8": "q8_0",
+              "ct_fp8_dynamic": "stored", "ct_fp8_tensor": "stored", "gptq_4bit": "q4_1",
+              "gptq_act_order": "stored", "gptq_8bit": "q8_16", "awq_4bit": "q4_1"}
+  assert set(expected) == set(FIXTURES)
+  for name, kind in expected.items():
+    with open_source(name) as opened:
+      path = ("layers", "down_proj", "kernel")
+      assert opened.source.quantization(path) == kind, name
+      fmt = opened.source.layout(path)
+      assert fmt.values == {"q4_1": "uint4", "q8_0": "int8", "q8_16": "int8"}.get(
+          kind, "float8_e4m3fn" if "fp8" in name else "uint4"), name
+      assert fmt.perm == (name == "gptq_act_order")
+
+
+def test_compressed_tensors_decompresses_to_the_same_weights(references):
+  """The library's own decompression, where it is installed (the fixture script checks this
+  too): jaxtier's exact weights rounded once to the checkpoint's bfloat16 are the library's."""
+  torch = pytest.importorskip("torch")
+  pytest.importorskip("compressed_tensors")
+  from compressed_tensors.compressors import BaseCompressor  # pylint: disable=import-outside-toplevel
+  from compressed_tensors.quantization import QuantizationConfig  # pylint: disable=import-outside-toplevel
+  from safetensors.torch import load_file  # pylint: disable=import-outside-toplevel
+  for name in (n for n in FIXTURES if n.startswith("ct_")):
+    directory = os.path.join(ROOT, name)
+    with open(os.path.join(directory, "config.json")) as f:
+      config = QuantizationConfig.model_validate(json.load(f)["quantization_config"])
+    scheme = config.config_groups["group_0"]
+    compressor = BaseCompressor.load_from_registry(config.format)
+    tensors = load_file(os.path.join(directory, "model.safetensors"))
+    for (proj, layer), want in references[name].items():
+      prefix = f"model.layers.{layer}.{PROJECTIONS[proj]}."
+      state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+      got = compressor.decompress(state, scheme)["weight"]
+      assert torch.equal(torch.tensor(want.T).to(got.dtype), got), (name, proj, layer)
+
+
+def float_model(name: str, references):
+  """The float model of the dequantized weights (and the checkpoint's other tensors)."""
+  with open_source(name) as opened:
+    params = {p: opened.source.read(p) for p in opened.source.shapes()
+              if not (is_layer_path(p) and p[1] in quant.PROJECTIONS and p[2] == "kernel")}
+    config = opened.config
+  for proj in quant.PROJECTIONS:
+    params["layers", proj, "kernel"] = np.stack(
+        [references[name][proj, i] for i in range(config.num_layers)])
+  return config, placed.build(config, ArraySource(params), jnp.float32,
+                              placed.Layout(((config.num_layers, "scan"),)))
+
+
+def log_probs(logits) -> list[np.ndarray]:
+  return [np.asarray(jax.nn.log_softmax(jnp.asarray(x, jnp.float32), axis=-1)) for x in logits]
+
+
+LAYOUTS = {
+    # the CPU kernels: a resident layer in blocks, an offloaded one held per layer likewise
+    "cpu": dict(layer_execution="unrolled", block_activations="float32"),
+    # the portable path: a scanned layer and an offloaded stack in the compact layouts
+    "portable": dict(layer_execution="scan", portable=True, platform="cpu"),
+}
+
+
+@pytest.mark.parametrize("path", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", FIXTURES)
+def test_log_probs_equal_the_dequantized_float_model(name, path, references):
+  config, floats = float_model(name, references)
+  with open_source(name) as opened:
+    layout = placed.Layout.of(config.num_layers, offload_tail_layers=1, prefetch_depth=1,
+                              keep_quantized=True, **LAYOUTS[path])
+    model = placed.build(config, opened.source, jnp.float32, layout)
+  leaves = jax.tree.leaves(nnx.state(model))
+  host = {str(a.dtype) for a in leaves if a.sharding.memory_kind == "pinned_host"}
+  compact = {"uint8", "int8", "float8_e4m3fn", "uint32"}  # u4x2 or Q4_1, int8, FP8, Q8_16
+  stays_compact = path == "portable" or name not in ("ct_fp8_dynamic", "ct_fp8_tensor",
+                                                     "gptq_act_order")
+  assert bool(host & compact) == stays_compact, host  # the offloaded layer too
+  for got, want in zip(log_probs(logits_of(model, config)), log_probs(logits_of(floats, config))):
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_the_engine_loads_reports_and_plans_them_compact():
+  """`LLM(dir)` of a GPTQ act-order and an AWQ checkpoint: greedy tokens of the dequantized
+  model's float run, the weights' formats and scheme in `memory_report()`, and the dry run's
+  bytes those of the loaded model."""
+  prompts = ["hello world", "the quick brown fox"]
+  params = SamplingParams(max_tokens=6, temperature=0)
+  for name, kw, held in (("gptq_act_order", dict(kernels="portable", offload_tail_layers=1),
+                          {"u4x2", "int32"}),
+                         ("awq_4bit", dict(block_activations="float32"), {"q4_1"})):
+    directory = os.path.join(ROOT, name)
+    floats = jaxtier.LLM(directory, weight_format="float", **kw)
+    want = [o.outputs[0].token_ids for o in floats.generate(prompts, params)]
+    float_bytes = floats.memory_report()
+    del floats
+    llm = jaxtier.LLM(directory, **kw)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    report = llm.memory_report()
+    assert held <= set(report["weight_bytes_by_format"]), report["weight_bytes_by_format"]
+    assert report["checkpoint_quantization"] == name.split("_")[0]
+    weights = report["device_weight_bytes"] + report["host_weight_bytes"]
+    assert weights < 0.5 * (float_bytes["device_weight_bytes"] + float_bytes["host_weight_bytes"])
+    plan = jaxtier.llm.dry_run(directory, **kw)
+    for key in ("device_weight_bytes", "host_weight_bytes", "checkpoint_quantization"):
+      assert plan[key] == report[key], key
+    del llm
+
+
+def test_an_offloaded_w4a16_tail_moves_its_compact_bytes_on_cuda():
+  """The CUDA export of a W4A16 checkpoint's offloaded tail: the bytes moved per decode step are
+  the tail's host bytes, under 0.3x its bfloat16 form, with no CPU custom call and no host
+  compute; FP8 weights stay float8 in device and host memory."""
+  directory = os.path.join(ROOT, "ct_w4a16")
+  kw = dict(offload_tail_layers=1, max_num_seqs=4)
+  engine = export.abstract_engine(directory, "cuda", **kw)
+  decode = export.export_engine_programs(engine, "cuda", {})["decode"]
+  assert decode["ok"], decode["error"]
+  assert decode["h2d_bytes"] == engine.host_weight_bytes
+  assert decode["cpu_custom_calls"] == 0 and decode["host_compute_ops"] == 0
+  floats = export.abstract_engine(directory, "cuda", weight_format="float", **kw)
+  assert engine.host_weight_bytes <= 0.3 * floats.host_weight_bytes
+  fp8 = export.abstract_engine(os.path.join(ROOT, "ct_fp8_dynamic"), "cuda", **kw)
+  leaves = fp8.runner._leaves  # pylint: disable=protected-access
+  assert sum(a.dtype == jnp.float8_e4m3fn for a in leaves) == 7 * 2  # every projection
+
+
+def test_fp8_quantization_of_a_float_checkpoint():
+  """`quantization="fp8"` on the portable path: float8 values with a scale per output channel
+  (resident and offloaded), logits near the float model's; the CPU kernels refuse it (they have
+  no FP8 blocks)."""
+  config = q4_config()
+  model = Transformer(config, rngs=nnx.Rngs(0))
+  source = QuantizedSource(DictSource(params_from_model(model)), "fp8", head=False)
+  compact = placed.build(config, source, jnp.float32, placed.Layout(
+      ((1, "scan"), (1, "offload")), 1, keep_quantized=True, portable=True))
+  kinds = {(str(a.dtype), a.sharding.memory_kind) for a in jax.tree.leaves(nnx.state(compact))}
+  assert {("float8_e4m3fn", "device"), ("float8_e4m3fn", "pinned_host")} <= kinds
+  for got, want in zip(logits_of(compact, config), logits_of(model, config)):
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+  tiny = fixture_path("tiny_qwen3")
+  llm = jaxtier.LLM(tiny, kernels="portable", quantization="fp8")
+  assert "float8_e4m3fn" in llm.memory_report()["weight_bytes_by_format"]
+  del llm
+  with pytest.raises(ValueError, match="kernels='portable'"):
+    jaxtier.LLM(tiny, quantization="fp8", kernels="auto")
+
+
+def rewrite_config(tmp_path, name: str, change) -> str:
+  directory = str(tmp_path / name)
+  shutil.copytree(os.path.join(ROOT, name), directory)
+  path = os.path.join(directory, "config.json")
+  with open(path) as f:
+    raw = json.load(f)
+  change(raw["quantization_config"])
+  with open(path, "w") as f:
+    json.dump(raw, f)
+  return directory
+
+
+REFUSED = {
+    "bitsandbytes": ("gptq_4bit", lambda qc: qc.update(quant_method="bitsandbytes"),
+                     "quant_method 'bitsandbytes'"),
+    "gptq 3-bit": ("gptq_4bit", lambda qc: qc.update(bits=3), "GPTQ with 3-bit values"),
+    "awq gemv": ("awq_4bit", lambda qc: qc.update(version="gemv"), "AWQ version 'gemv'"),
+    "2:4 sparsity": ("ct_w4a16", lambda qc: qc.update(sparsity_config={
+        "format": "sparse-24-bitmask", "sparsity_structure": "2:4"}), "sparsity"),
+    "fp8 blocks": ("ct_fp8_dynamic", lambda qc: qc["config_groups"]["group_0"]["weights"].update(
+        strategy="block", block_structure=[128, 128]), "strategy 'block'"),
+    "nvfp4": ("ct_w4a16", lambda qc: qc.update(format="nvfp4-pack-quantized"),
+              "format 'nvfp4-pack-quantized'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_unsupported_schemes_are_refused_by_name(tmp_path, case):
+  name, change, what = REFUSED[case]
+  directory = rewrite_config(tmp_path, name, change)
+  with pytest.raises(ValueError, match="not supported; supported: compressed-tensors") as e:
+    jaxtier.llm.dry_run(directory)
+  assert what in str(e.value)
+  assert "GPTQ" in str(e.value) and "AWQ" in str(e.value)
+
+
+def write_header_only_awq(directory: str, layers=80, hidden=8192, heads=64, kv_heads=8,
+                          head_dim=128, mlp=28672, vocab=128256, group=128) -> str:
+  """Llama-3-70B's shape as an AWQ (GEMM, 4-bit, groups of 128) checkpoint: config.json and a
+  safetensors header over zero (sparse) data."""
+  os.makedirs(directory)
+  shapes = {"model.embed_tokens.weight": ("F16", [vocab, hidden]),
+            "lm_head.weight": ("F16", [vocab, hidden]), "model.norm.weight": ("F16", [hidden])}
+  dims = {"self_attn.q_proj": (hidden, heads * head_dim),
+          "self_attn.k_proj": (hidden, kv_heads * head_dim),
+          "self_attn.v_proj": (hidden, kv_heads * head_dim),
+          "self_attn.o_proj": (heads * head_dim, hidden), "mlp.gate_proj": (hidden, mlp),
+          "mlp.up_proj": (hidden, mlp), "mlp.down_proj": (mlp, hidden)}
+  for i in range(layers):
+    p = f"model.layers.{i}."
+    shapes[p + "input_layernorm.weight"] = ("F16", [hidden])
+    shapes[p + "post_attention_layernorm.weight"] = ("F16", [hidden])
+    for name, (k, n) in dims.items():
+      shapes[p + name + ".qweight"] = ("I32", [k, n // 8])
+      shapes[p + name + ".qzeros"] = ("I32", [k // group, n // 8])
+      shapes[p + name + ".scales"] = ("F16", [k // group, n])
+  header, offset = {}, 0
+  for name, (dtype, shape) in shapes.items():
+    size = {"F16": 2, "I32": 4}[dtype] * int(np.prod(shape))
+    header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+    offset += size
+  text = json.dumps(header).encode()
+  text += b" " * (-len(text) % 8)
+  with open(os.path.join(directory, "model.safetensors"), "wb") as f:
+    f.write(struct.pack("<Q", len(text)) + text)
+    f.truncate(8 + len(text) + offset)
+  config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+            "intermediate_size": mlp, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 8192, "rope_theta": 500000.0, "hidden_act": "silu",
+            "tie_word_embeddings": False, "torch_dtype": "float16",
+            "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": group,
+                                    "zero_point": True, "version": "gemm"}}
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(config, f)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(fixture_path("tiny_llama"), name), directory)
+  return directory
+
+
+def test_dry_run_of_a_70b_awq_checkpoint_on_one_gpu(tmp_path):
+  """Llama-3-70B in AWQ on one 80 GB GPU: every layer resident at its compact 0.56 bytes a
+  weight (the plan reads no weight); on a 24 GB one, the tail offloaded, and what crosses the
+  link each step is the offloaded layers' compact bytes."""
+  model = write_header_only_awq(str(tmp_path / "llama70b_awq"))
+  layer_params = 8192 * (8192 + 2 * 1024 + 8192) + 3 * 8192 * 28672
+  layer_bytes = layer_params // 2 + layer_params // 128 * 8 + 2 * 8192 * 2  # values, f32 scales
+  plans = {}
+  for gb in (80, 24):
+    proc = run_script("serve.py", "--dry_run", "--platform=cuda", f"--model={model}",
+                      f"--device_memory_gb={gb}", "--host_memory_gb=256", "--max_model_len=4096",
+                      "--offload_tail_layers=auto")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plans[gb] = json.loads(proc.stdout.strip().splitlines()[-1])
+  whole = plans[80]
+  assert whole["offload_tail_layers"] == 0 and whole["checkpoint_quantization"] == "awq"
+  assert whole["host_weight_bytes"] == 0
+  tables = 2 * 128256 * 8192 * 2  # the embedding and LM head in bfloat16
+  norm_and_rotary = 8192 * 2 + 64 * 4
+  assert whole["device_weight_bytes"] == 80 * layer_bytes + tables + norm_and_rotary
+  small = plans[24]
+  n = small["offload_tail_layers"]
+  assert 40 < n < 80
+  assert small["weight_transfer_bytes_per_step"] == small["host_weight_bytes"] == n * layer_bytes
