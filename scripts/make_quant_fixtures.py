@@ -15,6 +15,8 @@ embedding and norms stay float16 / bfloat16, as the quantizers leave them):
   gptq_act_order   GPTQ, 4-bit, groups of 32, zero points, desc_act (act-order `g_idx`)
   gptq_8bit        GPTQ, 8-bit, groups of 64, zero points
   awq_4bit         AWQ GEMM, 4-bit, groups of 64, zero points
+  gptq_moe         tests/fixtures/tiny_qwen3_moe in GPTQ 4-bit, groups of 32, zero points (its
+                   experts and attention; the router float)
 
 compressed-tensors' are packed by the library itself (`PackedQuantizationCompressor`,
 `IntQuantizationCompressor`, `FloatQuantizationCompressor`, scales and zero points from its
@@ -82,19 +84,34 @@ def float_model(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def projections(tensors: dict) -> list[str]:
-  return [f"model.layers.{i}.{name}" for i in range(LAYERS) for name in PROJECTIONS]
+  """Every linear layer's module name (attention, MLP and experts' projections; not the
+  router, `mlp.gate`)."""
+  return sorted(k[:-len(".weight")] for k in tensors if k.endswith("proj.weight"))
 
 
-def write(directory: str, tensors: dict, dtype: str, quantization: dict) -> None:
+def moe_model() -> tuple[dict[str, torch.Tensor], dict, str]:
+  """tests/fixtures/tiny_qwen3_moe's tensors (float32), config and directory."""
+  from safetensors.torch import load_file  # pylint: disable=import-outside-toplevel
+  directory = os.path.join(os.path.dirname(TOKENIZER), "tiny_qwen3_moe")
+  with open(os.path.join(directory, "config.json")) as f:
+    raw = json.load(f)
+  return load_file(os.path.join(directory, "model.safetensors")), raw, directory
+
+
+def write(directory: str, tensors: dict, dtype: str, quantization: dict, base=None) -> None:
+  """`base`: (config.json's dict, the directory of its tokenizer), default this script's Llama."""
   if os.path.isdir(directory):
     shutil.rmtree(directory)
   os.makedirs(directory)
   save_file({k: v.contiguous() for k, v in tensors.items()},
             os.path.join(directory, "model.safetensors"))
+  raw, tokenizer = (config(dtype, quantization), TOKENIZER) if base is None else (
+      {**base[0], "torch_dtype": dtype, "quantization_config": quantization}, base[1])
+  raw.pop("dtype", None)
   with open(os.path.join(directory, "config.json"), "w") as f:
-    json.dump(config(dtype, quantization), f, indent=2)
+    json.dump(raw, f, indent=2)
   for name in ("tokenizer.json", "tokenizer_config.json"):
-    shutil.copy(os.path.join(TOKENIZER, name), directory)
+    shutil.copy(os.path.join(tokenizer, name), directory)
   size = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
   assert size < 1 << 20, (directory, size)
   print(f"{directory}: {size / 1e3:.0f} kB", file=sys.stderr)
@@ -186,8 +203,10 @@ def minmax_groups(w: np.ndarray, rows_of_group: list[np.ndarray], bits: int, sym
   return np.stack(scales), np.stack(zeros), q
 
 
-def gptq(directory: str, bits: int, group: int, sym: bool, desc_act: bool, seed: int = 1) -> None:
-  model = float_model()
+def gptq(directory: str, bits: int, group: int, sym: bool, desc_act: bool, seed: int = 1,
+         moe: bool = False) -> None:
+  """`moe`: tiny_qwen3_moe's weights (experts and attention quantized, the router float)."""
+  model, raw, tokenizer = moe_model() if moe else (float_model(), None, None)
   rng = np.random.default_rng(seed)
   out = {k: v.half() for k, v in model.items() if not k.endswith("proj.weight")}
   for prefix in projections(model):
@@ -212,7 +231,8 @@ def gptq(directory: str, bits: int, group: int, sym: bool, desc_act: bool, seed:
   write(directory, out, "float16", {
       "quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act,
       "sym": sym, "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
-      "checkpoint_format": "gptq", "model_name_or_path": None, "model_file_base_name": None})
+      "checkpoint_format": "gptq", "model_name_or_path": None, "model_file_base_name": None},
+        None if raw is None else (raw, tokenizer))
 
 
 def awq(directory: str, group: int) -> None:
@@ -252,6 +272,7 @@ def main(argv):
   gptq(os.path.join(out, "gptq_4bit"), 4, 128, sym=True, desc_act=False)
   gptq(os.path.join(out, "gptq_act_order"), 4, 32, sym=False, desc_act=True)
   gptq(os.path.join(out, "gptq_8bit"), 8, 64, sym=False, desc_act=False)
+  gptq(os.path.join(out, "gptq_moe"), 4, 32, sym=False, desc_act=False, moe=True)
   awq(os.path.join(out, "awq_4bit"), 64)
 
 

@@ -26,45 +26,60 @@ from jaxtier.checkpoint.quantized import QuantizedSource
 from jaxtier.kernels.cpu import matmul
 from jaxtier.model import Transformer, quant
 from jaxtier.sampling import SamplingParams
-from jaxtier.tools import export
+from jaxtier.tools import export, hlo
 from conftest import fixture_path
 from test_dry_run import run_script
 from test_matmul_blocks import logits_of, q4_config
 from test_quant import DictSource
+from test_tensor_parallel import run_worker
 import quant_reference
 
 ROOT = fixture_path("quantized")
-FIXTURES = sorted(os.listdir(ROOT))
+MOE = "gptq_moe"  # a mixture of experts: its own test
+FIXTURES = sorted(set(os.listdir(ROOT)) - {MOE})
 PROJECTIONS = {path[1]: name[:-len(".weight")] for name, path in HF_LAYER_NAMES.items()
                if path[1] in quant.PROJECTIONS and name.endswith("proj.weight")}
+EXPERTS = {"gate_proj": "expert_gate", "up_proj": "expert_up", "down_proj": "expert_down"}
 
 
 def reference_weights(directory: str) -> dict[tuple[str, int], np.ndarray]:
-  """{(projection, layer): the float32 weight [in, out]} by the formats' own dequantization."""
+  """{(projection, layer): the float32 weight [in, out]} by the formats' own dequantization (a
+  mixture of experts': its attention projections, and each expert stack [experts, in, out])."""
   tensors = quant_reference.read_safetensors(os.path.join(directory, "model.safetensors"))
   with open(os.path.join(directory, "config.json")) as f:
     raw = json.load(f)
   qc = raw["quantization_config"]
   out = {}
+  experts = raw.get("num_experts") or raw.get("num_local_experts", 0)
+  modules = {proj: [name] for proj, name in PROJECTIONS.items()
+             if not (experts and name.startswith("mlp."))}
+  for name, path in EXPERTS.items():
+    if experts:
+      modules[path] = [f"mlp.experts.{e}.{name}" for e in range(experts)]
   for layer in range(raw["num_hidden_layers"]):
-    for proj, name in PROJECTIONS.items():
-      p = f"model.layers.{layer}.{name}"
-      if qc["quant_method"] == "gptq":
-        w = quant_reference.gptq_dequantize(tensors[p + ".qweight"], tensors[p + ".qzeros"],
-                                            tensors[p + ".scales"], tensors[p + ".g_idx"],
-                                            qc["bits"], qc.get("checkpoint_format") == "gptq_v2")
-      elif qc["quant_method"] == "awq":
-        w = quant_reference.awq_dequantize(tensors[p + ".qweight"], tensors[p + ".qzeros"],
-                                           tensors[p + ".scales"], qc["group_size"])
-      else:
-        w = quant_reference.ct_dequantize(tensors, p)
-      out[proj, layer] = w.T
+    for proj, names in modules.items():
+      stack = [weight(tensors, qc, f"model.layers.{layer}.{name}") for name in names]
+      out[proj, layer] = stack[0] if proj in PROJECTIONS else np.stack(stack)
   return out
+
+
+def weight(tensors: dict, qc: dict, p: str) -> np.ndarray:
+  """One module's weight [in, out] by its format's dequantization."""
+  if qc["quant_method"] == "gptq":
+    w = quant_reference.gptq_dequantize(tensors[p + ".qweight"], tensors[p + ".qzeros"],
+                                        tensors[p + ".scales"], tensors[p + ".g_idx"],
+                                        qc["bits"], qc.get("checkpoint_format") == "gptq_v2")
+  elif qc["quant_method"] == "awq":
+    w = quant_reference.awq_dequantize(tensors[p + ".qweight"], tensors[p + ".qzeros"],
+                                       tensors[p + ".scales"], qc["group_size"])
+  else:
+    w = quant_reference.ct_dequantize(tensors, p)
+  return w.T
 
 
 @pytest.fixture(scope="module")
 def references():
-  return {name: reference_weights(os.path.join(ROOT, name)) for name in FIXTURES}
+  return {name: reference_weights(os.path.join(ROOT, name)) for name in FIXTURES + [MOE]}
 
 
 def open_source(name: str):
@@ -137,11 +152,12 @@ def float_model(name: str, references):
   """The float model of the dequantized weights (and the checkpoint's other tensors)."""
   with open_source(name) as opened:
     params = {p: opened.source.read(p) for p in opened.source.shapes()
-              if not (is_layer_path(p) and p[1] in quant.PROJECTIONS and p[2] == "kernel")}
+              if not (is_layer_path(p) and (p[1] in quant.PROJECTIONS and p[2] == "kernel"
+                                            or p[1] in EXPERTS.values()))}
     config = opened.config
-  for proj in quant.PROJECTIONS:
-    params["layers", proj, "kernel"] = np.stack(
-        [references[name][proj, i] for i in range(config.num_layers)])
+  for proj in {p for p, _ in references[name]}:
+    path = ("layers", proj) if proj in EXPERTS.values() else ("layers", proj, "kernel")
+    params[path] = np.stack([references[name][proj, i] for i in range(config.num_layers)])
   return config, placed.build(config, ArraySource(params), jnp.float32,
                               placed.Layout(((config.num_layers, "scan"),)))
 
@@ -172,6 +188,28 @@ def test_log_probs_equal_the_dequantized_float_model(name, path, references):
   stays_compact = path == "portable" or name not in ("ct_fp8_dynamic", "ct_fp8_tensor",
                                                      "gptq_act_order")
   assert bool(host & compact) == stays_compact, host  # the offloaded layer too
+  for got, want in zip(log_probs(logits_of(model, config)), log_probs(logits_of(floats, config))):
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", sorted(LAYOUTS))
+def test_a_mixture_of_experts_keeps_its_attention_compact(path, references):
+  """A GPTQ Qwen3-MoE: its attention projections compact, its experts dequantized on load (not
+  held compact yet), its second layer's experts in pinned host memory; the log-probabilities
+  those of the float model of the format's weights."""
+  config, floats = float_model(MOE, references)
+  with open_source(MOE) as opened:
+    experts = ("layers", "expert_gate")
+    assert opened.source.quantization(experts) is None  # read as floats
+    assert opened.source.quantization(("layers", "q_proj", "kernel")) == "q4_1"
+    layout = placed.Layout.of(config.num_layers, expert_layers=1, prefetch_depth=1,
+                              keep_quantized=True, **LAYOUTS[path])
+    model = placed.build(config, opened.source, jnp.float32, layout)
+  state = {"/".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
+  held = {a.dtype for p, a in state.items() if "q_proj" in p or "qkv" in p}
+  assert held & {jnp.dtype(jnp.uint8), jnp.dtype(jnp.uint32)}, held  # Q4_1 or 4-bit pairs
+  host = [p for p, a in state.items() if a.sharding.memory_kind == "pinned_host"]
+  assert host and all("expert" in p for p in host)
   for got, want in zip(log_probs(logits_of(model, config)), log_probs(logits_of(floats, config))):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 
@@ -219,6 +257,12 @@ def test_an_offloaded_w4a16_tail_moves_its_compact_bytes_on_cuda():
   fp8 = export.abstract_engine(os.path.join(ROOT, "ct_fp8_dynamic"), "cuda", **kw)
   leaves = fp8.runner._leaves  # pylint: disable=protected-access
   assert sum(a.dtype == jnp.float8_e4m3fn for a in leaves) == 7 * 2  # every projection
+  texts = {}
+  decode = export.export_engine_programs(fp8, "cuda", texts)["decode"]
+  assert decode["ok"] and decode["h2d_bytes"] == fp8.host_weight_bytes
+  # each FP8 weight converts inside the dot's operand or its scale's multiply, never whole
+  users = hlo.narrow_convert_users(texts["decode"], ("f8E4M3FN",))
+  assert users and set(users) <= {"stablehlo.multiply", "stablehlo.dot_general"}, users
 
 
 def test_fp8_quantization_of_a_float_checkpoint():
@@ -346,3 +390,13 @@ def test_dry_run_of_a_70b_awq_checkpoint_on_one_gpu(tmp_path):
   n = small["offload_tail_layers"]
   assert 40 < n < 80
   assert small["weight_transfer_bytes_per_step"] == small["host_weight_bytes"] == n * layer_bytes
+
+
+def test_tensor_parallel_runs_a_gptq_checkpoint_dequantized():
+  """TP=2 on 8 CPU devices: the projections dequantized on load (compact weights are held on one
+  device only) and sharded as a float checkpoint's, the greedy tokens those of TP=1's compact
+  blocks."""
+  rows = run_worker(os.path.join(ROOT, "gptq_4bit"), 2, "plain", max_tokens=12)["plain"]
+  assert rows["tp2"]["tokens"] == rows["tp1"]["tokens"]
+  assert rows["tp2"]["q_proj_spec"] == [None, "tp"]
+  assert rows["tp2"]["memory_report"]["checkpoint_quantization"] == "gptq"

@@ -44,7 +44,9 @@ Formats (each `Stored` from the files by `_unpack_*`):
 
 Refused with a message naming the scheme and the supported ones: other methods (bitsandbytes,
 HQQ, ...), sparsity (2:4), FP8 block scales, 2- and 3-bit values, Marlin / GEMV / ExLlama
-repackings, and mixture-of-experts or fused (Phi-3 qkv) projections stored quantized.
+repackings, and fused (Phi-3 qkv) projections stored quantized. A mixture of experts' expert
+projections stored quantized are dequantized on load (experts are not held compact yet: that
+needs a grouped matmul over compact weights); its attention projections stay compact.
 """
 
 import dataclasses
@@ -331,10 +333,15 @@ class PrequantizedSource(hf.HFSource):
     self._quantized: dict[Path, list[str | None]] = {}  # path -> per layer, its module
     self._formats: dict[tuple[Path, int], tuple] = {}  # (path, layer) -> `_describe`
     self._kernel_shapes: dict[str, tuple[int, int]] = {}  # module -> (K, N)
+    self._experts_dequantized = False
     self._config = config
     for shard in hf.safetensors_files(directory):
       self._shards.add(shard)
     super().__init__(directory, config)
+    if self._experts_dequantized:
+      logging.warning("%s: the mixture-of-experts projections are dequantized to the model's "
+                      "dtype on load (experts are not held compact yet); the attention "
+                      "projections stay compact", directory)
     if scheme.activations:
       logging.warning("%s: activations quantized as %s load as weight-only (the weights as "
                       "stored, activations in the compute dtype)", directory, scheme.activations)
@@ -362,12 +369,21 @@ class PrequantizedSource(hf.HFSource):
         raise ValueError(f"{self.where}: {module} is a fused projection stored quantized "
                          f"({self.scheme.name}); pre-quantized fused projections are not "
                          "supported yet")
-      if match and self._config.num_experts and hf._EXPERT_RE.match(sub):
-        raise ValueError(f"{self.where}: {module} is a mixture-of-experts projection stored "
-                         f"quantized ({self.scheme.name}); pre-quantized experts are not "
-                         "supported yet (supported: dense models' attention and MLP "
-                         "projections)")
-      if match and sub in names:
+      expert = match and self._config.num_experts and hf._EXPERT_RE.match(sub)
+      if expert:  # one expert's projection: its slot of the layer's stack, dequantized on read
+        layer, e = int(match.group(1)), int(expert.group(1))
+        if layer >= layers or e >= self._config.num_experts:
+          raise ValueError(f"{self.where}: tensor {module} is outside the config's {layers} "
+                           f"layers of {self._config.num_experts} experts")
+        path = hf._EXPERT_PATHS[expert.group(2)]
+        slots = per_layer.setdefault(path, [None] * layers)
+        if slots[layer] is None:
+          slots[layer] = [None] * self._config.num_experts
+        slots[layer][e] = module
+        k, n = self._kernel_shape(module, parts)
+        self._shapes[path] = (layers, self._config.num_experts, k, n)
+        self._experts_dequantized = True
+      elif match and sub in names:
         path, layer = names[sub], int(match.group(1))
         if layer >= layers:
           raise ValueError(f"{self.where}: tensor {module} is for layer {layer}, but the "
@@ -414,11 +430,22 @@ class PrequantizedSource(hf.HFSource):
     k, cols = s.shape(parts["qweight"])  # awq
     return k, cols * 8
 
+  def _slot(self, slot) -> np.ndarray:
+    if isinstance(slot, list) and any(isinstance(part, str) for part in slot):
+      missing = [j for j, part in enumerate(slot) if part is None]
+      if missing:
+        raise ValueError(f"{self.where}: experts {missing[:8]} of a layer have no tensor")
+      return np.stack([self.unpack(module).dequantize() for module in slot])
+    return super()._slot(slot)
+
   # -- the canonical form --
 
   def stored(self, path: Path, layer: int) -> Stored:
     """Layer `layer`'s projection at `path` unpacked (`Stored`)."""
-    module = self._quantized[path][layer if is_layer_path(path) else 0]
+    return self.unpack(self._quantized[path][layer if is_layer_path(path) else 0])
+
+  def unpack(self, module: str) -> Stored:
+    """The quantized module `module` (its checkpoint name) unpacked (`Stored`)."""
     parts = self._modules.get(module, {})
     unpack = {"compressed-tensors": self._unpack_ct, "gptq": self._unpack_gptq,
               "awq": self._unpack_awq}[self.scheme.method]

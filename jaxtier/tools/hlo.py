@@ -119,7 +119,8 @@ def exported_text(fn: Callable, *args, platform: str = "cuda") -> str:
 
 def _nbytes(value) -> tuple[tuple[int, ...], int]:
   t = ir.RankedTensorType(value.type)
-  bits = int(re.search(r"(\d+)$", str(t.element_type)).group(1))
+  # the width: the type name's first number (f32, bf16, ui4, i1; f8E4M3FN, the float8 types)
+  bits = int(re.search(r"(\d+)", str(t.element_type)).group(1))
   if bits == 4:  # 4-bit types as XLA holds them on accelerators: two values a byte
     return tuple(t.shape), -(-math.prod(t.shape) // 2)
   return tuple(t.shape), math.prod(t.shape) * max(bits // 8, 1)
