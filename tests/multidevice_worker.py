@@ -103,7 +103,7 @@ def run_case(model: str, tp: int, name: str, max_tokens: int) -> dict:
     if size > 1:
       leaves = {"/".join(map(str, path)): v[...] for path, v in
                 nnx.to_flat_state(llm.state)}
-      q = next(a for p, a in leaves.items() if p.endswith("q_proj/kernel"))
+      q = next(a for p, a in leaves.items() if p.endswith(("q_proj/kernel", "q_proj/values")))
       embed = next(a for p, a in leaves.items() if p.endswith("embedding"))
       row |= {
           "q_proj_spec": _spec(q), "embedding_spec": _spec(embed),

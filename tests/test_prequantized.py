@@ -392,11 +392,26 @@ def test_dry_run_of_a_70b_awq_checkpoint_on_one_gpu(tmp_path):
   assert small["weight_transfer_bytes_per_step"] == small["host_weight_bytes"] == n * layer_bytes
 
 
-def test_tensor_parallel_runs_a_gptq_checkpoint_dequantized():
-  """TP=2 on 8 CPU devices: the projections dequantized on load (compact weights are held on one
-  device only) and sharded as a float checkpoint's, the greedy tokens those of TP=1's compact
-  blocks."""
-  rows = run_worker(os.path.join(ROOT, "gptq_4bit"), 2, "plain", max_tokens=12)["plain"]
-  assert rows["tp2"]["tokens"] == rows["tp1"]["tokens"]
-  assert rows["tp2"]["q_proj_spec"] == [None, "tp"]
-  assert rows["tp2"]["memory_report"]["checkpoint_quantization"] == "gptq"
+def test_tensor_parallel_keeps_a_gptq_checkpoint_compact_in_stacked_layers():
+  """TP=2 on 8 CPU devices: scanned layers hold the compact weights sharded as the float kernels
+  are (values and scales split by heads or MLP columns; a row-parallel projection's scales
+  replicated), unrolled ones the dequantized floats (not fused there, so not packed); the greedy
+  tokens those of TP=1 either way."""
+  rows = run_worker(os.path.join(ROOT, "gptq_4bit"), 2, "plain", "scan", max_tokens=12)
+  for case in ("plain", "scan"):
+    assert rows[case]["tp2"]["tokens"] == rows[case]["tp1"]["tokens"], case
+    assert rows[case]["tp2"]["memory_report"]["checkpoint_quantization"] == "gptq"
+  assert rows["plain"]["tp2"]["q_proj_spec"] == [None, "tp"]  # a float kernel
+  scan = rows["scan"]["tp2"]
+  assert scan["q_proj_spec"] == [None, None, "tp"]  # the stacked 4-bit values, by heads
+  collectives = scan["collectives"]  # each shard dequantizes its own rows: no gather
+  assert sum(collectives.values()) == collectives["all-reduce"] == 2, collectives
+  formats = scan["memory_report"]["weight_bytes_by_format"]
+  assert "u4x2" in formats, formats
+  per_device, total = scan["weight_bytes_per_device"]["device"], scan["weight_bytes"]["device"]
+  tables = 300 * 128 * 4 + 128 * 4 + 32 // 2 * 4  # the tied table, final norm, rotary: replicated
+  assert per_device - tables < 0.55 * (total - tables)  # the layers split
+  plan = jaxtier.llm.dry_run(os.path.join(ROOT, "gptq_4bit"), tensor_parallel_size=2,
+                             layer_execution="scan", max_model_len=256, max_num_seqs=4)
+  assert plan["device_weight_bytes_per_device"] == per_device  # the plan counts what is held
+  assert plan["device_weight_bytes"] == total

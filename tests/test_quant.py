@@ -53,7 +53,8 @@ def numpy_weight(parts, k: int) -> np.ndarray:
   """The weight the parts hold, in float64, written apart from `quant.dequantize`."""
   values, scales, *mins = (np.asarray(p) for p in parts)
   if values.dtype == np.uint8 and values.shape[-2] * 2 == k:  # two 4-bit values a byte
-    values = np.concatenate([values & 15, values >> 4], axis=-2)
+    values = np.stack([values & 15, values >> 4], axis=-2).reshape(
+        *values.shape[:-2], k, values.shape[-1])  # row 2i low, 2i + 1 high
   values = values.astype(np.float64)
   rows = k // scales.shape[-2]
   w = values * np.repeat(scales.astype(np.float64), rows, axis=-2)

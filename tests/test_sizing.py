@@ -68,8 +68,8 @@ def test_two_core_cpu_runs_the_default_model_with_small_default_pools():
 def test_default_device_pool_fills_what_the_weights_leave(machine, config, tp):
   args = EngineArgs(model="m", dtype="bfloat16", tensor_parallel_size=tp, max_num_seqs=256)
   s = sizing.size(args, config, machine, timing=never)
-  # a GGUF file's blocks would be kept (stacked layers hold them compact) on one device
-  assert s.layer_execution == "scan" and s.keep_quantized == (tp == 1)
+  # a GGUF file's blocks would be kept (stacked layers hold them compact), tensor parallel too
+  assert s.layer_execution == "scan" and s.keep_quantized
   per_device_block = kv_block(config, 2) // tp
   assert s.block_bytes == kv_block(config, 2)
   # Per device: its shard of the weights (norms and tables replicated) within 1% of the shapes'.

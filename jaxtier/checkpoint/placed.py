@@ -501,15 +501,18 @@ def _compact_head(placer: _Placer, config: ModelConfig, dtype, layout: Layout
   return CompactTable(*arrays, dtype=dtype)
 
 
-def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Layout
-                   ) -> tuple[tuple[int, ...], int, int]:
+def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
+                   tensor_parallel_size: int = 1) -> tuple[tuple[int, ...], int, int]:
   """(bytes of each layer, bytes of everything else, bytes of one offloaded layer) as `build`
   would hold them with every layer resident on the device in `layout`'s first group mode, and
   as an offloaded stack would hold one layer (both keep the blocks of `keep_quantized`: packed
   in unrolled layers, `jaxtier.model.quant` layouts in stacks): what the offload planner needs where
   kept blocks make layers and the LM head smaller than their float parameters. Taken from the
-  abstract modules `build` places; nothing is read."""
+  abstract modules `build` places; nothing is read. `tensor_parallel_size`: one device's share
+  of the layers (each parameter's dims that `jaxtier.model.sharding` splits, divided; the tables
+  are replicated)."""
   c = config
+  tp = tensor_parallel_size
   size = jnp.dtype(layout.table_dtype or dtype).itemsize
   blocks = block_kernels(source, c.num_layers) if layout.keep_quantized else None
   every = range(c.num_layers)
@@ -517,7 +520,7 @@ def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Lay
   mode = layout.groups[0][1]
   group = _abstract_group(c, dtype, mode, every, layout.fused, blocks, layout.block_activations,
                           None if mode == "unrolled" else compact)
-  nbytes = lambda state: sum(quant.array_bytes(x) for x in jax.tree.leaves(state))
+  nbytes = lambda state: _device_bytes(state, tp)
   per_split = [nbytes(state) for _, state in group.splits]
   layers = (tuple(per_split) if len(per_split) == c.num_layers
             else (per_split[0] // c.num_layers,) * c.num_layers)  # one stack of all layers
@@ -536,6 +539,21 @@ def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Lay
   if kind is not None:  # the head's table held in its blocks instead (int16 layouts: same bytes)
     other += table // matmul.QUANT_BLOCK * matmul.BYTES_PER_COLUMN[kind] - table * size
   return layers, other, offloaded
+
+
+def _device_bytes(state, tp: int) -> int:
+  """Bytes of one device's share of the parameters in `state` (abstract), split `tp` ways as
+  `sharding.param_axes` says."""
+  total = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    shape = list(leaf.shape)
+    if tp > 1:
+      names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+      for dim, axis in enumerate(sharding.spec(sharding.param_axes(names, len(shape)))):
+        if axis is not None:
+          shape[dim] //= tp
+    total += quant.array_bytes(jax.ShapeDtypeStruct(tuple(shape), leaf.dtype))
+  return total
 
 
 def build(config: ModelConfig, source: TensorSource, dtype, layout: Layout,

@@ -190,20 +190,26 @@ def machine_for(args: EngineArgs, platform: str | None = None,
   return machine, preset_name, tuple(assumed)
 
 
-def _weights(config: ModelConfig, source, settings: sizing.Settings) -> ModelBytes | None:
-  """One device's weight bytes as the loader holds them where layers keep blocks (smaller than
-  their floats; counted from the abstract modules, nothing read); None where they are floats."""
+def _weights(config: ModelConfig, source, settings: sizing.Settings, tensor_parallel_size: int
+             ) -> tuple[ModelBytes, ModelBytes] | None:
+  """(one device's, all devices') weight bytes as the loader holds them where layers keep blocks
+  (smaller than their floats; counted from the abstract modules, nothing read); None where they
+  are floats."""
   if not settings.keep_quantized:
     return None
-  layers, other, offloaded = placed.resident_bytes(
-      config, source, checkpoint.resolve_dtype(settings.dtype),
-      placed.Layout.of(config.num_layers, layer_execution=settings.layer_execution,
-                       keep_quantized=True, block_activations=settings.block_activations,
-                       portable=settings.portable, table_dtype=settings.table_dtype,
-                       platform=settings.platform))
-  floats = ModelBytes.from_config(config, settings.dtype, settings.kv_cache_dtype)
-  return dataclasses.replace(floats, resident_layer_bytes=tuple(layers), other_bytes=other,
-                             layer_bytes=offloaded)
+  layout = placed.Layout.of(config.num_layers, layer_execution=settings.layer_execution,
+                            keep_quantized=True, block_activations=settings.block_activations,
+                            portable=settings.portable, table_dtype=settings.table_dtype,
+                            platform=settings.platform)
+  dtype = checkpoint.resolve_dtype(settings.dtype)
+  out = []
+  for tp in dict.fromkeys((tensor_parallel_size, 1)):
+    layers, other, offloaded = placed.resident_bytes(config, source, dtype, layout, tp)
+    floats = ModelBytes.from_config(config, settings.dtype, settings.kv_cache_dtype,
+                                    tensor_parallel_size=tp)
+    out.append(dataclasses.replace(floats, resident_layer_bytes=tuple(layers),
+                                   other_bytes=other, layer_bytes=offloaded))
+  return out[0], out[-1]
 
 
 def _timing(config: ModelConfig, settings: sizing.Settings, preset_name: str | None
@@ -245,7 +251,9 @@ def plan_checkpoint(model: str, opened: checkpoint.Opened, args: EngineArgs,
   # another one has not yet, so jaxtier may still raise the cap there
   cap = pinned_cap.cap_for(args, machine.platform, machine.host_memory_bytes,
                            started=machine.platform == sizing.local_platform())
-  s = sizing.size(args, config, machine, weights=_weights(config, opened.source, settings),
+  weights, whole = _weights(config, opened.source, settings,
+                           args.tensor_parallel_size) or (None, None)
+  s = sizing.size(args, config, machine, weights=weights, whole_weights=whole,
                   timing=_timing(config, settings, hardware_preset),
                   expert_rates=_expert_rates(args, machine, hardware_preset), settings=settings,
                   cap=cap)

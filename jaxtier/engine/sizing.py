@@ -229,7 +229,10 @@ def execution(args: EngineArgs, machine: Machine) -> tuple[str, bool, str]:
   layer_execution = args.layer_execution
   if layer_execution == "auto":
     layer_execution = "unrolled" if machine.platform == "cpu" and not portable else "scan"
-  keep = args.weight_format == "auto" and args.tensor_parallel_size == 1
+  # under tensor parallelism only stacked layers keep blocks (unrolled ones are not fused, so
+  # the CPU kernels' blocks are not packed there)
+  keep = args.weight_format == "auto" and (args.tensor_parallel_size == 1
+                                           or layer_execution == "scan")
   activations = args.block_activations
   if not keep or layer_execution != "unrolled":
     activations = "float32"
@@ -375,14 +378,17 @@ def _offload(args: EngineArgs, config: ModelConfig, machine: Machine, weights: M
 
 
 def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
-         weights: ModelBytes | None = None, timing: Timing | None = None,
+         weights: ModelBytes | None = None, whole_weights: ModelBytes | None = None,
+         timing: Timing | None = None,
          expert_rates: "expert_cost.ExpertRates | None" = None,
          settings: Settings | None = None, cap: PinnedCap | None = None) -> Sizing:
   """The engine `args` resolve to for a model of `config` on `machine` (see the module docstring).
 
   `weights`: one device's weight bytes as the loader will hold them (`ModelBytes`; resident
   layers that keep GGUF blocks are smaller than their floats, see
-  `jaxtier.checkpoint.placed.resident_bytes`); default: floats of the resolved dtype. `timing(batch,
+  `jaxtier.checkpoint.placed.resident_bytes`); default: floats of the resolved dtype.
+  `whole_weights`: the same over all devices, where tensor parallel (default: floats).
+  `timing(batch,
   context)`: the measured link rate and decode-layer time, called only when the planner runs.
   `expert_rates`: the link and host rates the expert cost model runs at (default: the platform's
   hardware preset). `settings`: `resolve(args, machine)`, where already made. `cap`: the most
@@ -407,7 +413,8 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
                                args.block_size)
   if weights is None:
     weights = ModelBytes.from_config(config, dtype, kv_dtype, tensor_parallel_size=tp)
-  whole = weights if tp == 1 else ModelBytes.from_config(config, dtype, kv_dtype)
+  whole = whole_weights or (weights if tp == 1 else ModelBytes.from_config(config, dtype,
+                                                                           kv_dtype))
   wanted = _expert_layers_wanted(args, config)
   if wanted:  # those layers keep only their dense part on the device (the planner sees it too)
     weights = weights.without_experts(range(config.num_layers - wanted, config.num_layers))

@@ -1,12 +1,15 @@
 """Compact weights for the portable path: int8 or 4-bit values with a scale (and a minimum) per
 group of input rows, dequantized inside the matmul.
 
-A projection's kernel [K, N] (`in`, `out`) is held as three arrays, `WeightFormat` says which:
+A projection's kernel [K, N] (`in`, `out`) is held as up to four arrays, `WeightFormat` says
+which:
 
 - `values` [K, N], int8 or uint4 (XLA's 4-bit type: half a byte per value on GPU and TPU); on
   CPU, whose runtime holds a byte per uint4 value and whose compiled programs cannot take such
-  buffers, 4-bit values are packed two to a byte ("u4x2": uint8 [K / 2, N], row i in the low
-  nibble and row i + K / 2 in the high one, `pack_nibbles`),
+  buffers, 4-bit values are packed two to a byte ("u4x2": uint8 [K / 2, N], row 2i in the low
+  nibble and row 2i + 1 in the high one, `pack_nibbles`: a run of packed rows is a run of rows,
+  so a tensor-parallel shard of a row-parallel kernel unpacks on its own device),
+- `values` [K, N] float8_e4m3fn: FP8 weights (per-channel scales),
 - `scales` [K / g, N], one per g input rows of each output column (g = K: per output channel),
 - `mins` [K / g, N] or absent: w = scales * values + mins, per group (absent: w = scales * values),
 - `perm` [K] int32 or absent: the input rows in the order the groups hold them, where a
@@ -193,16 +196,16 @@ def quantize_fp8(w_kn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pack_nibbles(q_kn: np.ndarray) -> np.ndarray:
-  """4-bit values [..., K, N] (0-15) two to a byte: uint8 [..., K / 2, N], rows [0, K / 2) in
-  the low nibbles and [K / 2, K) in the high ones."""
+  """4-bit values [..., K, N] (0-15) two to a byte: uint8 [..., K / 2, N], packed row i holding
+  row 2i in its low nibbles and row 2i + 1 in its high ones."""
   q = np.asarray(q_kn).astype(np.uint8)
-  half = q.shape[-2] // 2
-  return q[..., :half, :] | (q[..., half:, :] << 4)
+  return q[..., 0::2, :] | (q[..., 1::2, :] << 4)
 
 
 def unpack_nibbles(p):
   """Inverse of `pack_nibbles` (jax): uint8 [..., K / 2, N] -> uint8 [..., K, N]."""
-  return jnp.concatenate([p & 15, p >> 4], axis=-2)
+  *lead, half, n = p.shape
+  return jnp.stack([p & 15, p >> 4], axis=-2).reshape(*lead, 2 * half, n)
 
 
 def cast_parts(parts, fmt: WeightFormat) -> dict[str, np.ndarray]:
