@@ -17,6 +17,8 @@ embedding and norms stay float16 / bfloat16, as the quantizers leave them):
   awq_4bit         AWQ GEMM, 4-bit, groups of 64, zero points
   gptq_moe         tests/fixtures/tiny_qwen3_moe in GPTQ 4-bit, groups of 32, zero points (its
                    experts and attention; the router float)
+  gptq_phi3        tests/fixtures/tiny_phi3 in GPTQ 4-bit, groups of 32, symmetric (its fused
+                   qkv_proj and gate_up_proj quantized whole, as GPTQ quantizes Phi-3)
 
 compressed-tensors' are packed by the library itself (`PackedQuantizationCompressor`,
 `IntQuantizationCompressor`, `FloatQuantizationCompressor`, scales and zero points from its
@@ -89,10 +91,10 @@ def projections(tensors: dict) -> list[str]:
   return sorted(k[:-len(".weight")] for k in tensors if k.endswith("proj.weight"))
 
 
-def moe_model() -> tuple[dict[str, torch.Tensor], dict, str]:
-  """tests/fixtures/tiny_qwen3_moe's tensors (float32), config and directory."""
+def fixture_model(name: str) -> tuple[dict[str, torch.Tensor], dict, str]:
+  """tests/fixtures/`name`'s tensors (float32), config and directory."""
   from safetensors.torch import load_file  # pylint: disable=import-outside-toplevel
-  directory = os.path.join(os.path.dirname(TOKENIZER), "tiny_qwen3_moe")
+  directory = os.path.join(os.path.dirname(TOKENIZER), name)
   with open(os.path.join(directory, "config.json")) as f:
     raw = json.load(f)
   return load_file(os.path.join(directory, "model.safetensors")), raw, directory
@@ -204,9 +206,10 @@ def minmax_groups(w: np.ndarray, rows_of_group: list[np.ndarray], bits: int, sym
 
 
 def gptq(directory: str, bits: int, group: int, sym: bool, desc_act: bool, seed: int = 1,
-         moe: bool = False) -> None:
-  """`moe`: tiny_qwen3_moe's weights (experts and attention quantized, the router float)."""
-  model, raw, tokenizer = moe_model() if moe else (float_model(), None, None)
+         base: str | None = None) -> None:
+  """`base`: another fixture's weights (tiny_qwen3_moe: its experts and attention quantized,
+  the router float; tiny_phi3: its fused qkv_proj and gate_up_proj quantized whole)."""
+  model, raw, tokenizer = fixture_model(base) if base else (float_model(), None, None)
   rng = np.random.default_rng(seed)
   out = {k: v.half() for k, v in model.items() if not k.endswith("proj.weight")}
   for prefix in projections(model):
@@ -272,7 +275,8 @@ def main(argv):
   gptq(os.path.join(out, "gptq_4bit"), 4, 128, sym=True, desc_act=False)
   gptq(os.path.join(out, "gptq_act_order"), 4, 32, sym=False, desc_act=True)
   gptq(os.path.join(out, "gptq_8bit"), 8, 64, sym=False, desc_act=False)
-  gptq(os.path.join(out, "gptq_moe"), 4, 32, sym=False, desc_act=False, moe=True)
+  gptq(os.path.join(out, "gptq_moe"), 4, 32, sym=False, desc_act=False, base="tiny_qwen3_moe")
+  gptq(os.path.join(out, "gptq_phi3"), 4, 32, sym=True, desc_act=False, base="tiny_phi3")
   awq(os.path.join(out, "awq_4bit"), 64)
 
 

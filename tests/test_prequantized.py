@@ -56,10 +56,23 @@ def reference_weights(directory: str) -> dict[tuple[str, int], np.ndarray]:
   for name, path in EXPERTS.items():
     if experts:
       modules[path] = [f"mlp.experts.{e}.{name}" for e in range(experts)]
+  fused = {}  # Phi-3's fused projections: name -> (part, its output width) in order
+  if "Phi3ForCausalLM" in raw["architectures"]:
+    heads, kv, d = (raw["num_attention_heads"], raw["num_key_value_heads"],
+                    raw["hidden_size"] // raw["num_attention_heads"])
+    fused = {"self_attn.qkv_proj": (("q_proj", heads * d), ("k_proj", kv * d), ("v_proj", kv * d)),
+             "mlp.gate_up_proj": (("gate_proj", raw["intermediate_size"]),
+                                  ("up_proj", raw["intermediate_size"]))}
+    modules = {proj: names for proj, names in modules.items()
+               if proj not in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")}
   for layer in range(raw["num_hidden_layers"]):
     for proj, names in modules.items():
       stack = [weight(tensors, qc, f"model.layers.{layer}.{name}") for name in names]
       out[proj, layer] = stack[0] if proj in PROJECTIONS else np.stack(stack)
+    for name, parts in fused.items():
+      w, start = weight(tensors, qc, f"model.layers.{layer}.{name}"), 0
+      for proj, width in parts:
+        out[proj, layer], start = w[:, start:start + width], start + width
   return out
 
 
@@ -114,7 +127,8 @@ def test_the_formats_hold_what_they_say():
   the stacked layouts alone (the CPU kernels have no blocks for them)."""
   expected = {"ct_w4a16": "q4_1", "ct_w4a16_asym": "q4_1", "ct_w8a16": "q8_0", "ct_w8a8": "q8_0",
               "ct_fp8_dynamic": "stored", "ct_fp8_tensor": "stored", "gptq_4bit": "q4_1",
-              "gptq_act_order": "stored", "gptq_8bit": "q8_16", "awq_4bit": "q4_1"}
+              "gptq_act_order": "stored", "gptq_8bit": "q8_16", "awq_4bit": "q4_1",
+              "gptq_phi3": "q4_1"}
   assert set(expected) == set(FIXTURES)
   for name, kind in expected.items():
     with open_source(name) as opened:
@@ -185,9 +199,7 @@ def test_log_probs_equal_the_dequantized_float_model(name, path, references):
   leaves = jax.tree.leaves(nnx.state(model))
   host = {str(a.dtype) for a in leaves if a.sharding.memory_kind == "pinned_host"}
   compact = {"uint8", "int8", "float8_e4m3fn", "uint32"}  # u4x2 or Q4_1, int8, FP8, Q8_16
-  stays_compact = path == "portable" or name not in ("ct_fp8_dynamic", "ct_fp8_tensor",
-                                                     "gptq_act_order")
-  assert bool(host & compact) == stays_compact, host  # the offloaded layer too
+  assert host & compact, host  # the offloaded layer too (FP8, act-order: `qmatmul` on CPU)
   for got, want in zip(log_probs(logits_of(model, config)), log_probs(logits_of(floats, config))):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
 

@@ -269,6 +269,23 @@ def stack_formats(source: TensorSource | None, layers: range, platform: str | No
   return out
 
 
+def group_formats(source: TensorSource | None, layout: "Layout", mode: str, layers: range,
+                  per_layer: bool = False) -> dict[str, quant.WeightFormat]:
+  """{projection: layout} a group of `layers` holds compact: a stack's, every projection the
+  source stores in blocks (`stack_formats`). Per-layer layers (unrolled, or an offloaded tail
+  held so) the same where some projection has no CPU block format (FP8, act-order), held unfused
+  and multiplied by `qmatmul` (the kernels' XLA reference) rather than dequantized; else none
+  (the kernels' blocks, `block_kernels`, or floats)."""
+  if source is None or not layout.keep_quantized:
+    return {}
+  formats = stack_formats(source, layers, layout.platform)
+  if mode != "unrolled" and not (per_layer and mode == "offload"):
+    return formats
+  unblocked = any(source.quantization(("layers", name, "kernel"), layer)
+                  not in matmul.BLOCK_FORMATS for name in formats for layer in layers)
+  return formats if unblocked else {}
+
+
 # Abstract modules traced so far in this process, by what they are (a layer's trace takes tens of
 # milliseconds, a whole model's a tenth of a second): `build` runs again for every
 # `update_weights` of a training loop, and places into a copy.
@@ -298,11 +315,18 @@ def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused:
                     compact: dict[str, quant.WeightFormat] | None = None,
                     per_layer: bool = False) -> _Group:
   """blocks: per model layer, {fused kernel: block format} to keep in the source's blocks where
-  the layers pack, multiplied with `activations`; compact: a stacked group's {projection:
-  layout} (`stack_formats`); per_layer: an "offload" group held per layer as "unrolled" is."""
+  the layers pack, multiplied with `activations`; compact: the group's {projection: layout}
+  (`group_formats`: a stack's, or per-layer layers' held unfused as `QLinear`s); per_layer: an
+  "offload" group held per layer as "unrolled" is."""
   kept: tuple[dict, ...] = ()
   per_layer = mode == "unrolled" or (per_layer and mode == "offload")
-  if per_layer:
+  if per_layer and compact:  # compact projections (`QLinear`): the layers unfused
+    modules = _abstract_modules(
+        ("qlayer", config, jnp.dtype(dtype).name, tuple(sorted(compact.items()))),
+        [()] * len(layers), lambda key: DecoderLayer(config, dtype, nnx.Rngs(0), compact))
+    splits = [nnx.split(module) for module in modules]
+    packed = False
+  elif per_layer:
     fused = fused and not config.num_experts  # a mixture of experts is never fused
     fuse = FusedDecoderLayer if fused else (lambda layer: layer)
     make = lambda: fuse(DecoderLayer(config, dtype, nnx.Rngs(0)))
@@ -327,7 +351,7 @@ def _abstract_group(config: ModelConfig, dtype, mode: str, layers: range, fused:
     packed = False
   kind = placement.PINNED_HOST if mode == "offload" else placement.DEVICE
   return _Group(mode, layers, kind, splits, [{} for _ in splits], packed, kept, activations,
-                compact={} if per_layer else dict(compact or {}), per_layer=per_layer)
+                compact=dict(compact or {}), per_layer=per_layer)
 
 
 def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> None:
@@ -351,6 +375,15 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
   for path in order:
     for group, sub, spec, parts in uses[path]:
       whole = not group.per_layer and group.layers == range(num_layers)
+      if parts is None and group.per_layer:  # a compact kernel of per-layer layers: each's
+        fmt = group.compact[sub[0]]
+        for j, layer in enumerate(group.layers):
+          stored = placer.source.read_blocks(path, [layer], _block_name(fmt))
+          for name, array in quant.cast_parts(stored, fmt).items():
+            part = (sub[0], name)
+            group.values[j][part] = placer.place(("layers",) + part, array[0],
+                                                 group.specs_of(j)[part], group.kind_of(part))
+        continue
       if parts is None:  # a compact kernel of a stacked group: its blocks, in its layout
         fmt = group.compact[sub[0]]
         stored = placer.source.read_blocks(path, list(group.layers), _block_name(fmt))
@@ -519,7 +552,7 @@ def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Lay
   compact = stack_formats(source, every, layout.platform) if layout.keep_quantized else {}
   mode = layout.groups[0][1]
   group = _abstract_group(c, dtype, mode, every, layout.fused, blocks, layout.block_activations,
-                          None if mode == "unrolled" else compact)
+                          group_formats(source, layout, mode, every))
   nbytes = lambda state: _device_bytes(state, tp)
   per_split = [nbytes(state) for _, state in group.splits]
   layers = (tuple(per_split) if len(per_split) == c.num_layers
@@ -596,9 +629,7 @@ def _arrange(config: ModelConfig, dtype, layout: Layout, placer: _Placer) -> Tra
   shell = _traced(("model", config, jnp.dtype(dtype).name, layout.table_dtype),
                   lambda: Transformer(config, dtype, rngs=nnx.Rngs(0),
                                       table_dtype=layout.table_dtype))
-  compact = (lambda layers: stack_formats(source, layers, layout.platform)
-             if layout.keep_quantized else {})
-  if layout.plain and not compact(range(config.num_layers)):
+  if layout.plain and not group_formats(source, layout, "scan", range(config.num_layers)):
     return placer.fill(shell, _whole(config))
   whole = _whole(config)
 
@@ -629,10 +660,11 @@ def _arrange(config: ModelConfig, dtype, layout: Layout, placer: _Placer) -> Tra
   blocks = block_kernels(source, config.num_layers) if layout.keep_quantized else None
   for n, mode in layout.groups:
     layers = range(first, first + n)
+    per_layer = _tail_per_layer(layout, blocks)
     pending.append(_abstract_group(config, dtype, mode, layers, layout.fused, blocks,
                                    layout.block_activations,
-                                   None if mode == "unrolled" else compact(layers),
-                                   _tail_per_layer(layout, blocks)))
+                                   group_formats(source, layout, mode, layers, per_layer),
+                                   per_layer))
     first += n
   placer.place_groups(pending, config.num_layers)
   groups = []

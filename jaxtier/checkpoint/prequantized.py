@@ -24,8 +24,9 @@ compact layouts the model already multiplies (`jaxtier.model.quant`):
   runs of rows (`quant.WeightFormat.perm`), FP8 values as float8_e4m3fn with a scale per output
   channel.
 - Everything else (`read`): the dequantized float32 weight, scale (q - zero), for paths that hold
-  floats (tensor parallelism, `weight_format="float"`, the CPU kernels' layers for FP8 and
-  act-order weights, which their blocks cannot hold).
+  floats (`weight_format="float"`, unrolled layers under tensor parallelism, a mixture of
+  experts' experts). FP8 and act-order weights, which the CPU kernels' blocks cannot hold, keep
+  the stacked layout in unrolled layers too (`placed.group_formats`).
 
 Formats (each `Stored` from the files by `_unpack_*`):
 
@@ -44,7 +45,8 @@ Formats (each `Stored` from the files by `_unpack_*`):
 
 Refused with a message naming the scheme and the supported ones: other methods (bitsandbytes,
 HQQ, ...), sparsity (2:4), FP8 block scales, 2- and 3-bit values, Marlin / GEMV / ExLlama
-repackings, and fused (Phi-3 qkv) projections stored quantized. A mixture of experts' expert
+repackings. A fused projection (Phi-3's qkv_proj, gate_up_proj) splits into its parts by output
+columns, each held compact. A mixture of experts' expert
 projections stored quantized are dequantized on load (experts are not held compact yet: that
 needs a grouped matmul over compact weights); its attention projections stay compact.
 """
@@ -60,7 +62,8 @@ import numpy as np
 from absl import logging
 
 from jaxtier.checkpoint import hf
-from jaxtier.checkpoint.params import HF_FUSED_LAYER_NAMES, Path, hf_layer_names, is_layer_path
+from jaxtier.checkpoint.params import (HF_FUSED_LAYER_NAMES, Path, fused_row_splits, hf_layer_names,
+                                       is_layer_path)
 from jaxtier.kernels.cpu import matmul
 from jaxtier.model import quant
 from jaxtier.model.config import ModelConfig
@@ -330,7 +333,8 @@ class PrequantizedSource(hf.HFSource):
     self.scheme = scheme
     self._shards = _Shards()
     self._modules: dict[str, dict[str, str]] = {}  # module -> {part suffix: stored name}
-    self._quantized: dict[Path, list[str | None]] = {}  # path -> per layer, its module
+    # path -> per layer, its module and, for part of a fused one, its output columns
+    self._quantized: dict[Path, list[tuple[str, tuple[int, int] | None] | None]] = {}
     self._formats: dict[tuple[Path, int], tuple] = {}  # (path, layer) -> `_describe`
     self._kernel_shapes: dict[str, tuple[int, int]] = {}  # module -> (K, N)
     self._experts_dequantized = False
@@ -365,10 +369,6 @@ class PrequantizedSource(hf.HFSource):
         continue  # activation or KV cache scales alone: not used (weight-only)
       match = hf._LAYER_RE.match(module + ".weight")
       sub = match.group(2) if match else None
-      if sub in HF_FUSED_LAYER_NAMES:
-        raise ValueError(f"{self.where}: {module} is a fused projection stored quantized "
-                         f"({self.scheme.name}); pre-quantized fused projections are not "
-                         "supported yet")
       expert = match and self._config.num_experts and hf._EXPERT_RE.match(sub)
       if expert:  # one expert's projection: its slot of the layer's stack, dequantized on read
         layer, e = int(match.group(1)), int(expert.group(1))
@@ -383,20 +383,25 @@ class PrequantizedSource(hf.HFSource):
         k, n = self._kernel_shape(module, parts)
         self._shapes[path] = (layers, self._config.num_experts, k, n)
         self._experts_dequantized = True
-      elif match and sub in names:
-        path, layer = names[sub], int(match.group(1))
+      elif match and (sub in names or sub in HF_FUSED_LAYER_NAMES):
+        layer = int(match.group(1))
         if layer >= layers:
           raise ValueError(f"{self.where}: tensor {module} is for layer {layer}, but the "
                            f"config has {layers} layers")
         k, n = self._kernel_shape(module, parts)
-        per_layer.setdefault(path, [None] * layers)[layer] = ("quantized", module)
-        self._quantized.setdefault(path, [None] * layers)[layer] = module
-        self._shapes[path] = (layers, k, n)
+        # a fused projection (Phi-3's qkv_proj, gate_up_proj): each part its output columns
+        splits = (zip(HF_FUSED_LAYER_NAMES[sub], fused_row_splits(sub, self._config))
+                  if sub in HF_FUSED_LAYER_NAMES else [(names[sub], (0, n))])
+        for path, (start, stop) in splits:
+          per_layer.setdefault(path, [None] * layers)[layer] = ("quantized", module)
+          self._quantized.setdefault(path, [None] * layers)[layer] = (
+              module, None if (start, stop) == (0, n) else (start, stop))
+          self._shapes[path] = (layers, k, stop - start)
       elif module + ".weight" in hf.HF_GLOBAL_NAMES:
         path = hf.HF_GLOBAL_NAMES[module + ".weight"]
         k, n = self._kernel_shape(module, parts)
         self._names[path] = ("quantized", module)
-        self._quantized[path] = [module]
+        self._quantized[path] = [(module, None)]
         self._shapes[path] = (n, k)
       else:
         raise ValueError(f"{self.where}: unexpected quantized tensor {module} for a "
@@ -442,7 +447,13 @@ class PrequantizedSource(hf.HFSource):
 
   def stored(self, path: Path, layer: int) -> Stored:
     """Layer `layer`'s projection at `path` unpacked (`Stored`)."""
-    return self.unpack(self._quantized[path][layer if is_layer_path(path) else 0])
+    module, columns = self._quantized[path][layer if is_layer_path(path) else 0]
+    st = self.unpack(module)
+    if columns is None:
+      return st
+    cut = slice(*columns)  # a fused projection's part: its output columns
+    return dataclasses.replace(st, q=st.q[:, cut], scale=st.scale[:, cut],
+                               zero=None if st.zero is None else st.zero[:, cut])
 
   def unpack(self, module: str) -> Stored:
     """The quantized module `module` (its checkpoint name) unpacked (`Stored`)."""
@@ -522,7 +533,7 @@ class PrequantizedSource(hf.HFSource):
     key = (path, layer)
     if key in self._formats:
       return self._formats[key]
-    module = self._quantized[path][layer]
+    module, _ = self._quantized[path][layer]
     parts, s, scheme = self._modules.get(module, {}), self._shards, self.scheme
     k, _ = self._kernel_shape(module, parts)
     if scheme.method == "compressed-tensors":
