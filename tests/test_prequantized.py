@@ -427,3 +427,12 @@ def test_tensor_parallel_keeps_a_gptq_checkpoint_compact_in_stacked_layers():
                              layer_execution="scan", max_model_len=256, max_num_seqs=4)
   assert plan["device_weight_bytes_per_device"] == per_device  # the plan counts what is held
   assert plan["device_weight_bytes"] == total
+
+
+def test_a_quantized_config_alone_plans_floats_and_says_so(tmp_path):
+  directory = tmp_path / "config_only"
+  directory.mkdir()
+  shutil.copy(os.path.join(ROOT, "awq_4bit", "config.json"), directory)
+  plan = jaxtier.llm.dry_run(str(directory))
+  assert any("quantized checkpoint" in a for a in plan["assumed"]), plan["assumed"]
+  assert plan["checkpoint_quantization"] is None

@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from jaxtier import checkpoint
-from jaxtier.checkpoint import placed
+from jaxtier.checkpoint import placed, prequantized
 from jaxtier.checkpoint.params import ArraySource, params_from_model
 from jaxtier.checkpoint.quantized import QuantizedSource, block_format
 from jaxtier.engine import pinned_cap, sizing
@@ -259,6 +259,11 @@ def plan_checkpoint(model: str, opened: checkpoint.Opened, args: EngineArgs,
                   cap=cap)
   planned = s.offload.plan is not None
   scheme = getattr(opened.source, "scheme", None)  # `checkpoint.prequantized.Scheme`
+  if opened.kind == "config" and prequantized.read_scheme(opened.path) is not None:
+    # a config alone gives no packed tensors to count: the plan is the float model's
+    assumed = tuple(assumed) + (
+        "weights as floats: the config names a quantized checkpoint but its tensors (whose "
+        "shapes say the compact bytes) are not in the directory",)
   return Plan(model, args, machine, config, settings, s, layout_of(s, config.num_layers, mesh),
               engine_config_of(args, s), hardware_preset if planned else None, assumed,
               None if scheme is None else scheme.name)
