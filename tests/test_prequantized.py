@@ -205,36 +205,42 @@ def test_log_probs_equal_the_dequantized_float_model(name, path, references):
 
 
 @pytest.mark.parametrize("path", sorted(LAYOUTS))
-def test_a_mixture_of_experts_keeps_its_attention_compact(path, references):
-  """A GPTQ Qwen3-MoE: its attention projections compact, its experts dequantized on load (not
-  held compact yet), its second layer's experts in pinned host memory; the log-probabilities
-  those of the float model of the format's weights."""
+def test_a_mixture_of_experts_keeps_its_experts_compact(path, references):
+  """A GPTQ Qwen3-MoE: its attention projections and its expert stacks compact (the experts'
+  4-bit values in pinned host memory for the second layer, as the expert offload keeps them), the
+  log-probabilities those of the float model of the format's weights, streamed and computed on
+  the host alike."""
   config, floats = float_model(MOE, references)
+  want = log_probs(logits_of(floats, config))
   with open_source(MOE) as opened:
-    experts = ("layers", "expert_gate")
-    assert opened.source.quantization(experts) is None  # read as floats
-    assert opened.source.quantization(("layers", "q_proj", "kernel")) == "q4_1"
-    layout = placed.Layout.of(config.num_layers, expert_layers=1, prefetch_depth=1,
-                              keep_quantized=True, **LAYOUTS[path])
-    model = placed.build(config, opened.source, jnp.float32, layout)
-  state = {"/".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
-  held = {a.dtype for p, a in state.items() if "q_proj" in p or "qkv" in p}
-  assert held & {jnp.dtype(jnp.uint8), jnp.dtype(jnp.uint32)}, held  # Q4_1 or 4-bit pairs
-  host = [p for p, a in state.items() if a.sharding.memory_kind == "pinned_host"]
-  assert host and all("expert" in p for p in host)
-  for got, want in zip(log_probs(logits_of(model, config)), log_probs(logits_of(floats, config))):
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    fmt = opened.source.layout(("layers", "expert_gate"))
+    assert (fmt.values, fmt.group, fmt.mins) == ("uint4", 32, True)
+    for stream in (None, 1):  # the host computes them; the device streams them
+      layout = placed.Layout.of(config.num_layers, expert_layers=1, prefetch_depth=1,
+                                keep_quantized=True, expert_stream_from_tokens=stream,
+                                **LAYOUTS[path])
+      model = placed.build(config, opened.source, jnp.float32, layout)
+      state = {"/".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(model))}
+      experts = {p: a for p, a in state.items() if "expert_" in p}
+      assert experts and all(p.rsplit("/", 1)[-1] in quant.PARTS for p in experts), experts
+      host = [p for p, a in state.items() if a.sharding.memory_kind == "pinned_host"]
+      assert host and all("expert_" in p for p in host)
+      assert any(a.dtype == jnp.uint8 for p, a in experts.items() if p in host)  # 4-bit pairs
+      for got, exact in zip(log_probs(logits_of(model, config)), want):
+        np.testing.assert_allclose(got, exact, rtol=0, atol=1e-4)
 
 
 def test_the_engine_loads_reports_and_plans_them_compact():
-  """`LLM(dir)` of a GPTQ act-order and an AWQ checkpoint: greedy tokens of the dequantized
-  model's float run, the weights' formats and scheme in `memory_report()`, and the dry run's
-  bytes those of the loaded model."""
+  """`LLM(dir)` of a GPTQ act-order, an AWQ and a GPTQ mixture-of-experts checkpoint (a layer's
+  experts offloaded): greedy tokens of the dequantized model's float run, the weights' formats
+  and scheme in `memory_report()`, and the dry run's bytes those of the loaded model."""
   prompts = ["hello world", "the quick brown fox"]
   params = SamplingParams(max_tokens=6, temperature=0)
   for name, kw, held in (("gptq_act_order", dict(kernels="portable", offload_tail_layers=1),
                           {"u4x2", "int32"}),
-                         ("awq_4bit", dict(block_activations="float32"), {"q4_1"})):
+                         ("awq_4bit", dict(block_activations="float32"), {"q4_1"}),
+                         ("gptq_moe", dict(offload_expert_layers=1, block_activations="float32"),
+                          {"u4x2"})):
     directory = os.path.join(ROOT, name)
     floats = jaxtier.LLM(directory, weight_format="float", **kw)
     want = [o.outputs[0].token_ids for o in floats.generate(prompts, params)]
@@ -248,7 +254,8 @@ def test_the_engine_loads_reports_and_plans_them_compact():
     weights = report["device_weight_bytes"] + report["host_weight_bytes"]
     assert weights < 0.5 * (float_bytes["device_weight_bytes"] + float_bytes["host_weight_bytes"])
     plan = jaxtier.llm.dry_run(directory, **kw)
-    for key in ("device_weight_bytes", "host_weight_bytes", "checkpoint_quantization"):
+    for key in ("device_weight_bytes", "host_weight_bytes", "host_expert_bytes",
+                "checkpoint_quantization"):
       assert plan[key] == report[key], key
     del llm
 

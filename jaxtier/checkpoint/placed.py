@@ -42,7 +42,7 @@ from jaxtier.model.transformer import (CompactTable, DecoderLayer, FusedDecoderL
                                        GroupedTransformer, LayerStack, Transformer, UnrolledLayers,
                                        make_layer_stack, packs_by_default)
 from jaxtier.offload import placement
-from jaxtier.offload.experts import ExpertOffloadedLayers, is_expert_param
+from jaxtier.offload.experts import EXPERT_PARAMS, ExpertOffloadedLayers, is_expert_param
 from jaxtier.offload.prefetch import OffloadedLayers, UnrolledOffloadedLayers
 
 GROUP_MODES = ("scan", "unrolled", "offload", "experts")
@@ -245,18 +245,30 @@ class _Group:
     return nnx.merge(graphdef, state)
 
 
+def kernel_path(name: str) -> Path:
+  """The checkpoint path of projection `name`'s kernel (an expert stack's: the stack)."""
+  return ("layers", name) if name in EXPERT_PARAMS else ("layers", name, "kernel")
+
+
 def stack_formats(source: TensorSource | None, layers: range, platform: str | None = None
                   ) -> dict[str, quant.WeightFormat]:
   """{projection: layout} for a stack of `layers`: each projection whose every layer `source`
   stores in blocks (`TensorSource.quantization`), in the `jaxtier.model.quant` layout that holds
   them (one block format for all the layers, else "q8_16", which holds every 8-bit type); the others
-  are absent (float). Each as `platform` (default: jax's backend) holds it (`WeightFormat.on`)."""
+  are absent (float). A mixture of experts' stacks where the source gives their layout
+  (`TensorSource.layout`: a pre-quantized checkpoint's; a GGUF file's experts are read as
+  floats). Each as `platform` (default: jax's backend) holds it (`WeightFormat.on`)."""
   out = {}
   if source is None:
     return out
-  for name in quant.PROJECTIONS:
-    path = ("layers", name, "kernel")
+  for name in quant.PROJECTIONS + EXPERT_PARAMS:
+    path = kernel_path(name)
     if path not in source.shapes():
+      continue
+    if name in EXPERT_PARAMS:  # compact where the source has their layout (pre-quantized ones)
+      fmt = source.layout(path)
+      if fmt is not None:
+        out[name] = fmt.on(platform or jax.default_backend())
       continue
     kinds = {source.quantization(path, layer) for layer in layers}
     if None in kinds:
@@ -281,7 +293,8 @@ def group_formats(source: TensorSource | None, layout: "Layout", mode: str, laye
   formats = stack_formats(source, layers, layout.platform)
   if mode != "unrolled" and not (per_layer and mode == "offload"):
     return formats
-  unblocked = any(source.quantization(("layers", name, "kernel"), layer)
+  # a mixture of experts is never fused, so never packed: its layers take every compact format
+  unblocked = any(name in EXPERT_PARAMS or source.quantization(kernel_path(name), layer)
                   not in matmul.BLOCK_FORMATS for name in formats for layer in layers)
   return formats if unblocked else {}
 
@@ -364,7 +377,7 @@ def _place_groups(placer: _Placer, groups: list[_Group], num_layers: int) -> Non
     for sub, spec in group.specs.items():
       if sub[0] in group.compact and sub[-1] in quant.PARTS:
         if sub[-1] == "values":  # one use per compact kernel: its parts are placed together
-          uses.setdefault(("layers", sub[0], "kernel"), []).append((group, sub, spec, None))
+          uses.setdefault(kernel_path(sub[0]), []).append((group, sub, spec, None))
         continue
       parts = FusedDecoderLayer.PARTS.get(sub[-1]) if len(sub) == 1 else None
       for part in parts or (sub,):
@@ -574,11 +587,27 @@ def resident_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Lay
   return layers, other, offloaded
 
 
-def _device_bytes(state, tp: int) -> int:
+def expert_layer_bytes(config: ModelConfig, source: TensorSource, dtype, layout: Layout,
+                       tensor_parallel_size: int = 1) -> int:
+  """Bytes of one layer's routed experts as a stack holds them (compact where the source keeps
+  their layout, `stack_formats`), one device's share: what an experts group keeps in host
+  memory per layer."""
+  if not config.num_experts:
+    return 0
+  every = range(config.num_layers)
+  group = _abstract_group(config, dtype, "offload", every, layout.fused,
+                          compact=group_formats(source, layout, "offload", every))
+  return _device_bytes(group.splits[0][1], tensor_parallel_size,
+                       is_expert_param) // config.num_layers
+
+
+def _device_bytes(state, tp: int, keep=None) -> int:
   """Bytes of one device's share of the parameters in `state` (abstract), split `tp` ways as
-  `sharding.param_axes` says."""
+  `sharding.param_axes` says; `keep(path)`: only the parameters it accepts."""
   total = 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if keep is not None and not keep(path):
+      continue
     shape = list(leaf.shape)
     if tp > 1:
       names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]

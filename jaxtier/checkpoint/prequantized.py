@@ -46,9 +46,9 @@ Formats (each `Stored` from the files by `_unpack_*`):
 Refused with a message naming the scheme and the supported ones: other methods (bitsandbytes,
 HQQ, ...), sparsity (2:4), FP8 block scales, 2- and 3-bit values, Marlin / GEMV / ExLlama
 repackings. A fused projection (Phi-3's qkv_proj, gate_up_proj) splits into its parts by output
-columns, each held compact. A mixture of experts' expert
-projections stored quantized are dequantized on load (experts are not held compact yet: that
-needs a grouped matmul over compact weights); its attention projections stay compact.
+columns, each held compact. A mixture of experts' expert projections stack into [layers,
+experts, ...] parts of the same layouts (`model.QExperts`), dequantized inside the step that
+multiplies them.
 """
 
 import dataclasses
@@ -335,17 +335,14 @@ class PrequantizedSource(hf.HFSource):
     self._modules: dict[str, dict[str, str]] = {}  # module -> {part suffix: stored name}
     # path -> per layer, its module and, for part of a fused one, its output columns
     self._quantized: dict[Path, list[tuple[str, tuple[int, int] | None] | None]] = {}
-    self._formats: dict[tuple[Path, int], tuple] = {}  # (path, layer) -> `_describe`
+    self._formats: dict[str, tuple] = {}  # module -> `_describe_module`
     self._kernel_shapes: dict[str, tuple[int, int]] = {}  # module -> (K, N)
-    self._experts_dequantized = False
+    # a mixture of experts' stacks: path -> per layer, each expert's module
+    self._experts: dict[Path, list[list[str | None] | None]] = {}
     self._config = config
     for shard in hf.safetensors_files(directory):
       self._shards.add(shard)
     super().__init__(directory, config)
-    if self._experts_dequantized:
-      logging.warning("%s: the mixture-of-experts projections are dequantized to the model's "
-                      "dtype on load (experts are not held compact yet); the attention "
-                      "projections stay compact", directory)
     if scheme.activations:
       logging.warning("%s: activations quantized as %s load as weight-only (the weights as "
                       "stored, activations in the compute dtype)", directory, scheme.activations)
@@ -380,9 +377,9 @@ class PrequantizedSource(hf.HFSource):
         if slots[layer] is None:
           slots[layer] = [None] * self._config.num_experts
         slots[layer][e] = module
+        self._experts[path] = slots
         k, n = self._kernel_shape(module, parts)
         self._shapes[path] = (layers, self._config.num_experts, k, n)
-        self._experts_dequantized = True
       elif match and (sub in names or sub in HF_FUSED_LAYER_NAMES):
         layer = int(match.group(1))
         if layer >= layers:
@@ -527,13 +524,23 @@ class PrequantizedSource(hf.HFSource):
     return np.stack([self.stored(path, i).dequantize() for i in layers])
 
   def _describe(self, path: Path, layer: int) -> tuple:
+    """`_describe_module` of a layer's projection (of an expert stack: its experts', which
+    must agree)."""
+    if path in self._experts:
+      described = {self._describe_module(m) for m in self._experts[path][layer]}
+      if len(described) > 1:
+        raise ValueError(f"{self.where}: the experts of layer {layer}'s {'/'.join(path)} are "
+                         "quantized in different schemes; a stack holds one")
+      return described.pop()
+    return self._describe_module(self._quantized[path][layer][0])
+
+  def _describe_module(self, module: str) -> tuple:
     """(kind "int" / "fp8", bits, group rows (None: one group), zero points, act-order) of a
-    layer's projection, from the parts' headers (and its `g_idx`): nothing else is read, so a
+    quantized module, from its parts' headers (and its `g_idx`): nothing else is read, so a
     plan of a large checkpoint reads no weights."""
-    key = (path, layer)
+    key = module
     if key in self._formats:
       return self._formats[key]
-    module, _ = self._quantized[path][layer]
     parts, s, scheme = self._modules.get(module, {}), self._shards, self.scheme
     k, _ = self._kernel_shape(module, parts)
     if scheme.method == "compressed-tensors":
@@ -558,6 +565,8 @@ class PrequantizedSource(hf.HFSource):
     return self._formats[key]
 
   def quantization(self, path: Path, layer: int | None = None) -> str | None:
+    if path in self._experts:
+      return STORED  # an expert stack: its layout only (experts are never packed for CPU)
     if path not in self._quantized or not is_layer_path(path):
       return None
     layers = range(self._config.num_layers) if layer is None else [layer]
@@ -579,7 +588,7 @@ class PrequantizedSource(hf.HFSource):
     return STORED
 
   def layout(self, path: Path) -> quant.WeightFormat | None:
-    if path not in self._quantized or not is_layer_path(path):
+    if path not in self._quantized and path not in self._experts or not is_layer_path(path):
       return None
     described = [self._describe(path, i) for i in range(self._config.num_layers)]
     if len({d[:3] for d in described}) > 1:
@@ -594,9 +603,15 @@ class PrequantizedSource(hf.HFSource):
 
   def read_blocks(self, path: Path, layers: Sequence[int] | None = None, fmt: str | None = None
                   ) -> tuple[np.ndarray, ...]:
+    layers = list(range(self._config.num_layers) if layers is None else layers)
+    if path in self._experts:  # [layers, experts, ...] in the stack's layout
+      layout = self.layout(path)
+      per_layer = [tuple(np.stack(parts) for parts in zip(
+          *(self._in_layout(self.unpack(m), layout) for m in self._experts[path][i])))
+                   for i in layers]
+      return tuple(np.stack(parts) for parts in zip(*per_layer))
     if path not in self._quantized or not is_layer_path(path):
       return super().read_blocks(path, layers, fmt)
-    layers = list(range(self._config.num_layers) if layers is None else layers)
     fmt = fmt or self.quantization(path)
     if fmt in matmul.BLOCK_FORMATS:
       per_layer = [self._blocks(self.stored(path, i), fmt) for i in layers]

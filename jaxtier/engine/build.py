@@ -207,8 +207,9 @@ def _weights(config: ModelConfig, source, settings: sizing.Settings, tensor_para
     layers, other, offloaded = placed.resident_bytes(config, source, dtype, layout, tp)
     floats = ModelBytes.from_config(config, settings.dtype, settings.kv_cache_dtype,
                                     tensor_parallel_size=tp)
-    out.append(dataclasses.replace(floats, resident_layer_bytes=tuple(layers),
-                                   other_bytes=other, layer_bytes=offloaded))
+    out.append(dataclasses.replace(
+        floats, resident_layer_bytes=tuple(layers), other_bytes=other, layer_bytes=offloaded,
+        expert_layer_bytes=placed.expert_layer_bytes(config, source, dtype, layout, tp)))
   return out[0], out[-1]
 
 

@@ -72,6 +72,12 @@ for _proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
   PARAM_AXES[(_proj, "values")] = _axes
   PARAM_AXES[(_proj, "scales")] = PARAM_AXES[(_proj, "mins")] = (None, _axes[1])
   PARAM_AXES[(_proj, "perm")] = (None,)  # act-order: the input rows' order, replicated
+# A mixture of experts' compact expert stacks (`model.QExperts`, [e, in, out] per part).
+for _name in ("expert_gate", "expert_up", "expert_down"):
+  _axes = PARAM_AXES[(_name,)]
+  PARAM_AXES[(_name, "values")] = _axes
+  PARAM_AXES[(_name, "scales")] = PARAM_AXES[(_name, "mins")] = (None, None, _axes[2])
+  PARAM_AXES[(_name, "perm")] = (None, None)
 # A vocabulary table held compact for the LM head ([hidden, vocab], `model.CompactTable`).
 PARAM_AXES[("compact_head", "values")] = ("embed", "vocab")
 PARAM_AXES[("compact_head", "scales")] = PARAM_AXES[("compact_head", "mins")] = (None, "vocab")

@@ -98,6 +98,36 @@ class QLinear(nnx.Module):
     return y if self.bias is None else y + self.bias[...]
 
 
+class QExperts(nnx.Module):
+  """A mixture of experts' stacked projection [e, in, out] held compact: each expert's kernel in
+  `fmt` (`jaxtier.model.quant`), its parts (`values`, `scales`, and `mins`, `perm` where the
+  format has them) stacked on a leading expert axis. `expert_weights` dequantizes them for the
+  grouped matmul, so they are compact in memory and over the host link, and float only inside
+  the step that multiplies them."""
+
+  def __init__(self, experts: int, in_features: int, out_features: int,
+               fmt: quant.WeightFormat):
+    for name, spec in fmt.shapes(in_features, out_features).items():
+      setattr(self, name, nnx.Param(jnp.zeros((experts,) + spec.shape, spec.dtype)))
+    for name in quant.PARTS:
+      if name not in fmt.shapes(in_features, out_features):
+        setattr(self, name, None)
+
+
+def expert_weights(held, dtype) -> jax.Array:
+  """A stacked expert projection [..., e, in, out] in `dtype`: a float parameter or array as it
+  is, a `QExperts` (or its parts as a dict) dequantized, act-order rows put back in order."""
+  if isinstance(held, QExperts):
+    held = {name: getattr(held, name)[...] for name in quant.PARTS
+            if getattr(held, name) is not None}
+  if not isinstance(held, dict):
+    return (held[...] if isinstance(held, nnx.Variable) else held).astype(dtype)
+  w = quant.dequantize(held["values"], held["scales"], held.get("mins"), dtype)
+  if held.get("perm") is not None:  # row j holds input row perm[j]: undo per expert
+    w = jnp.take_along_axis(w, jnp.argsort(held["perm"], axis=-1)[..., None], axis=-2)
+  return w
+
+
 class CompactTable(nnx.Module):
   """A vocabulary table held compact for the LM head (`jaxtier.model.quant`, [hidden, vocab]: a GGUF
   file's blocks of the table): logits are `quant.qmatmul`, and where the table is tied the
@@ -124,7 +154,8 @@ class DecoderLayer(nnx.Module):
   embedding; with sandwich norms (Gemma), each block's output is normed again before its
   residual add (`post_attn_norm`, `post_mlp_norm`). Sliding windows, the attention scale and
   the scores' soft cap are static options (`_set_options`). `weights` holds the named projections
-  compact ({"q_proj": `quant.WeightFormat`, ...}: `QLinear`), the others as float `nnx.Linear`."""
+  compact ({"q_proj": `quant.WeightFormat`, ...}: `QLinear`; a mixture of experts'
+  "expert_gate", "expert_up", "expert_down": `QExperts`), the others as float `nnx.Linear`."""
 
   def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs,
                weights: Mapping[str, quant.WeightFormat] | None = None):
@@ -150,9 +181,15 @@ class DecoderLayer(nnx.Module):
       e, fe = c.num_experts, c.moe_intermediate_size
       init = nnx.initializers.normal(0.02)
       self.router = nnx.Param(init(rngs.params(), (h, e), dtype))
-      self.expert_gate = nnx.Param(init(rngs.params(), (e, h, fe), dtype))
-      self.expert_up = nnx.Param(init(rngs.params(), (e, h, fe), dtype))
-      self.expert_down = nnx.Param(init(rngs.params(), (e, fe, h), dtype))
+
+      def experts(name, i, o):
+        if name in weights:
+          return QExperts(e, i, o, weights.pop(name))
+        return nnx.Param(init(rngs.params(), (e, i, o), dtype))
+
+      self.expert_gate = experts("expert_gate", h, fe)
+      self.expert_up = experts("expert_up", h, fe)
+      self.expert_down = experts("expert_down", fe, h)
     else:
       self.gate_proj = linear("gate_proj", h, f)
       self.up_proj = linear("up_proj", h, f)
@@ -224,8 +261,10 @@ class DecoderLayer(nnx.Module):
     weights_nk, experts_nk = moe.route(y_nh @ self.router[...], self.experts, self.normalize_topk)
     if experts is not None:
       return experts(y_nh, weights_nk, experts_nk).reshape(b, t, h)
-    out_nh = moe.grouped_experts(y_nh, weights_nk, experts_nk, self.expert_gate[...],
-                                 self.expert_up[...], self.expert_down[...], self.act)
+    out_nh = moe.grouped_experts(y_nh, weights_nk, experts_nk,
+                                 *(expert_weights(w, y_nh.dtype) for w in (
+                                     self.expert_gate, self.expert_up, self.expert_down)),
+                                 self.act)
     return out_nh.reshape(b, t, h)
 
   def project_out(self, attn_btf):

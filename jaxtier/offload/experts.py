@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxtier.common.checks import check_int, check_prefetch_depth
 from jaxtier.model import moe
-from jaxtier.model.transformer import DecoderLayer
+from jaxtier.model.transformer import DecoderLayer, expert_weights
 from jaxtier.offload import placement
 from jaxtier.offload.prefetch import ORDERS, prefetch_scan_layers
 
@@ -71,11 +71,11 @@ def whole(stacked: Sharding, kind: str) -> Sharding:
 def host_experts(x_nh, weights_nk, experts_nk, gate, up, down, layer: int, act: str,
                  host: Sharding, device: Sharding):
   """A layer's routed experts computed on the host: `gate`, `up` ([l, e, h, f]) and `down`
-  ([l, e, f, h]) are a stack's pinned-host parameters and `layer` the static index of this
+  ([l, e, f, h]) are a stack's pinned-host parameters (or, compact, dicts of their parts) and `layer` the static index of this
   layer's; `host` and `device` are the shardings the activations take there and back (`whole`).
   The activations and the routing move to the host, the [n, h] result back."""
   n = x_nh.shape[0]
-  e, k = gate.shape[1], experts_nk.shape[1]
+  e, k = jax.tree.leaves(gate)[0].shape[1], experts_nk.shape[1]
   gathered = n * k <= e
   routing = ((weights_nk, experts_nk) if gathered
              else (moe.mixing_weights(weights_nk, experts_nk, e),))
@@ -84,7 +84,9 @@ def host_experts(x_nh, weights_nk, experts_nk, gate, up, down, layer: int, act: 
   @compute_on("device_host")
   @jax.jit
   def run(x_nh, routing, gate, up, down):
-    g, u, d = gate[layer], up[layer], down[layer]
+    # this layer's experts (a compact stack's parts, dequantized here on the host)
+    g, u, d = (expert_weights(jax.tree.map(lambda a: a[layer], w), x_nh.dtype)
+               for w in (gate, up, down))
     if gathered:
       return moe.gathered_experts(x_nh, *routing, g, u, d, act)
     return moe.masked_experts(x_nh, *routing, g, u, d, act)
