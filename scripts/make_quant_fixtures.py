@@ -8,12 +8,15 @@ embedding and norms stay float16 / bfloat16, as the quantizers leave them):
   ct_w4a16         compressed-tensors pack-quantized: int4, symmetric, groups of 128 (W4A16)
   ct_w4a16_asym    ... int4 with zero points, groups of 32 (W4A16_ASYM)
   ct_w8a16         ... int8, symmetric, one scale per output channel (W8A16)
+  ct_w8a16_asym    ... int8 with zero points (packed), groups of 64
   ct_w8a8          int-quantized: int8 per channel, activations int8 dynamic per token (W8A8)
   ct_fp8_dynamic   float-quantized: FP8 per channel, activations FP8 dynamic per token (FP8_DYNAMIC)
   ct_fp8_tensor    FP8 with one scale per tensor and static activation scales (FP8)
   gptq_4bit        GPTQ, 4-bit, groups of 128, symmetric, no desc_act ("gptq" checkpoint format)
   gptq_act_order   GPTQ, 4-bit, groups of 32, zero points, desc_act (act-order `g_idx`)
   gptq_8bit        GPTQ, 8-bit, groups of 64, zero points
+  gptq_v2          GPTQ, 4-bit, groups of 64, zero points (one of them 0), "gptq_v2" checkpoint
+                   format (zero points stored as they are)
   awq_4bit         AWQ GEMM, 4-bit, groups of 64, zero points
   gptq_moe         tests/fixtures/tiny_qwen3_moe in GPTQ 4-bit, groups of 32, zero points (its
                    experts and attention; the router float)
@@ -122,14 +125,15 @@ def write(directory: str, tensors: dict, dtype: str, quantization: dict, base=No
 # -- compressed-tensors, by the library --
 
 def compressed_tensors(directory: str, preset: str, fmt: str, strategy=None, group=None,
-                       static_input: bool = False) -> None:
+                       static_input: bool = False, symmetric: bool | None = None) -> None:
   # pylint: disable=import-outside-toplevel
   from compressed_tensors.compressors import BaseCompressor
   from compressed_tensors.quantization import QuantizationConfig
   from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
   from compressed_tensors.quantization.utils import calculate_qparams
   scheme = preset_name_to_scheme(preset, ["Linear"])
-  updates = {k: v for k, v in (("strategy", strategy), ("group_size", group)) if v is not None}
+  updates = {k: v for k, v in (("strategy", strategy), ("group_size", group),
+                                ("symmetric", symmetric)) if v is not None}
   if updates:
     scheme.weights = scheme.weights.model_copy(update=updates)
   compressor = BaseCompressor.load_from_registry(fmt)
@@ -206,9 +210,10 @@ def minmax_groups(w: np.ndarray, rows_of_group: list[np.ndarray], bits: int, sym
 
 
 def gptq(directory: str, bits: int, group: int, sym: bool, desc_act: bool, seed: int = 1,
-         base: str | None = None) -> None:
+         base: str | None = None, v2: bool = False) -> None:
   """`base`: another fixture's weights (tiny_qwen3_moe: its experts and attention quantized,
-  the router float; tiny_phi3: its fused qkv_proj and gate_up_proj quantized whole)."""
+  the router float; tiny_phi3: its fused qkv_proj and gate_up_proj quantized whole). `v2`:
+  GPTQModel's "gptq_v2" checkpoint format (zero points stored as they are)."""
   model, raw, tokenizer = fixture_model(base) if base else (float_model(), None, None)
   rng = np.random.default_rng(seed)
   out = {k: v.half() for k, v in model.items() if not k.endswith("proj.weight")}
@@ -221,12 +226,16 @@ def gptq(directory: str, bits: int, group: int, sym: bool, desc_act: bool, seed:
     g_idx = (np.argsort(perm) // group).astype(np.int32)
     scales, zeros, q = minmax_groups(w, [np.where(g_idx == g)[0] for g in range(k // group)],
                                      bits, sym)
+    if v2:  # a zero point of 0 somewhere, which only "gptq_v2" stores
+      zeros[0, 0] = 0
     tensors = {"qweight": pack_fields(q, bits, axis=0),
-               "qzeros": pack_fields(zeros - 1, bits, axis=1),  # stored minus one ("gptq")
+               # stored minus one in the "gptq" format, as they are in "gptq_v2"
+               "qzeros": pack_fields(zeros if v2 else zeros - 1, bits, axis=1),
                "scales": scales, "g_idx": g_idx}
-    assert (zeros >= 1).all()  # the "gptq" format cannot store a zero point of 0
+    assert v2 or (zeros >= 1).all()  # the "gptq" format cannot store a zero point of 0
     reference = quant_reference.gptq_dequantize(*(tensors[n] for n in ("qweight", "qzeros",
-                                                                       "scales", "g_idx")), bits)
+                                                                       "scales", "g_idx")), bits,
+                                                v2)
     expected = scales.astype(np.float32)[g_idx] * (q - zeros[g_idx]).astype(np.float32)
     assert np.array_equal(reference, expected.T), prefix
     for name, a in tensors.items():
@@ -234,7 +243,8 @@ def gptq(directory: str, bits: int, group: int, sym: bool, desc_act: bool, seed:
   write(directory, out, "float16", {
       "quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act,
       "sym": sym, "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
-      "checkpoint_format": "gptq", "model_name_or_path": None, "model_file_base_name": None},
+      "checkpoint_format": "gptq_v2" if v2 else "gptq", "model_name_or_path": None,
+      "model_file_base_name": None},
         None if raw is None else (raw, tokenizer))
 
 
@@ -268,6 +278,8 @@ def main(argv):
   compressed_tensors(os.path.join(out, "ct_w4a16_asym"), "W4A16_ASYM", "pack-quantized",
                      group=32)
   compressed_tensors(os.path.join(out, "ct_w8a16"), "W8A16", "pack-quantized")
+  compressed_tensors(os.path.join(out, "ct_w8a16_asym"), "W8A16", "pack-quantized",
+                     strategy="group", group=64, symmetric=False)
   compressed_tensors(os.path.join(out, "ct_w8a8"), "W8A8", "int-quantized")
   compressed_tensors(os.path.join(out, "ct_fp8_dynamic"), "FP8_DYNAMIC", "float-quantized")
   compressed_tensors(os.path.join(out, "ct_fp8_tensor"), "FP8", "float-quantized",
@@ -275,6 +287,7 @@ def main(argv):
   gptq(os.path.join(out, "gptq_4bit"), 4, 128, sym=True, desc_act=False)
   gptq(os.path.join(out, "gptq_act_order"), 4, 32, sym=False, desc_act=True)
   gptq(os.path.join(out, "gptq_8bit"), 8, 64, sym=False, desc_act=False)
+  gptq(os.path.join(out, "gptq_v2"), 4, 64, sym=False, desc_act=False, v2=True)
   gptq(os.path.join(out, "gptq_moe"), 4, 32, sym=False, desc_act=False, base="tiny_qwen3_moe")
   gptq(os.path.join(out, "gptq_phi3"), 4, 32, sym=True, desc_act=False, base="tiny_phi3")
   awq(os.path.join(out, "awq_4bit"), 64)

@@ -128,7 +128,7 @@ def test_the_formats_hold_what_they_say():
   expected = {"ct_w4a16": "q4_1", "ct_w4a16_asym": "q4_1", "ct_w8a16": "q8_0", "ct_w8a8": "q8_0",
               "ct_fp8_dynamic": "stored", "ct_fp8_tensor": "stored", "gptq_4bit": "q4_1",
               "gptq_act_order": "stored", "gptq_8bit": "q8_16", "awq_4bit": "q4_1",
-              "gptq_phi3": "q4_1"}
+              "gptq_phi3": "q4_1", "gptq_v2": "q4_1", "ct_w8a16_asym": "q8_16"}
   assert set(expected) == set(FIXTURES)
   for name, kind in expected.items():
     with open_source(name) as opened:
