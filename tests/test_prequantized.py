@@ -443,3 +443,14 @@ def test_a_quantized_config_alone_plans_floats_and_says_so(tmp_path):
   plan = jaxtier.llm.dry_run(str(directory))
   assert any("quantized checkpoint" in a for a in plan["assumed"]), plan["assumed"]
   assert plan["checkpoint_quantization"] is None
+
+
+def test_the_expert_cost_model_prices_the_held_experts():
+  """Planned for a GPU, a layer's compact experts stream in the time of their held bytes (4-bit
+  values with float32 scales and minimums per 32 rows: 0.75 of bfloat16's 2 bytes a weight)."""
+  kw = dict(platform="cuda", offload_expert_layers=1, device_memory_gb=1, host_memory_gb=4)
+  compact = jaxtier.llm.dry_run(os.path.join(ROOT, MOE), **kw)
+  floats = jaxtier.llm.dry_run(os.path.join(ROOT, MOE), weight_format="float", **kw)
+  assert compact["host_expert_bytes"] == 0.375 * floats["host_expert_bytes"]
+  assert compact["expert_offload"]["stream_s"] == pytest.approx(
+      0.375 * floats["expert_offload"]["stream_s"])

@@ -312,13 +312,17 @@ def _expert_layers_wanted(args: EngineArgs, config: ModelConfig) -> int:
 
 
 def _experts(args: EngineArgs, config: ModelConfig, machine: Machine, dtype: str,
-             tail: int, rates: "expert_cost.ExpertRates | None") -> ExpertOffload:
-  """The experts group and its stream/host switch (see the module docstring)."""
+             tail: int, rates: "expert_cost.ExpertRates | None",
+             held_layer_bytes: int | None = None) -> ExpertOffload:
+  """The experts group and its stream/host switch (see the module docstring);
+  `held_layer_bytes`: a layer's expert stack as the loader holds it (compact experts), where
+  known."""
   layers = max(_expert_layers_wanted(args, config) - tail, 0)
   if not layers:
     return ExpertOffload()
   first = config.num_layers - tail - layers
-  shape = expert_cost.ExpertShape.of(config, dtype)
+  shape = dataclasses.replace(expert_cost.ExpertShape.of(config, dtype),
+                              held_layer_bytes=held_layer_bytes)
   forced = args.expert_offload_mode
   if forced == "auto" and args.tensor_parallel_size > 1:
     forced = "stream"  # host compute runs on one device
@@ -431,7 +435,8 @@ def size(args: EngineArgs, config: ModelConfig, machine: Machine, *,
                      (minimal if explicit is None else explicit) // tp, reserve, max_model_len,
                      timing)
   n = offload.offload_tail_layers
-  experts = _experts(args, config, machine, dtype, n, expert_rates)
+  experts = _experts(args, config, machine, dtype, n, expert_rates,
+                     whole.expert_layer_bytes if whole_weights is not None else None)
   resident = weights.resident_bytes(range(config.num_layers - n)) + weights.other_bytes
   host_weights = n * weights.layer_bytes + experts.layers * weights.expert_layer_bytes
   host = None  # the host pool's default: the device pool's size, unless the CPU rule sets it

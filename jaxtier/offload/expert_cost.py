@@ -90,6 +90,8 @@ class ExpertShape:
     expert_width: f, each expert's intermediate width.
     weight_itemsize: bytes per expert weight (4 float32, 2 bfloat16).
     activation_itemsize: bytes per activation element crossing the link.
+    held_layer_bytes: the stack's bytes as held where they are not its floats' (a
+      pre-quantized checkpoint's compact experts); None: e * 3 * h * f * weight_itemsize.
   """
   num_experts: int
   experts_per_tok: int
@@ -97,10 +99,12 @@ class ExpertShape:
   expert_width: int
   weight_itemsize: int
   activation_itemsize: int = 4
+  held_layer_bytes: int | None = None
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
-      _int_at_least(field.name, getattr(self, field.name), 1)
+      if field.name != "held_layer_bytes" or self.held_layer_bytes is not None:
+        _int_at_least(field.name, getattr(self, field.name), 1)
     if self.experts_per_tok > self.num_experts:
       raise ValueError(f"experts_per_tok={self.experts_per_tok}: expected at most "
                        f"num_experts={self.num_experts}")
@@ -108,12 +112,14 @@ class ExpertShape:
   @property
   def expert_bytes(self) -> int:
     """One expert's gate, up and down weights."""
+    if self.held_layer_bytes is not None:
+      return self.held_layer_bytes // self.num_experts
     return 3 * self.hidden_size * self.expert_width * self.weight_itemsize
 
   @property
   def layer_bytes(self) -> int:
     """The layer's whole expert stack."""
-    return self.num_experts * self.expert_bytes
+    return self.held_layer_bytes or self.num_experts * self.expert_bytes
 
   @property
   def expert_flops_per_token(self) -> int:
