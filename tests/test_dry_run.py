@@ -130,12 +130,13 @@ def _header_only_checkpoint(directory, layers: int, hidden: int, heads: int, kv_
 
 
 def write_header_only(directory: str, shapes: dict) -> str:
-  """`directory`/model.safetensors with bfloat16 tensors of `shapes`: a real header over zero
-  (sparse) data."""
+  """`directory`/model.safetensors with tensors of `shapes` (a shape: bfloat16; or a (dtype,
+  shape) pair, dtype "BF16", "F16" or "I32"): a real header over zero (sparse) data."""
   header, offset = {}, 0
   for name, shape in shapes.items():
-    size = 2 * int(np.prod(shape))
-    header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+    dtype, shape = shape if isinstance(shape[0], str) else ("BF16", shape)
+    size = {"BF16": 2, "F16": 2, "I32": 4}[dtype] * int(np.prod(shape))
+    header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
     offset += size
   text = json.dumps(header).encode()
   text += b" " * (-len(text) % 8)

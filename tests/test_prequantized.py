@@ -10,7 +10,6 @@ Fixtures: tests/fixtures/quantized, written by scripts/make_quant_fixtures.py.""
 import json
 import os
 import shutil
-import struct
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ from jaxtier.model import Transformer, quant
 from jaxtier.sampling import SamplingParams
 from jaxtier.tools import export, hlo
 from conftest import fixture_path
-from test_dry_run import run_script
+from test_dry_run import run_script, write_header_only
 from test_matmul_blocks import logits_of, q4_config
 from test_quant import DictSource
 from test_tensor_parallel import run_worker
@@ -361,16 +360,7 @@ def write_header_only_awq(directory: str, layers=80, hidden=8192, heads=64, kv_h
       shapes[p + name + ".qweight"] = ("I32", [k, n // 8])
       shapes[p + name + ".qzeros"] = ("I32", [k // group, n // 8])
       shapes[p + name + ".scales"] = ("F16", [k // group, n])
-  header, offset = {}, 0
-  for name, (dtype, shape) in shapes.items():
-    size = {"F16": 2, "I32": 4}[dtype] * int(np.prod(shape))
-    header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-    offset += size
-  text = json.dumps(header).encode()
-  text += b" " * (-len(text) % 8)
-  with open(os.path.join(directory, "model.safetensors"), "wb") as f:
-    f.write(struct.pack("<Q", len(text)) + text)
-    f.truncate(8 + len(text) + offset)
+  write_header_only(directory, shapes)
   config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
             "intermediate_size": mlp, "num_hidden_layers": layers, "num_attention_heads": heads,
             "num_key_value_heads": kv_heads, "vocab_size": vocab, "rms_norm_eps": 1e-5,
